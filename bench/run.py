@@ -1,0 +1,90 @@
+"""The one benchmark call: builds fused_ops, runs the whole test suite (the CUDA
+tests included where there is a GPU), times every fused op against the eager
+PyTorch tail and torch.compile of it, writes JSON under bench/results/ (and
+under $OUT when that is set), and prints a short table last.
+
+    python bench/run.py [--skip-build] [--skip-tests] [--no-compile] [--device cuda]
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = ["bench_avg_pool2d_sigmoid_sum"]
+
+
+def build():
+    env = dict(os.environ)
+    env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # H100/H200; set it for other GPUs
+    env.setdefault("MAX_JOBS", str(os.cpu_count() or 2))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", "."],
+                   cwd=ROOT, env=env, check=True)
+
+
+def run_tests() -> str:
+    """Runs the suite from the repo root; returns pytest's closing line."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", ROOT,
+                             os.path.join(ROOT, "tests")], cwd="/", capture_output=True, text=True)
+    print(result.stdout[-6000:], result.stderr[-2000:], sep="\n")
+    summary = [line for line in result.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    return (summary[-1] if summary else "no pytest summary").strip("= ")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-build", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--batch", type=int, default=None,
+                        help="batch size (default: the SPEC's on a GPU, 2 on a CPU)")
+    args = parser.parse_args()
+
+    if not args.skip_build:
+        build()
+    tests = "not run" if args.skip_tests else run_tests()
+
+    import torch
+
+    from timing import copy_bandwidth_gbs, device_name
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    copy_gbs = copy_bandwidth_gbs(device, (2 << 30) if device == "cuda" else (64 << 20))
+    rows = []
+    for module in BENCHMARKS:
+        bench = __import__(module)
+        batch = args.batch or (bench.DEFAULT_SHAPE[0] if device == "cuda" else 2)
+        rows += bench.run(device, (batch, *bench.DEFAULT_SHAPE[1:]), compile_tail=not args.no_compile)
+
+    name = device_name(device)
+    result = dict(device=name, torch=torch.__version__, copy_bandwidth_gbs=copy_gbs, tests=tests, rows=rows)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
+    paths = [os.path.join(ROOT, "bench", "results", f"tails-{slug}.json")]
+    if os.environ.get("OUT"):
+        paths.append(os.path.join(os.environ["OUT"], f"tails-{slug}.json"))
+    for path in paths:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    print(f"\n{name}, torch {torch.__version__}, copy bandwidth {copy_gbs:.0f} GB/s (read+write); tests: {tests}")
+    header = f"{'op':<24}{'variant':<9}{'fwd ms':>8}{'bwd ms':>8}{'fwd %copy':>10}{'bwd %copy':>10}{'fwd x':>7}{'bwd x':>7}"
+    print(header)
+    eager = {r["op"]: r for r in rows if r["variant"] == "eager"}
+    for r in rows:
+        e = eager[r["op"]]
+        fwd_pct = r["forward_bytes"] / r["forward_ms"] / 1e6 / copy_gbs * 100
+        bwd_pct = r["backward_bytes"] / r["backward_ms"] / 1e6 / copy_gbs * 100
+        print(f"{r['op']:<24}{r['variant']:<9}{r['forward_ms']:>8.3f}{r['backward_ms']:>8.3f}"
+              f"{fwd_pct:>9.0f}%{bwd_pct:>9.0f}%{e['forward_ms'] / r['forward_ms']:>7.2f}{e['backward_ms'] / r['backward_ms']:>7.2f}")
+        if "train_forward_ms" in r:
+            print(f"{'':<24}{'(train forward, saves ' + str(r['saved_bytes'] >> 20) + ' MiB)':<40} {r['train_forward_ms']:.3f} ms")
+    if "failed" in tests or "error" in tests:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+// Warp and block sums shared by the CUDA kernels.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace fused_ops {
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Sum of v over the block (any shape, at most 1024 threads); the result is
+// valid in thread 0. `scratch` holds 32 values in shared memory. Ends with a
+// barrier-free read, so a second call needs a __syncthreads() before it.
+template <typename T>
+__device__ __forceinline__ T block_sum(T v, T* scratch) {
+  const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int warps = (blockDim.x * blockDim.y * blockDim.z + 31) / 32;
+  v = warp_sum(v);
+  if ((tid & 31) == 0) scratch[tid >> 5] = v;
+  __syncthreads();
+  if (tid < 32) {
+    v = tid < warps ? scratch[tid] : T(0);
+    v = warp_sum(v);
+  }
+  return v;
+}
+
+}  // namespace fused_ops

@@ -1,0 +1,16 @@
+// Every op schema of the library, declared once. Kernels register themselves
+// per backend beside their sources: cpu/<op>.cpp, cuda/<op>.cu.
+#include <torch/library.h>
+
+TORCH_LIBRARY(fused_ops, m) {
+  // sum over (C, OH, OW) of sigmoid(avg_pool2d(x)) -> (B,); with
+  // save_grad_factor, also sigmoid'(p) / divisor per pooled element (for the
+  // backward), else an empty tensor.
+  m.def(
+      "avg_pool2d_sigmoid_sum(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, "
+      "bool ceil_mode, bool count_include_pad, int? divisor_override, "
+      "bool save_grad_factor) -> (Tensor, Tensor)");
+  m.def(
+      "avg_pool2d_sigmoid_sum_backward(Tensor grad_out, Tensor grad_factor, SymInt[2] input_hw, "
+      "int[2] kernel_size, int[2] stride, int[2] padding, bool channels_last) -> Tensor");
+}

@@ -1,0 +1,17 @@
+"""fused_ops: fused pooling / normalization / activation / reduction tails for
+convolutional networks, with handwritten backward kernels, and drop-in modules
+for whole architectures (``fused_ops.nn``)."""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # noqa: F401  (registers the torch.ops.fused_ops kernels)
+from . import nn, reference
+from .ops import avg_pool2d_sigmoid_sum
+
+__all__ = ["avg_pool2d_sigmoid_sum", "nn", "reference", "has_cuda_kernels"]
+
+
+def has_cuda_kernels() -> bool:
+    """Whether this build of the extension holds the CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(
+        "fused_ops::avg_pool2d_sigmoid_sum", "CUDA"
+    )

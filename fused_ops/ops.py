@@ -1,0 +1,127 @@
+"""The fused ops: a thin Python wrapper per op, its fake (meta) implementation
+for torch.compile, and autograd wired to the handwritten backward op.
+
+The kernels themselves are registered by the C++ extension under
+``torch.ops.fused_ops`` (schemas in csrc/ops.cpp).
+"""
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+_ops = torch.ops.fused_ops
+
+
+def _pair(value, name: str) -> list[int]:
+    if isinstance(value, int):
+        return [value, value]
+    if isinstance(value, Sequence) and len(value) in (1, 2) and all(isinstance(v, int) for v in value):
+        return [value[0], value[-1]]
+    raise TypeError(f"{name} must be an int or a sequence of 1 or 2 ints, got {value!r}")
+
+
+def _is_channels_last(x: Tensor) -> bool:
+    # The C++ kernels' rule (csrc/avg_pool2d_sigmoid_sum.h, is_channels_last).
+    return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _pooled_size(size, kernel: int, stride: int, padding: int, ceil_mode: bool):
+    # PyTorch's pooling_output_shape with dilation 1 (csrc/pool_geometry.h).
+    out = (size + 2 * padding - kernel + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return out
+
+
+# --------------------------------------------------------------------------
+# avg_pool2d_sigmoid_sum
+# --------------------------------------------------------------------------
+
+
+def avg_pool2d_sigmoid_sum(
+    x: Tensor,
+    kernel_size,
+    stride=None,
+    padding=0,
+    ceil_mode: bool = False,
+    count_include_pad: bool = True,
+    divisor_override: int | None = None,
+) -> Tensor:
+    """``torch.sigmoid(F.avg_pool2d(x, ...)).sum(dim=(1, 2, 3))`` in one pass over x.
+
+    x: (B, C, H, W), float64/float32/float16/bfloat16, contiguous or channels_last
+    (any other strides are read as they are). The pooling arguments are those of
+    ``nn.AvgPool2d``. Returns (B,) in x's dtype, accumulated in float32 (float64
+    for float64 input). Differentiable in x.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"avg_pool2d_sigmoid_sum: x must be a Tensor, got {type(x).__name__}")
+    kernel_size = _pair(kernel_size, "kernel_size")
+    stride = kernel_size if stride is None or (isinstance(stride, Sequence) and len(stride) == 0) else _pair(stride, "stride")
+    padding = _pair(padding, "padding")
+    save_grad_factor = torch.is_grad_enabled() and x.requires_grad
+    out, _ = _ops.avg_pool2d_sigmoid_sum(
+        x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, save_grad_factor
+    )
+    return out
+
+
+@torch.library.register_fake("fused_ops::avg_pool2d_sigmoid_sum")
+def _avg_pool2d_sigmoid_sum_fake(
+    x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, save_grad_factor
+):
+    torch._check(x.dim() == 4, lambda: f"avg_pool2d_sigmoid_sum: expected a 4-D input, got {x.dim()}-D")
+    torch._check(
+        x.dtype.is_floating_point,
+        lambda: f"avg_pool2d_sigmoid_sum: input must be a floating-point tensor, got {x.dtype}",
+    )
+    k, s, p = (_pair(list(v), n) for v, n in ((kernel_size, "kernel_size"), (stride or kernel_size, "stride"), (padding, "padding")))
+    oh, ow = (_pooled_size(x.shape[2 + d], k[d], s[d], p[d], ceil_mode) for d in range(2))
+    torch._check(oh >= 1 and ow >= 1, lambda: "avg_pool2d_sigmoid_sum: input is smaller than the kernel")
+    out = x.new_empty((x.shape[0],))
+    acc = _accumulation_dtype(x.dtype)
+    if not save_grad_factor:
+        return out, x.new_empty((0,), dtype=acc)
+    fmt = torch.channels_last if _is_channels_last(x) else torch.contiguous_format
+    return out, torch.empty((x.shape[0], x.shape[1], oh, ow), dtype=acc, device=x.device, memory_format=fmt)
+
+
+@torch.library.register_fake("fused_ops::avg_pool2d_sigmoid_sum_backward")
+def _avg_pool2d_sigmoid_sum_backward_fake(grad_out, grad_factor, input_hw, kernel_size, stride, padding, channels_last):
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    shape = (grad_factor.shape[0], grad_factor.shape[1], input_hw[0], input_hw[1])
+    return torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=fmt)
+
+
+def _avg_pool2d_sigmoid_sum_setup_context(ctx, inputs, output):
+    x, kernel_size, stride, padding = inputs[:4]
+    _, grad_factor = output
+    ctx.mark_non_differentiable(grad_factor)
+    ctx.save_for_backward(grad_factor)
+    ctx.input_hw = tuple(x.shape[2:])
+    ctx.pool = (kernel_size, stride, padding)
+    ctx.channels_last = _is_channels_last(x)
+
+
+def _avg_pool2d_sigmoid_sum_backward(ctx, grad_out, _grad_of_grad_factor):
+    (grad_factor,) = ctx.saved_tensors
+    if grad_factor.dim() != 4:
+        raise RuntimeError(
+            "avg_pool2d_sigmoid_sum: backward needs the forward to run with save_grad_factor=True "
+            "(the fused_ops.avg_pool2d_sigmoid_sum wrapper sets it when x requires grad)"
+        )
+    grad_x = _ops.avg_pool2d_sigmoid_sum_backward(
+        grad_out, grad_factor, ctx.input_hw, *ctx.pool, ctx.channels_last
+    )
+    return grad_x, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "fused_ops::avg_pool2d_sigmoid_sum",
+    _avg_pool2d_sigmoid_sum_backward,
+    setup_context=_avg_pool2d_sigmoid_sum_setup_context,
+)

@@ -1,0 +1,64 @@
+# Builds fused_ops._C ahead of time: CUDAExtension (CPU and CUDA kernels) where
+# torch has CUDA and nvcc is found, CppExtension (CPU kernels) otherwise.
+# FUSED_OPS_BUILD=cuda or =cpu forces either; =auto (the default) chooses.
+#
+#   pip install --no-build-isolation .
+import glob
+import os
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import (
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+)
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def build_with_cuda() -> bool:
+    mode = os.environ.get("FUSED_OPS_BUILD", "auto").lower()
+    cuda_found = torch.version.cuda is not None and CUDA_HOME is not None
+    if mode == "cpu":
+        return False
+    if mode == "cuda":
+        if not cuda_found:
+            raise RuntimeError(
+                "FUSED_OPS_BUILD=cuda, but "
+                + ("this torch has no CUDA" if torch.version.cuda is None else "nvcc was not found (set CUDA_HOME)")
+            )
+        return True
+    if mode != "auto":
+        raise RuntimeError(f"FUSED_OPS_BUILD must be auto, cpu or cuda, got {mode!r}")
+    return cuda_found
+
+
+def sources(pattern: str) -> list[str]:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", pattern)))
+
+
+def extension():
+    cxx = ["-O3", "-std=c++20"]
+    srcs = sources("*.cpp") + sources("cpu/*.cpp")
+    if build_with_cuda():
+        nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+        return CUDAExtension(
+            "fused_ops._C",
+            srcs + sources("cuda/*.cu"),
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+        )
+    return CppExtension("fused_ops._C", srcs, extra_compile_args={"cxx": cxx})
+
+
+setup(
+    name="fused_ops",
+    version="0.1.0",
+    description="Fused pooling/normalization/activation/reduction tails for convolutional networks",
+    packages=find_packages(include=["fused_ops", "fused_ops.*"]),
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+)

@@ -1,0 +1,54 @@
+"""Compile-checks every csrc/cuda/*.cu for sm_90 with nvcc, against the
+installed torch's headers (a CPU wheel will do: it lacks one generated
+header, c10/cuda/impl/cuda_cmake_macros.h, which a stub on this check's own
+include path provides). Builds nothing that is installed; exits non-zero on
+the first failure.
+
+    python tools/check_cuda_compile.py [--nvcc PATH]
+"""
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def find_nvcc(explicit: str | None) -> str:
+    candidates = [explicit, os.environ.get("NVCC"), shutil.which("nvcc"),
+                  *sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)]
+    for c in candidates:
+        if c and os.path.exists(c):
+            return c
+    sys.exit("check_cuda_compile: nvcc not found (pass --nvcc or set NVCC)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nvcc")
+    args = parser.parse_args()
+    nvcc = find_nvcc(args.nvcc)
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    with tempfile.TemporaryDirectory() as stub:
+        os.makedirs(os.path.join(stub, "c10", "cuda", "impl"))
+        with open(os.path.join(stub, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
+            f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+        includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], stub]]
+        for src in sources:
+            cmd = [nvcc, "-std=c++20", "-O3", "-arch=sm_90", "-c", src, "-o", os.devnull,
+                   "-Xptxas=-warn-spills", "-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS, *includes]
+            print("nvcc", os.path.relpath(src, ROOT), flush=True)
+            result = subprocess.run(cmd)
+            if result.returncode != 0:
+                sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)} failed to compile")
+    print(f"check_cuda_compile: {len(sources)} file(s) compiled for sm_90")
+
+
+if __name__ == "__main__":
+    main()
