@@ -40,10 +40,11 @@ def sources(pattern: str) -> list[str]:
 
 
 def extension():
-    cxx = ["-O3", "-std=c++20"]
+    # No -std flag: torch's build helpers pass the standard its own headers and ABI need.
+    cxx = ["-O3"]
     srcs = sources("*.cpp") + sources("cpu/*.cpp")
     if build_with_cuda():
-        nvcc = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "-lineinfo"]
+        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
         return CUDAExtension(
             "fused_ops._C",
             srcs + sources("cuda/*.cu"),

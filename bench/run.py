@@ -24,13 +24,16 @@ def build():
                    cwd=ROOT, env=env, check=True)
 
 
-def run_tests() -> str:
-    """Runs the suite from the repo root; returns pytest's closing line."""
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", ROOT,
-                             os.path.join(ROOT, "tests")], cwd="/", capture_output=True, text=True)
-    print(result.stdout[-6000:], result.stderr[-2000:], sep="\n")
+def run_tests(log_dir: str) -> str:
+    """Runs the suite; the whole log goes to log_dir/tests.log. Returns pytest's closing line."""
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+                             "--rootdir", ROOT, os.path.join(ROOT, "tests")], cwd="/", capture_output=True, text=True)
+    os.makedirs(log_dir, exist_ok=True)
+    with open(os.path.join(log_dir, "tests.log"), "w") as f:
+        f.write(result.stdout + result.stderr)
+    print(result.stdout[-3000:], result.stderr[-1500:], sep="\n")
     summary = [line for line in result.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
-    return (summary[-1] if summary else "no pytest summary").strip("= ")
+    return (summary[-1] if summary else f"pytest exited {result.returncode} with no summary").strip("= ")
 
 
 def main():
@@ -45,7 +48,7 @@ def main():
 
     if not args.skip_build:
         build()
-    tests = "not run" if args.skip_tests else run_tests()
+    tests = "not run" if args.skip_tests else run_tests(os.environ.get("OUT", os.path.join(ROOT, "bench", "results")))
 
     import torch
 

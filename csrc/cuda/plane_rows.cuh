@@ -18,8 +18,9 @@ struct PlaneRows {
   int cols;                  // columns per row: W, or W * C
   int64_t batch_stride, channel_stride, row_stride, col_stride;
 
-  __host__ __device__ int64_t plane_offset(int64_t plane) const {
-    return (plane / planes_per_batch) * batch_stride + (plane % planes_per_batch) * channel_stride;
+  // Offset of plane `p` of batch element `b` (p < planes_per_batch).
+  __host__ __device__ int64_t plane_offset(int64_t b, int64_t p) const {
+    return b * batch_stride + p * channel_stride;
   }
 };
 
@@ -31,6 +32,37 @@ inline PlaneRows plane_rows(const at::Tensor& t, bool channels_last) {
     return {1, static_cast<int>(C), static_cast<int>(W * C), t.stride(0), 0, t.stride(2), 1};
   }
   return {C, 1, static_cast<int>(W), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+// Work items numbered in (outer, mid, inner) order, stepped through one at a
+// time without divisions (a block takes a contiguous range of them).
+struct ItemCursor {
+  int64_t outer;
+  int mid, inner;
+  int mids, inners;
+
+  __device__ ItemCursor(int64_t item, int mids_, int inners_) : mids(mids_), inners(inners_) {
+    inner = static_cast<int>(item % inners);
+    item /= inners;
+    mid = static_cast<int>(item % mids);
+    outer = item / mids;
+  }
+  __device__ void next() {
+    if (++inner == inners) {
+      inner = 0;
+      if (++mid == mids) {
+        mid = 0;
+        ++outer;
+      }
+    }
+  }
+};
+
+// The contiguous share [first, last) of `items` that block `block` of `blocks` takes.
+__device__ inline void block_share(int64_t items, int block, int blocks, int64_t& first,
+                                   int64_t& last) {
+  first = items * block / blocks;
+  last = items * (block + 1) / blocks;
 }
 
 // The widest vector (in elements, at most 16 bytes) in which every row of t
