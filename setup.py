@@ -5,6 +5,8 @@
 #   pip install --no-build-isolation .
 import glob
 import os
+import subprocess
+import sys
 
 import torch
 from setuptools import find_packages, setup
@@ -35,6 +37,22 @@ def build_with_cuda() -> bool:
     return cuda_found
 
 
+def shared_libstdcxx() -> list[str]:
+    """The shared C++ runtime, named on the link line. Some Python builds link
+    extensions with -static-libstdc++ (LDSHARED); the extension then carries a
+    second C++ runtime beside libtorch's, whose iostreams crash when torch's
+    error messages are formatted. Naming the shared one first resolves every
+    C++ runtime symbol to it."""
+    if sys.platform != "linux":
+        return []
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        path = subprocess.run([cxx, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return []
+    return [path] if os.path.isabs(path) else []
+
+
 def sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", pattern)))
 
@@ -49,8 +67,9 @@ def extension():
             "fused_ops._C",
             srcs + sources("cuda/*.cu"),
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=shared_libstdcxx(),
         )
-    return CppExtension("fused_ops._C", srcs, extra_compile_args={"cxx": cxx})
+    return CppExtension("fused_ops._C", srcs, extra_compile_args={"cxx": cxx}, extra_link_args=shared_libstdcxx())
 
 
 setup(
