@@ -38,11 +38,11 @@ def build_with_cuda() -> bool:
 
 
 def shared_libstdcxx() -> list[str]:
-    """The shared C++ runtime, named on the link line. Some Python builds link
-    extensions with -static-libstdc++ (LDSHARED); the extension then carries a
-    second C++ runtime beside libtorch's, whose iostreams crash when torch's
-    error messages are formatted. Naming the shared one first resolves every
-    C++ runtime symbol to it."""
+    """The shared C++ runtime, named on the link line ahead of anything the
+    toolchain adds. Seen on the GPU test image: without it the extension came out
+    carrying a static copy of libstdc++'s internals beside libtorch's shared one,
+    and crashed (flakily) formatting torch's error messages; with it, every C++
+    runtime symbol resolves to the shared library."""
     if sys.platform != "linux":
         return []
     cxx = os.environ.get("CXX", "c++")
