@@ -6,27 +6,56 @@ import time
 import torch
 
 
-def median_ms(fn, device, warmup: int = 3, reps: int = 25) -> float:
+def median_ms(fn, device, warmup: int = 3, reps: int = 50) -> float:
     """Median time of fn() in milliseconds: CUDA events around each call on a
-    GPU, the wall clock on a CPU."""
+    GPU, the wall clock on a CPU. The calls are queued back to back (one
+    synchronization at the end), so that the GPU times the work and not the
+    host's launch latency, as long as the host keeps ahead of the GPU."""
     for _ in range(warmup):
         fn()
     times = []
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
             start.record()
             fn()
             end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        torch.cuda.synchronize()
+        times = [start.elapsed_time(end) for start, end in events]
     else:
         for _ in range(reps):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def backward_ms(fn, x, device) -> float:
+    """Time of the backward of fn at x alone: one forward, then autograd.grad repeated."""
+    x = x.detach().requires_grad_()
+    out = fn(x)
+    grad = torch.rand_like(out)
+    return median_ms(lambda: torch.autograd.grad(out, x, grad, retain_graph=True), device)
+
+
+def time_tails(op: str, fused, eager, x, device, compile_tail: bool, max_rel_err: float) -> list[dict]:
+    """One row per variant of a tail at x: the fused op, the eager tail and
+    (compile_tail) torch.compile of the eager tail; forward and backward times."""
+    nbytes = x.numel() * x.element_size()
+    variants = {"fused": fused, "eager": eager}
+    if compile_tail:
+        variants["compile"] = torch.compile(eager)
+    rows = []
+    for name, fn in variants.items():
+        with torch.no_grad():
+            fwd = median_ms(lambda: fn(x), device)
+        bwd = backward_ms(fn, x, device)
+        rows.append(dict(op=op, variant=name, shape=list(x.shape), dtype=str(x.dtype).removeprefix("torch."),
+                         forward_ms=fwd, backward_ms=bwd, max_rel_err=max_rel_err,
+                         # the fewest bytes each pass must move: read x / write grad_x
+                         forward_bytes=nbytes, backward_bytes=nbytes))
+    return rows
 
 
 def copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:

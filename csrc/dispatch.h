@@ -19,4 +19,35 @@ C10_HOST_DEVICE inline acc_t sigmoid(acc_t x) {
   return acc_t(1) / (acc_t(1) + std::exp(-x));
 }
 
+// `tensor / number` as PyTorch computes it for a tensor of scalar_t, rounded
+// to scalar_t (the number is a Python float or int). Apply to a value already
+// in the accumulation type. The CPU and CUDA kernels differ:
+//
+// CPU (BinaryOpsKernel.cpp, div_true_kernel): a true division in opmath by
+// the number cast straight to opmath.
+template <typename scalar_t>
+struct TrueDivide {
+  using acc_t = at::opmath_type<scalar_t>;
+  acc_t divisor;
+
+  explicit TrueDivide(double number) : divisor(static_cast<acc_t>(number)) {}
+  C10_HOST_DEVICE scalar_t operator()(acc_t v) const { return static_cast<scalar_t>(v / divisor); }
+};
+
+// CUDA (BinaryDivTrueKernel.cu): a product with the reciprocal, in opmath, of
+// the number cast straight to opmath (checked bit for bit on an H200, torch
+// 2.11: float16 and bfloat16 tensors by 0.3 and 0.7, which differ if the
+// number is first rounded to the tensor's dtype).
+template <typename scalar_t>
+struct ReciprocalMultiply {
+  using acc_t = at::opmath_type<scalar_t>;
+  acc_t reciprocal;
+
+  explicit ReciprocalMultiply(double number)
+      : reciprocal(acc_t(1) / static_cast<acc_t>(number)) {}
+  C10_HOST_DEVICE scalar_t operator()(acc_t v) const {
+    return static_cast<scalar_t>(v * reciprocal);
+  }
+};
+
 }  // namespace fused_ops

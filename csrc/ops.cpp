@@ -13,4 +13,17 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "avg_pool2d_sigmoid_sum_backward(Tensor grad_out, Tensor grad_factor, SymInt[2] input_hw, "
       "int[2] kernel_size, int[2] stride, int[2] padding, bool channels_last) -> Tensor");
+
+  // mean over (D', H', W') of max_pool3d(x / divisor) -> (B, C); with
+  // save_indices, also each window's pick as a uint8 offset in scan order
+  // (B, C, D', H', W'), else an empty tensor. An empty stride means kernel_size.
+  m.def(
+      "max_pool3d_mean(Tensor x, int[3] kernel_size, int[3] stride, int[3] padding, "
+      "bool ceil_mode, float divisor, bool save_indices) -> (Tensor, Tensor)");
+  // grad_x (B, C, *input_size), contiguous, from the forward's saved indices
+  // or, given x instead, from picks recomputed from x.
+  m.def(
+      "max_pool3d_mean_backward(Tensor grad_mean, Tensor? indices, Tensor? x, "
+      "SymInt[3] input_size, int[3] kernel_size, int[3] stride, int[3] padding, "
+      "bool ceil_mode, float divisor) -> Tensor");
 }

@@ -4,22 +4,27 @@ Each has the original's constructor, parameters, buffers and state_dict keys
 (built under the same seed it draws the same initial parameters), and
 ``from_module(original)`` wraps an existing instance, sharing its parameters.
 """
+import torch
 from torch import Tensor, nn
 
-from .ops import avg_pool2d_sigmoid_sum
+from . import reference
+from .ops import avg_pool2d_sigmoid_sum, max_pool3d_mean
 
 
-def _adopt(cls, original: nn.Module, **submodules: type) -> nn.Module:
-    """A `cls` instance that shares `original`'s submodules (no copies)."""
-    for name, kind in submodules.items():
+def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.Module:
+    """A `cls` instance that shares `original`'s members (no copies): its
+    submodules, parameters and plain attributes, each named with the type it
+    must have."""
+    for name, kind in members.items():
         if not isinstance(getattr(original, name, None), kind):
+            kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
             raise TypeError(
-                f"{cls.__name__}.from_module: expected a module with a {kind.__name__} "
+                f"{cls.__name__}.from_module: expected a module with a {kinds} "
                 f"attribute '{name}', got {type(original).__name__}"
             )
     module = cls.__new__(cls)
     nn.Module.__init__(module)
-    for name in submodules:
+    for name in members:
         setattr(module, name, getattr(original, name))
     module.train(original.training)
     return module
@@ -54,3 +59,34 @@ class Conv2dAvgPoolSigmoidSum(nn.Module):
             pool.count_include_pad,
             pool.divisor_override,
         )
+
+
+class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
+    """conv3d -> / divisor -> max_pool3d -> global average pool -> + bias -> sum
+    over sum_dim; the division, the pool and the average fused into one kernel
+    (``fused_ops.max_pool3d_mean``), the bias and the sum applied to its
+    (B, C, 1, 1, 1) result as the original does. The constructor is the
+    original's (the same members, parameters drawn in the same order);
+    ``global_avg_pool`` stays for its structure, the fused op computes it."""
+
+    @classmethod
+    def from_module(cls, original: nn.Module) -> "Conv3dDivMaxPoolGAPBiasSum":
+        return _adopt(cls, original, conv=nn.Conv3d, divisor=(int, float), max_pool=nn.MaxPool3d,
+                      global_avg_pool=nn.AdaptiveAvgPool3d, bias=nn.Parameter, sum_dim=int)
+
+    def forward(self, x: Tensor) -> Tensor:
+        name = type(self).__name__
+        if x.dim() != 5:
+            raise ValueError(
+                f"{name}: expected a 5-D input (batch, channels, depth, height, width), "
+                f"got {x.dim()}-D input of shape {tuple(x.shape)}"
+            )
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"{name}: input must be a floating-point tensor, got {x.dtype}")
+        if x.shape[1] != self.conv.in_channels:
+            raise ValueError(f"{name}: expected {self.conv.in_channels} input channels, got input of shape {tuple(x.shape)}")
+        pool = self.max_pool
+        if pool.dilation not in (1, (1, 1, 1), [1, 1, 1]) or pool.return_indices:
+            raise ValueError(f"{name}: the fused max-pool supports neither dilation != 1 nor return_indices, got {pool}")
+        mean = max_pool3d_mean(self.conv(x), pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
+        return torch.sum(mean[:, :, None, None, None] + self.bias, dim=self.sum_dim)

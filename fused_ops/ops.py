@@ -12,12 +12,17 @@ from torch import Tensor
 _ops = torch.ops.fused_ops
 
 
-def _pair(value, name: str) -> list[int]:
+def _expand(value, n: int, name: str) -> list[int]:
+    """An int, or a sequence of 1 or n ints, as a list of n ints."""
     if isinstance(value, int):
-        return [value, value]
-    if isinstance(value, Sequence) and len(value) in (1, 2) and all(isinstance(v, int) for v in value):
-        return [value[0], value[-1]]
-    raise TypeError(f"{name} must be an int or a sequence of 1 or 2 ints, got {value!r}")
+        return [value] * n
+    if isinstance(value, Sequence) and len(value) in (1, n) and all(isinstance(v, int) for v in value):
+        return [value[0]] * n if len(value) == 1 else list(value)
+    raise TypeError(f"{name} must be an int or a sequence of 1 or {n} ints, got {value!r}")
+
+
+def _pair(value, name: str) -> list[int]:
+    return _expand(value, 2, name)
 
 
 def _is_channels_last(x: Tensor) -> bool:
@@ -124,4 +129,88 @@ torch.library.register_autograd(
     "fused_ops::avg_pool2d_sigmoid_sum",
     _avg_pool2d_sigmoid_sum_backward,
     setup_context=_avg_pool2d_sigmoid_sum_setup_context,
+)
+
+
+# --------------------------------------------------------------------------
+# max_pool3d_mean
+# --------------------------------------------------------------------------
+
+# The largest kernel volume whose picks the forward saves, one byte each
+# (csrc/max_pool3d_mean.h); past it the backward recomputes them from x.
+_MAX_SAVED_KERNEL_VOLUME = 256
+
+
+def max_pool3d_mean(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False, divisor=1.0) -> Tensor:
+    """``F.max_pool3d(x / divisor, ...).mean(dim=(2, 3, 4))`` in one pass over x.
+
+    x: (B, C, D, H, W), float64/float32/float16/bfloat16, any strides (read in
+    place). The pooling arguments are those of ``nn.MaxPool3d`` (dilation 1).
+    ``x / divisor`` is rounded to x's dtype before the pool, as PyTorch
+    computes it, and the gradient goes to the element PyTorch's max_pool3d
+    picks (the first maximum in scan order; NaN propagates, the last NaN
+    wins). Returns (B, C) in x's dtype, accumulated in float32 (float64 for
+    float64 input). Differentiable in x: the forward saves one byte per pooled
+    element when x requires grad (kernel volumes up to 256; larger ones make
+    the backward recompute the picks from x).
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"max_pool3d_mean: x must be a Tensor, got {type(x).__name__}")
+    if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
+        raise TypeError(f"max_pool3d_mean: divisor must be a number, got {divisor!r}")
+    kernel_size = _expand(kernel_size, 3, "kernel_size")
+    stride = kernel_size if stride is None or (isinstance(stride, Sequence) and len(stride) == 0) else _expand(stride, 3, "stride")
+    padding = _expand(padding, 3, "padding")
+    volume = kernel_size[0] * kernel_size[1] * kernel_size[2]
+    save_indices = torch.is_grad_enabled() and x.requires_grad and volume <= _MAX_SAVED_KERNEL_VOLUME
+    mean, _ = _ops.max_pool3d_mean(x, kernel_size, stride, padding, ceil_mode, float(divisor), save_indices)
+    return mean
+
+
+@torch.library.register_fake("fused_ops::max_pool3d_mean")
+def _max_pool3d_mean_fake(x, kernel_size, stride, padding, ceil_mode, divisor, save_indices):
+    torch._check(x.dim() == 5, lambda: f"max_pool3d_mean: expected a 5-D input, got {x.dim()}-D")
+    torch._check(
+        x.dtype.is_floating_point,
+        lambda: f"max_pool3d_mean: input must be a floating-point tensor, got {x.dtype}",
+    )
+    k, s, p = (_expand(list(v), 3, n) for v, n in ((kernel_size, "kernel_size"), (stride or kernel_size, "stride"), (padding, "padding")))
+    pooled = [_pooled_size(x.shape[2 + d], k[d], s[d], p[d], ceil_mode) for d in range(3)]
+    torch._check(all(o >= 1 for o in pooled), lambda: "max_pool3d_mean: input is smaller than the kernel")
+    torch._check(
+        not save_indices or k[0] * k[1] * k[2] <= _MAX_SAVED_KERNEL_VOLUME,
+        lambda: f"max_pool3d_mean: save_indices needs a kernel volume of at most {_MAX_SAVED_KERNEL_VOLUME}",
+    )
+    mean = x.new_empty((x.shape[0], x.shape[1]))
+    if not save_indices:
+        return mean, x.new_empty((0,), dtype=torch.uint8)
+    return mean, x.new_empty((x.shape[0], x.shape[1], *pooled), dtype=torch.uint8)
+
+
+@torch.library.register_fake("fused_ops::max_pool3d_mean_backward")
+def _max_pool3d_mean_backward_fake(grad_mean, indices, x, input_size, kernel_size, stride, padding, ceil_mode, divisor):
+    return grad_mean.new_empty((grad_mean.shape[0], grad_mean.shape[1], *input_size))
+
+
+def _max_pool3d_mean_setup_context(ctx, inputs, output):
+    x, kernel_size, stride, padding, ceil_mode, divisor, _ = inputs
+    _, indices = output
+    ctx.mark_non_differentiable(indices)
+    # The saved picks, or x to recompute them from when the forward saved none.
+    saved = indices.dim() == 5
+    ctx.save_for_backward(indices if saved else None, None if saved else x)
+    ctx.input_size = tuple(x.shape[2:])
+    ctx.pool = (kernel_size, stride, padding, ceil_mode, divisor)
+
+
+def _max_pool3d_mean_backward(ctx, grad_mean, _grad_of_indices):
+    indices, x = ctx.saved_tensors
+    grad_x = _ops.max_pool3d_mean_backward(grad_mean, indices, x, ctx.input_size, *ctx.pool)
+    return grad_x, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "fused_ops::max_pool3d_mean",
+    _max_pool3d_mean_backward,
+    setup_context=_max_pool3d_mean_setup_context,
 )

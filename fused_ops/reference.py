@@ -17,3 +17,26 @@ class Conv2dAvgPoolSigmoidSum(nn.Module):
         x = self.avg_pool(x)
         x = torch.sigmoid(x)
         return torch.sum(x, dim=[1, 2, 3])
+
+
+class Conv3dDivMaxPoolGAPBiasSum(nn.Module):
+    """Architecture A: conv3d -> / divisor -> max_pool3d -> global average pool
+    -> + bias -> sum over sum_dim."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, divisor, pool_size, bias_shape, sum_dim):
+        super().__init__()
+        self.conv = nn.Conv3d(in_channels, out_channels, kernel_size)
+        self.divisor = divisor
+        self.max_pool = nn.MaxPool3d(pool_size)
+        self.global_avg_pool = nn.AdaptiveAvgPool3d((1, 1, 1))
+        self.bias = nn.Parameter(torch.randn(bias_shape))
+        self.sum_dim = sum_dim
+
+    def forward(self, x):
+        x = self.conv(x)
+        x = x / self.divisor
+        x = self.max_pool(x)
+        x = self.global_avg_pool(x)
+        x = x + self.bias
+        x = torch.sum(x, dim=self.sum_dim)
+        return x

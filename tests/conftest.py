@@ -2,6 +2,8 @@ import pytest
 import torch
 
 import fused_ops  # noqa: F401  (registers the ops)
+from fused_ops import nn as fnn
+from fused_ops import reference
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -42,3 +44,79 @@ def assert_close_to_reference(actual, reference, dtype, what=""):
     finite = reference[reference.isfinite()]
     scale = finite.abs().max().item() if finite.numel() else 0.0
     torch.testing.assert_close(actual, reference, rtol=rtol, atol=rtol * scale * 1e-2, equal_nan=True, msg=lambda m: f"{what}\n{m}")
+
+
+# --------------------------------------------------------------------------
+# Drop-in modules (fused_ops.nn) against their originals (fused_ops.reference)
+# --------------------------------------------------------------------------
+
+
+def build_pair(name, args, seed=0):
+    """The original architecture `name` and its drop-in, each built under the same seed."""
+    torch.manual_seed(seed)
+    original = getattr(reference, name)(*args)
+    torch.manual_seed(seed)
+    fused = getattr(fnn, name)(*args)
+    return original, fused
+
+
+def check_same_init(name, args, keys):
+    """Built under the same seed, the drop-in has the original's state_dict
+    (keys `keys`, equal values) and draws as much from the generator."""
+    original, fused = build_pair(name, args)
+    a, b = original.state_dict(), fused.state_dict()
+    assert list(a) == list(b) == keys
+    for k in a:
+        assert torch.equal(a[k], b[k])
+    after_fused = torch.rand(3)
+    torch.manual_seed(0)
+    getattr(reference, name)(*args)
+    assert torch.equal(after_fused, torch.rand(3))
+
+
+def check_state_dict_both_ways(name, args):
+    original, fused = build_pair(name, args, seed=1)
+    other = getattr(fnn, name)(*args)
+    other.load_state_dict(original.state_dict(), strict=True)
+    original.load_state_dict(fused.state_dict(), strict=True)
+    for a, b in zip(other.state_dict().values(), original.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def check_matches_original(original, fused, x, dtype):
+    """Output (shape, dtype, device, values) and the gradients of the input and
+    of every parameter."""
+    x_ref = x.clone().requires_grad_()
+    x = x.clone().requires_grad_()
+    out, ref = fused(x), original(x_ref)
+    assert out.shape == ref.shape and out.dtype == ref.dtype and out.device == ref.device
+    assert_close_to_reference(out, ref, dtype)
+    grad = torch.rand_like(ref)
+    out.backward(grad)
+    ref.backward(grad)
+    assert_close_to_reference(x.grad, x_ref.grad, dtype, "grad input")
+    for (name, p), q in zip(fused.named_parameters(), original.parameters()):
+        assert_close_to_reference(p.grad, q.grad, dtype, f"grad {name}")
+
+
+def check_drop_in(name, args, input_shape, dtype, device, train=True):
+    """The drop-in against the original, both built under the same seed, on a
+    random input of `input_shape` (check_matches_original)."""
+    original, fused = build_pair(name, args)
+    original.to(device, dtype).train(train)
+    fused.to(device, dtype).train(train)
+    x = torch.rand(input_shape, dtype=dtype, device=device)
+    check_matches_original(original, fused, x, dtype)
+
+
+def check_from_module(name, args, members):
+    """from_module wraps an original (in eval mode), sharing its `members`
+    (the same objects) and every parameter; another kind of module is refused."""
+    original = getattr(reference, name)(*args).eval()
+    fused = getattr(fnn, name).from_module(original)
+    for member in members:
+        assert getattr(fused, member) is getattr(original, member), member
+    assert not fused.training
+    assert [p.data_ptr() for p in fused.parameters()] == [p.data_ptr() for p in original.parameters()]
+    with pytest.raises(TypeError, match="from_module: expected a module with a"):
+        getattr(fnn, name).from_module(torch.nn.Sequential())

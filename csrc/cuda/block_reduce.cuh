@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace fused_ops {
 
 template <typename T>
@@ -27,6 +29,20 @@ __device__ __forceinline__ T block_sum(T v, T* scratch) {
     v = warp_sum(v);
   }
   return v;
+}
+
+// out[r] = sum of partial[r, 0:parts], one block per row r (blockIdx.x), in an
+// order fixed by `parts` and the block size alone: deterministic results.
+template <typename acc_t, typename out_t>
+__global__ void sum_rows_kernel(const acc_t* __restrict__ partial, int64_t parts,
+                                out_t* __restrict__ out) {
+  __shared__ acc_t scratch[32];
+  const acc_t* row = partial + blockIdx.x * parts;
+  acc_t sum = 0;
+#pragma unroll 4
+  for (int64_t i = threadIdx.x; i < parts; i += blockDim.x) sum += row[i];
+  sum = block_sum(sum, scratch);
+  if (threadIdx.x == 0) out[blockIdx.x] = static_cast<out_t>(sum);
 }
 
 }  // namespace fused_ops

@@ -6,9 +6,12 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 namespace fused_ops {
 
@@ -34,35 +37,65 @@ inline PlaneRows plane_rows(const at::Tensor& t, bool channels_last) {
   return {C, 1, static_cast<int>(W), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
 }
 
-// Work items numbered in (outer, mid, inner) order, stepped through one at a
-// time without divisions (a block takes a contiguous range of them).
+// Work items numbered in mixed radix, item = ((digit[0] * size[1] + digit[1])
+// * size[2] + digit[2]) ..., visited from `item` in steps of `stride` with
+// additions only: a grid-stride loop over items without per-item divisions.
+// digit 0 is unbounded; `sizes` are the radices of digits 1..N-1.
+template <int N>
 struct ItemCursor {
-  int64_t outer;
-  int mid, inner;
-  int mids, inners;
+  int64_t digit0, step0;
+  int digit[N], size[N], step[N];
 
-  __device__ ItemCursor(int64_t item, int mids_, int inners_) : mids(mids_), inners(inners_) {
-    inner = static_cast<int>(item % inners);
-    item /= inners;
-    mid = static_cast<int>(item % mids);
-    outer = item / mids;
-  }
-  __device__ void next() {
-    if (++inner == inners) {
-      inner = 0;
-      if (++mid == mids) {
-        mid = 0;
-        ++outer;
-      }
+  __device__ ItemCursor(int64_t item, int64_t stride, const int (&sizes)[N - 1]) {
+    for (int i = N - 1; i > 0; --i) {
+      size[i] = sizes[i - 1];
+      digit[i] = static_cast<int>(item % size[i]);
+      item /= size[i];
+      step[i] = static_cast<int>(stride % size[i]);
+      stride /= size[i];
     }
+    digit0 = item;
+    step0 = stride;
+  }
+  __device__ int64_t leading() const { return digit0; }
+  __device__ int operator[](int i) const { return digit[i]; }
+  __device__ void next() {
+    int carry = 0;
+#pragma unroll
+    for (int i = N - 1; i > 0; --i) {
+      digit[i] += step[i] + carry;
+      carry = digit[i] >= size[i];
+      if (carry) digit[i] -= size[i];
+    }
+    digit0 += step0 + carry;
   }
 };
 
-// The contiguous share [first, last) of `items` that block `block` of `blocks` takes.
-__device__ inline void block_share(int64_t items, int block, int blocks, int64_t& first,
-                                   int64_t& last) {
-  first = items * block / blocks;
-  last = items * (block + 1) / blocks;
+// Resident blocks of `kernel` over the whole device: the grid of a grid-stride loop.
+template <typename Kernel>
+int64_t resident_blocks(Kernel kernel, int block_threads, size_t smem) {
+  int device = 0, sms = 0, per_sm = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, smem));
+  return int64_t{sms} * std::max(per_sm, 1);
+}
+
+// The widest vector (in elements, at most 16 bytes) to which `data` is
+// aligned and of which every count in `multiples` (row lengths, strides,
+// offsets, in elements) is a multiple.
+template <typename scalar_t>
+int aligned_vector_width(const void* data, std::initializer_list<int64_t> multiples) {
+  int v = 16 / static_cast<int>(sizeof(scalar_t));
+  auto fits = [&] {
+    if (reinterpret_cast<uintptr_t>(data) % (v * sizeof(scalar_t)) != 0) return false;
+    for (int64_t n : multiples) {
+      if (n % v != 0) return false;
+    }
+    return true;
+  };
+  while (v > 1 && !fits()) v /= 2;
+  return v;
 }
 
 // The widest vector (in elements, at most 16 bytes) in which every row of t
@@ -70,14 +103,8 @@ __device__ inline void block_share(int64_t items, int block, int blocks, int64_t
 template <typename scalar_t>
 int vector_width(const PlaneRows& l, const void* data) {
   if (l.col_stride != 1) return 1;
-  int v = 16 / static_cast<int>(sizeof(scalar_t));
-  auto aligned = [&](int64_t n) { return n % v == 0; };
-  while (v > 1 && !(aligned(l.cols) && aligned(l.row_stride) && aligned(l.batch_stride) &&
-                    aligned(l.channel_stride) &&
-                    reinterpret_cast<uintptr_t>(data) % (v * sizeof(scalar_t)) == 0)) {
-    v /= 2;
-  }
-  return v;
+  return aligned_vector_width<scalar_t>(
+      data, {l.cols, l.row_stride, l.batch_stride, l.channel_stride});
 }
 
 // Calls f(std::integral_constant<int, VEC>{}) for the run-time width `vec`,

@@ -39,5 +39,17 @@ int main(int argc, char** argv) {
   const double err_out = (out - ref).abs().max().item<double>();
   const double err_grad = (grad_x - grad_ref).abs().max().item<double>();
   std::printf("avg_pool2d_sigmoid_sum: forward error %.3g, backward error %.3g\n", err_out, err_grad);
-  return err_out < 1e-12 && err_grad < 1e-12 ? 0 : 1;
+
+  const auto max_pool3d_mean =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fused_ops::max_pool3d_mean", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef,
+                                                    at::IntArrayRef, at::IntArrayRef, bool,
+                                                    double, bool)>();
+  const auto x5 = at::rand({2, 3, 5, 7, 6}, at::kDouble);
+  const auto mean = std::get<0>(max_pool3d_mean.call(x5, {2, 3, 2}, {2, 2, 1}, {1, 1, 0}, true, -2.0, false));
+  const auto mean_ref = at::max_pool3d(x5 / -2.0, {2, 3, 2}, {2, 2, 1}, {1, 1, 0}, 1, true).mean({2, 3, 4});
+  const double err_mean = (mean - mean_ref).abs().max().item<double>();
+  std::printf("max_pool3d_mean: forward error %.3g\n", err_mean);
+  return err_out < 1e-12 && err_grad < 1e-12 && err_mean < 1e-12 ? 0 : 1;
 }

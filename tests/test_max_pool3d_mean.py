@@ -1,0 +1,287 @@
+"""fused_ops.max_pool3d_mean against PyTorch's max_pool3d(x / divisor) -> mean over (D', H', W')."""
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import DTYPES, assert_close_to_reference, poison_cuda_allocator, requires_cuda
+from fused_ops import max_pool3d_mean
+
+OP = torch.ops.fused_ops.max_pool3d_mean.default
+BACKWARD = torch.ops.fused_ops.max_pool3d_mean_backward.default
+
+
+def eager(x, divisor, **pool):
+    """Architecture A's tail up to the global average, in PyTorch eager on x's device and dtype."""
+    return F.adaptive_avg_pool3d(F.max_pool3d(x / divisor, **pool), 1).flatten(1)
+
+
+def reference(x, divisor, pool):
+    """float64 on the CPU, from the values the pool sees: x / divisor as
+    PyTorch rounds it in x's dtype on x's device. Returns (those values, mean)."""
+    v = (x.detach() / divisor).cpu().double().requires_grad_()
+    return v, F.max_pool3d(v, **pool).mean(dim=(2, 3, 4))
+
+
+def random_config(rng: random.Random):
+    """A random valid nn.MaxPool3d configuration, a divisor and an input shape."""
+    k = [rng.randint(1, 3) for _ in range(3)]
+    pool = dict(kernel_size=tuple(k), stride=tuple(rng.randint(1, 3) for _ in range(3)),
+                padding=tuple(rng.randint(0, kd // 2) for kd in k), ceil_mode=rng.random() < 0.5)
+    shape = (rng.randint(1, 3), rng.randint(1, 4), rng.randint(k[0], 7), rng.randint(k[1], 9), rng.randint(k[2], 11))
+    return shape, pool, rng.choice([2.0, -1.5, 0.3, 1.0, -4.0, 7.0])
+
+
+CONFIGS = [random_config(random.Random(seed)) for seed in range(20)] + [
+    # architecture A's tail at small size: 2x2x2 windows, even width (vector loads on CUDA)
+    ((2, 3, 6, 10, 14), dict(kernel_size=2), 2.0),
+    # batch 1, sizes that 2 does not divide, odd width
+    ((1, 2, 5, 7, 9), dict(kernel_size=2), -2.0),
+    # 2x2x2 windows with padding (no vector loads) and ceil_mode
+    ((2, 2, 5, 6, 8), dict(kernel_size=2, stride=2, padding=1, ceil_mode=True), 0.5),
+    # overlapping windows
+    ((2, 3, 5, 6, 7), dict(kernel_size=3, stride=1, padding=1, ceil_mode=True), -3.0),
+    ((1, 2, 6, 7, 8), dict(kernel_size=(2, 3, 2), stride=(1, 2, 1)), 1.5),
+    # gaps between windows (stride > kernel)
+    ((2, 2, 7, 8, 9), dict(kernel_size=(1, 2, 2), stride=3), 2.0),
+    # the whole input one window (a global max), and 1x1x1 windows (no pool)
+    ((3, 2, 3, 4, 5), dict(kernel_size=(3, 4, 5)), 1.0),
+    ((2, 3, 3, 4, 5), dict(kernel_size=1), -0.7),
+    # kernel volume > 256: the backward recomputes the picks (int32 offsets)
+    ((1, 2, 8, 9, 10), dict(kernel_size=7, stride=(1, 2, 3), padding=(0, 1, 2)), 2.0),
+]
+
+
+def make_input(shape, dtype, device, seed=0, requires_grad=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    return x.requires_grad_(requires_grad)
+
+
+def check_forward_backward(x, pool, divisor, dtype):
+    """Forward and grad_x of the fused op against float64 PyTorch on the same values."""
+    poison_cuda_allocator()
+    x = x.detach().requires_grad_()
+    out = max_pool3d_mean(x, divisor=divisor, **pool)
+    assert out.shape == x.shape[:2] and out.dtype == x.dtype and out.device == x.device
+    v, ref = reference(x, divisor, pool)
+    assert_close_to_reference(out, ref, dtype, f"forward {pool} / {divisor}")
+    grad = (torch.rand(x.shape[:2], dtype=torch.float64) + 0.5).to(dtype)
+    (grad_x,) = torch.autograd.grad(out, x, grad.to(x.device))
+    (grad_v,) = torch.autograd.grad(ref, v, grad.double())
+    assert grad_x.dtype == x.dtype and grad_x.shape == x.shape
+    assert_close_to_reference(grad_x, grad_v / divisor, dtype, f"grad_x {pool} / {divisor}")
+    return grad_x
+
+
+@pytest.mark.parametrize("shape,pool,divisor", CONFIGS, ids=[f"{s}-{sorted(p.items())}-{d}" for s, p, d in CONFIGS])
+def test_matches_pytorch(shape, pool, divisor, device):
+    for dtype in DTYPES:
+        check_forward_backward(make_input(shape, dtype, device, seed=len(shape)), pool, divisor, dtype)
+
+
+@pytest.mark.parametrize("layout", ["channels_last_3d", "transposed", "sliced", "misaligned", "expanded"])
+@pytest.mark.parametrize("pool", [dict(kernel_size=2), dict(kernel_size=(3, 2, 2), stride=(2, 1, 2), padding=(1, 0, 1))],
+                         ids=["2", "3x2x2"])
+def test_layouts(layout, pool, device, dtype):
+    base = make_input((2, 5, 6, 8, 10), dtype, device)
+    if layout == "channels_last_3d":
+        x = base.to(memory_format=torch.channels_last_3d)
+    elif layout == "transposed":
+        x = base.transpose(3, 4)
+    elif layout == "sliced":
+        x = base[:, 1:4, 1:, :, 1::2]
+    elif layout == "misaligned":  # contiguous, but the data starts one element past an aligned address
+        x = torch.empty(base.numel() + 1, dtype=dtype, device=device)[1:].view(base.shape).copy_(base)
+    else:  # one channel repeated: stride 0
+        x = base[:, :1].expand(2, 5, 6, 8, 10)
+    grad_x = check_forward_backward(x, pool, -2.0, dtype)
+    assert grad_x.is_contiguous()
+
+
+def exact_pair(x, divisor, pool):
+    """(fused, eager) forward and grad_x for grad_out = 1 (x's dtype and device)."""
+    a = x.detach().clone().requires_grad_()
+    b = x.detach().clone().requires_grad_()
+    out, ref = max_pool3d_mean(a, divisor=divisor, **pool), eager(b, divisor, **pool)
+    out.sum().backward()
+    ref.sum().backward()
+    return out, ref, a.grad, b.grad
+
+
+# Input shapes whose pooled volume D'H'W' is a power of two, so that with
+# divisors that are powers of two every gradient is exact in any order of
+# operations: grad_x must then equal PyTorch's element for element.
+TIE_CASES = [
+    ((2, 3, 4, 8, 5), dict(kernel_size=2)),
+    ((2, 2, 4, 4, 4), dict(kernel_size=3, stride=1, padding=1)),
+    ((1, 3, 4, 6, 7), dict(kernel_size=(2, 3, 2), stride=(2, 1, 2), ceil_mode=True)),
+    ((2, 2, 7, 9, 9), dict(kernel_size=(3, 2, 4), stride=(3, 2, 4))),
+]
+
+
+@pytest.mark.parametrize("shape,pool", TIE_CASES, ids=[str(p) for _, p in TIE_CASES])
+def test_ties_match_pytorch_exactly(shape, pool, device, dtype):
+    """Integer-valued inputs: many equal maxima per window; PyTorch routes each
+    window's gradient to the first one in scan order."""
+    g = torch.Generator().manual_seed(1)
+    for divisor in (2.0, -0.5):
+        x = torch.randint(-2, 3, shape, generator=g).to(dtype=dtype, device=device)
+        out, ref, grad_x, grad_ref = exact_pair(x, divisor, pool)
+        torch.testing.assert_close(out, ref)
+        assert torch.equal(grad_x, grad_ref), f"divisor {divisor}: picks differ from PyTorch's"
+
+
+def test_nan_and_inf_match_pytorch(device, dtype):
+    """NaN propagates and the last NaN of a window is its pick; +-inf pick
+    like any value; a window of -inf picks its first element; +inf and -inf in
+    one plane average to NaN."""
+    nan, inf = float("nan"), float("inf")
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(-2, 3, (2, 3, 4, 4, 5), generator=g).to(dtype=dtype, device=device)
+    x[0, 0, 0, 0, 0] = x[0, 0, 0, 1, 0] = x[0, 0, 1, 1, 1] = nan  # three NaNs in window (0, 0, 0)
+    x[0, 0, 2, 3, 3] = nan
+    x[0, 1, 2, 2, 2] = x[0, 1, 3, 3, 3] = inf  # two +inf in one window
+    x[1, 0, 0:2, 0:2, 0:2] = -inf  # a window of -inf
+    x[1, 1, 0, 0, 0] = inf
+    x[1, 1, 2:4, 2:4, 2:4] = -inf  # maxima +inf and -inf: the mean is NaN (+inf for a negative divisor)
+    x[1, 2, 1, 1, 4] = nan  # in the last column, outside every window
+    for divisor in (2.0, -0.5):
+        out, ref, grad_x, grad_ref = exact_pair(x, divisor, dict(kernel_size=2))
+        torch.testing.assert_close(out, ref, equal_nan=True)
+        assert out[0, 0].isnan() and not out[1, 2].isnan()
+        assert out[1, 1].isnan() if divisor > 0 else out[1, 1] == float("inf")
+        assert torch.equal(grad_x, grad_ref), f"divisor {divisor}: picks differ from PyTorch's"
+
+
+def test_gradcheck(device):
+    for pool, divisor in [(dict(kernel_size=2), 2.0),
+                          (dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), -1.5),
+                          (dict(kernel_size=(2, 1, 3), stride=1), 0.7)]:
+        for fmt in [torch.contiguous_format, torch.channels_last_3d]:
+            x = make_input((2, 2, 4, 5, 5), torch.float64, device).to(memory_format=fmt).requires_grad_()
+            assert torch.autograd.gradcheck(lambda t: max_pool3d_mean(t, divisor=divisor, **pool), (x,))
+    # kernel volume > 256: picks recomputed in the backward
+    x = make_input((1, 1, 7, 7, 8), torch.float64, device, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: max_pool3d_mean(t, 7, stride=1, divisor=-2.0), (x,))
+
+
+def test_opcheck(device):
+    x = make_input((2, 3, 5, 6, 7), torch.float32, device, requires_grad=True)
+    xl = make_input((2, 3, 5, 6, 7), torch.float64, device, requires_grad=True).to(memory_format=torch.channels_last_3d)
+    for t, args in [(x, ([2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0)),
+                    (x, ([3, 2, 3], [1, 2, 2], [1, 1, 0], True, -0.5)),
+                    (xl, ([2, 3, 2], [2, 2, 1], [1, 1, 1], True, 3.0))]:
+        torch.library.opcheck(OP, (t, *args, True))
+        # without saved picks the backward recomputes them from x
+        torch.library.opcheck(OP, (t, *args, False))
+    indices = OP(x, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, True)[1]
+    grad_mean = torch.rand(2, 3, device=device)
+    torch.library.opcheck(BACKWARD, (grad_mean, indices, None, [5, 6, 7], [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0))
+    torch.library.opcheck(BACKWARD, (grad_mean, None, x.detach(), [5, 6, 7], [3, 2, 3], [1, 2, 2], [1, 1, 0], True, -0.5))
+
+
+def test_empty_batch(device):
+    x = torch.rand(0, 3, 4, 4, 4, device=device, requires_grad=True)
+    out = max_pool3d_mean(x, 2)
+    assert out.shape == (0, 3)
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_no_grad_saves_nothing(device):
+    """Without grad the op is asked for no picks (and the raw op returns an empty tensor)."""
+    x = make_input((2, 3, 4, 4, 4), torch.float32, device)
+    _, indices = OP(x, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, False)
+    assert indices.numel() == 0 and indices.dtype == torch.uint8
+    _, indices = OP(x, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, True)
+    assert indices.shape == (2, 3, 2, 2, 2) and indices.dtype == torch.uint8
+
+
+@requires_cuda
+def test_cuda_large_and_tiled():
+    """Shapes past the CUDA kernels' tiles: pooled rows wider than a block,
+    several bands of pooled and input rows, many channels, channels_last_3d."""
+    for shape, pool, fmt in [
+        ((1, 2, 4, 6, 1100), dict(kernel_size=2), torch.contiguous_format),
+        ((2, 3, 3, 300, 8), dict(kernel_size=(1, 2, 2)), torch.contiguous_format),
+        ((2, 16, 14, 62, 62), dict(kernel_size=2), torch.contiguous_format),
+        ((2, 64, 6, 9, 10), dict(kernel_size=3, stride=2, padding=1), torch.channels_last_3d),
+        ((1, 3, 40, 40, 3), dict(kernel_size=(2, 2, 1)), torch.contiguous_format),
+    ]:
+        x = make_input(shape, torch.float32, "cuda").to(memory_format=fmt)
+        check_forward_backward(x, pool, 2.0, torch.float32)
+
+
+@requires_cuda
+def test_cuda_matches_cpu_and_is_deterministic():
+    x = make_input((4, 16, 14, 30, 31), torch.float32, "cuda")
+    a = max_pool3d_mean(x, 2, divisor=2.0)
+    b = max_pool3d_mean(x, 2, divisor=2.0)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(a.cpu(), max_pool3d_mean(x.cpu(), 2, divisor=2.0), rtol=1e-5, atol=0)
+
+
+@requires_cuda
+def test_cuda_forward_materializes_nothing_of_x_size():
+    x = make_input((4, 16, 14, 62, 62), torch.float32, "cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = max_pool3d_mean(x, 2, divisor=2.0)
+    torch.cuda.synchronize()
+    # the saved picks (one byte per pooled element), the mean and the partial sums
+    assert torch.cuda.max_memory_allocated() - before < x.numel() * x.element_size() // 16
+    del out
+
+
+@pytest.mark.parametrize(
+    "shape,dtype,args,error,match",
+    [
+        ((3, 8, 8, 8), torch.float32, dict(kernel_size=2), ValueError, "5-D input"),
+        ((1, 2, 3, 8, 8, 8), torch.float32, dict(kernel_size=2), ValueError, "5-D input"),
+        ((1, 2, 8, 8, 8), torch.int64, dict(kernel_size=2), TypeError, "floating-point"),
+        ((1, 2, 3, 8, 8), torch.float32, dict(kernel_size=4), ValueError, "smaller than the kernel"),
+        ((1, 2, 8, 8, 8), torch.float32, dict(kernel_size=2, padding=2), ValueError, "at most half"),
+        ((1, 2, 8, 8, 8), torch.float32, dict(kernel_size=2, stride=0), ValueError, "stride must be positive"),
+        ((1, 2, 8, 8, 8), torch.float32, dict(kernel_size=0), ValueError, "kernel_size must be positive"),
+        ((1, 0, 8, 8, 8), torch.float32, dict(kernel_size=2), ValueError, "non-zero"),
+        ((1, 2, 8, 8, 8), torch.float32, dict(kernel_size=(1, 2)), TypeError, "kernel_size"),
+        ((1, 2, 8, 8, 8), torch.float32, dict(kernel_size=2, divisor=0.0), ValueError, "divisor must be non-zero"),
+        ((1, 2, 8, 8, 8), torch.float32, dict(kernel_size=2, divisor="2"), TypeError, "divisor must be a number"),
+    ],
+)
+def test_bad_input(shape, dtype, args, error, match, device):
+    x = torch.ones(shape, dtype=dtype, device=device)
+    with pytest.raises(error, match=match):
+        max_pool3d_mean(x, **args)
+
+
+def test_bad_backward_input(device):
+    x = make_input((2, 3, 4, 4, 4), torch.float32, device, requires_grad=True)
+    indices = OP(x, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, True)[1]
+    grad = torch.ones(2, 3, device=device)
+    pool = ([2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0)
+    with pytest.raises(ValueError, match="do not match"):
+        BACKWARD(torch.ones(3, 3, device=device), indices, None, [4, 4, 4], *pool)
+    with pytest.raises(ValueError, match="do not match"):
+        BACKWARD(grad, indices, None, [6, 4, 4], *pool)
+    with pytest.raises(ValueError, match="exactly one"):
+        BACKWARD(grad, None, None, [4, 4, 4], *pool)
+    with pytest.raises(ValueError, match="exactly one"):
+        BACKWARD(grad, indices, x.detach(), [4, 4, 4], *pool)
+    with pytest.raises(TypeError, match="uint8"):
+        BACKWARD(grad, indices.long(), None, [4, 4, 4], *pool)
+    with pytest.raises(TypeError, match="dtype"):
+        BACKWARD(grad, None, x.detach().double(), [4, 4, 4], *pool)
+    with pytest.raises(ValueError, match="at most 256"):
+        OP(x, [7, 7, 7], [1, 1, 1], [3, 3, 3], False, 2.0, True)
+
+
+@requires_cuda
+def test_mixed_devices():
+    x = make_input((2, 3, 4, 4, 4), torch.float32, "cuda", requires_grad=True)
+    indices = OP(x, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, True)[1]
+    with pytest.raises(ValueError, match="same device"):
+        BACKWARD(torch.ones(2, 3), indices, None, [4, 4, 4], [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0)
