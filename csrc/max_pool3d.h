@@ -36,6 +36,9 @@ struct MaxPool3dGeometry {
   C10_HOST_DEVICE bool windows_disjoint() const {
     return d.kernel <= d.stride && h.kernel <= h.stride && w.kernel <= w.stride;
   }
+  C10_HOST_DEVICE bool windows_inside() const {
+    return d.windows_inside() && h.windows_inside() && w.windows_inside();
+  }
   // The scan-order offset of the element at (kd, kh, kw) from the window's origin.
   C10_HOST_DEVICE int offset(int kd, int kh, int kw) const {
     return scan_offset(kd, kh, kw, h.kernel, w.kernel);

@@ -38,6 +38,10 @@ struct PoolDim {
     const int e = origin(o) + kernel;
     return (e < in + pad ? e : in + pad) - origin(o);
   }
+  // Every window lies wholly inside the input (no padding, no ceil_mode overhang).
+  C10_HOST_DEVICE bool windows_inside() const {
+    return pad == 0 && origin(out - 1) + kernel <= in;
+  }
   // The windows that contain input position i: [first_window, last_window).
   // o*stride - pad <= i < o*stride - pad + kernel, with 0 <= o < out.
   C10_HOST_DEVICE int first_window(int i) const {

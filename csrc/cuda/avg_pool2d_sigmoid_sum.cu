@@ -49,12 +49,11 @@ constexpr int kBackwardTileCols = 4096;
 
 // Vector `v` of a row (VEC contiguous elements, or one at col_stride).
 template <typename scalar_t, int VEC>
-__device__ __forceinline__ Vector<scalar_t, VEC> load_vector(const scalar_t* row, int v,
-                                                             int64_t col_stride) {
+__device__ __forceinline__ Vector<scalar_t, VEC> row_vector(const scalar_t* row, int v, int64_t col_stride) {
   if constexpr (VEC == 1) {
     return {row[v * col_stride]};
   } else {
-    return *reinterpret_cast<const Vector<scalar_t, VEC>*>(row + v * VEC);
+    return load_vector<scalar_t, VEC>(row + v * VEC);
   }
 }
 
@@ -88,7 +87,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
         Vector<scalar_t, VEC> in[kVectorsInFlight<scalar_t, VEC>];
 #pragma unroll
         for (int u = 0; u < kVectorsInFlight<scalar_t, VEC>; ++u) {
-          in[u] = v + 32 * u < v1 ? load_vector<scalar_t, VEC>(row, v + 32 * u, xl.col_stride)
+          in[u] = v + 32 * u < v1 ? row_vector<scalar_t, VEC>(row, v + 32 * u, xl.col_stride)
                                   : Vector<scalar_t, VEC>{};
         }
 #pragma unroll

@@ -110,18 +110,19 @@ struct WindowCursor {
 };
 
 // Every window's pick of x / divisor into picks (when not null; (B, C, D',
-// H', W') contiguous) and, per block, the sum of the picked values divided by
-// D'H'W' into partial[blockIdx.x] (when not null). KD, KH, KW: the kernel
-// size when known at compile time, else 0. VEC > 1: vector loads along w (the
-// host checked that every window row starts and ends on a vector boundary,
-// so a vector lies wholly inside the input or wholly outside).
+// H', W') contiguous) and, per item, the sum of the picked values divided by
+// D'H'W' into partial[item] (when not null). KD, KH, KW: the kernel size when
+// known at compile time, else 0. VEC > 1: vector loads along w (the host
+// checked that every window row starts and ends on a vector boundary, so a
+// vector lies wholly inside the input or wholly outside). CLIPPED: windows
+// may reach outside the input; without it no load needs a bounds check.
 //
 // A thread scans its kForwardRows windows in chunks of kChunk positions: it
 // loads the chunk's vectors of all its windows, then offers them to the picks
 // in scan order. Loads are unconditional, from addresses clamped into the
 // input (a position outside it is loaded from its nearest neighbour inside
 // and not offered), so that the loads of a chunk form one run.
-template <typename scalar_t, typename index_t, int VEC, int KD, int KH, int KW>
+template <typename scalar_t, typename index_t, int VEC, int KD, int KH, int KW, bool CLIPPED>
 __global__ void __launch_bounds__(kThreads, kPickMinBlocks)
     pick_kernel(const scalar_t* __restrict__ x, InputStrides xs, int channels, MaxPool3dGeometry g,
                 ReciprocalMultiply<scalar_t> divide, int row_groups, int64_t items,
@@ -147,7 +148,8 @@ __global__ void __launch_bounds__(kThreads, kPickMinBlocks)
 #pragma unroll
     for (int j = 0; j < kForwardRows; ++j) {
       oh[j] = at[3] * kForwardRows + j;
-      h0[j] = g.h.origin(oh[j]);
+      // (a row past the last pooled row scans the last one's window, unused)
+      h0[j] = g.h.origin(CLIPPED ? oh[j] : ::min(oh[j], g.h.out - 1));
     }
 
     acc_t total = 0;
@@ -162,20 +164,24 @@ __global__ void __launch_bounds__(kThreads, kPickMinBlocks)
 #pragma unroll
         for (int q = 0; q < kChunk; ++q) {
           const int d = d0 + cursor.t, w = w0 + cursor.c;
-          const bool dw_inside =
-              p0 + q < positions && d >= 0 && d < g.d.in && w >= 0 && w < g.w.in;
-          const int column_offset = ::min(::max(d, 0), g.d.in - 1) * xs.d +
-                                    ::min(::max(w, 0), g.w.in - VEC) * xs.w;
           element[q] = scan_offset(cursor.t, cursor.r, cursor.c, kh, kw);
+          if constexpr (CLIPPED) {
+            const bool dw_inside =
+                p0 + q < positions && d >= 0 && d < g.d.in && w >= 0 && w < g.w.in;
+            const int column_offset = ::min(::max(d, 0), g.d.in - 1) * xs.d +
+                                      ::min(::max(w, 0), g.w.in - VEC) * xs.w;
 #pragma unroll
-          for (int j = 0; j < kForwardRows; ++j) {
-            const int h = h0[j] + cursor.r;
-            inside[q][j] = dw_inside && oh[j] < g.h.out && h >= 0 && h < g.h.in;
-            const scalar_t* p = xp + (column_offset + ::min(::max(h, 0), g.h.in - 1) * xs.h);
-            if constexpr (VEC == 1) {
-              in[q][j].v[0] = *p;
-            } else {
-              in[q][j] = *reinterpret_cast<const Vector<scalar_t, VEC>*>(p);
+            for (int j = 0; j < kForwardRows; ++j) {
+              const int h = h0[j] + cursor.r;
+              inside[q][j] = dw_inside && oh[j] < g.h.out && h >= 0 && h < g.h.in;
+              in[q][j] = load_vector<scalar_t, VEC>(
+                  xp + (column_offset + ::min(::max(h, 0), g.h.in - 1) * xs.h));
+            }
+          } else {
+#pragma unroll
+            for (int j = 0; j < kForwardRows; ++j) {
+              inside[q][j] = p0 + q < positions;
+              in[q][j] = load_vector<scalar_t, VEC>(xp + (d * xs.d + (h0[j] + cursor.r) * xs.h + w * xs.w));
             }
           }
           cursor.next(kh, kw, VEC);
@@ -344,15 +350,19 @@ void launch_pick_kernel(const at::Tensor& x_in, const MaxPool3dGeometry& g, doub
       const bool pairs = xs.w == 1 && aligned_vector_width<scalar_t>(
                                           x.const_data_ptr(), {g.w.in, g.w.stride, g.w.pad, xs.h,
                                                                xs.d, xs.c, xs.b}) >= 2;
+      // Windows wholly inside the input need no clipping of their loads.
+      const bool clipped = !g.windows_inside();
       if (pairs) {
-        launch(pick_kernel<scalar_t, index_t, 2, 2, 2, 2>);
+        launch(clipped ? pick_kernel<scalar_t, index_t, 2, 2, 2, 2, true>
+                       : pick_kernel<scalar_t, index_t, 2, 2, 2, 2, false>);
       } else {
-        launch(pick_kernel<scalar_t, index_t, 1, 2, 2, 2>);
+        launch(clipped ? pick_kernel<scalar_t, index_t, 1, 2, 2, 2, true>
+                       : pick_kernel<scalar_t, index_t, 1, 2, 2, 2, false>);
       }
       return;
     }
   }
-  launch(pick_kernel<scalar_t, index_t, 1, 0, 0, 0>);
+  launch(pick_kernel<scalar_t, index_t, 1, 0, 0, 0, true>);
 }
 
 template <typename scalar_t, typename index_t>

@@ -127,4 +127,9 @@ struct alignas(sizeof(scalar_t) * VEC) Vector {
   scalar_t v[VEC];
 };
 
+template <typename scalar_t, int VEC>
+__device__ __forceinline__ Vector<scalar_t, VEC> load_vector(const scalar_t* p) {
+  return *reinterpret_cast<const Vector<scalar_t, VEC>*>(p);
+}
+
 }  // namespace fused_ops
