@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = ["bench_avg_pool2d_sigmoid_sum", "bench_max_pool3d_mean"]
+BENCHMARKS = ["bench_avg_pool2d_sigmoid_sum", "bench_max_pool3d_mean", "bench_max_pool3d_cascade_sum"]
 
 
 def build():
@@ -84,7 +84,7 @@ def main():
         print(f"{r['op']:<24}{r['variant']:<9}{r['forward_ms']:>8.3f}{r['backward_ms']:>8.3f}"
               f"{fwd_pct:>9.0f}%{bwd_pct:>9.0f}%{e['forward_ms'] / r['forward_ms']:>7.2f}{e['backward_ms'] / r['backward_ms']:>7.2f}")
         if "train_forward_ms" in r:
-            print(f"{'':<24}train forward (saves {r['saved_bytes'] >> 20} MiB) {r['train_forward_ms']:.3f} ms; "
+            print(f"{'':<24}train forward (saves {r['saved_bytes'] / 2**20:.1f} MiB) {r['train_forward_ms']:.3f} ms; "
                   f"backward op alone {r['backward_op_ms']:.3f} ms")
     if "failed" in tests or "error" in tests:
         sys.exit(1)

@@ -39,9 +39,11 @@ def backward_ms(fn, x, device) -> float:
     return median_ms(lambda: torch.autograd.grad(out, x, grad, retain_graph=True), device)
 
 
-def time_tails(op: str, fused, eager, x, device, compile_tail: bool, max_rel_err: float) -> list[dict]:
+def time_tails(op: str, fused, eager, x, device, compile_tail: bool, max_rel_err: float,
+               forward_bytes: int | None = None) -> list[dict]:
     """One row per variant of a tail at x: the fused op, the eager tail and
-    (compile_tail) torch.compile of the eager tail; forward and backward times."""
+    (compile_tail) torch.compile of the eager tail; forward and backward times.
+    forward_bytes: what the forward must read, where that is less than all of x."""
     nbytes = x.numel() * x.element_size()
     variants = {"fused": fused, "eager": eager}
     if compile_tail:
@@ -53,8 +55,10 @@ def time_tails(op: str, fused, eager, x, device, compile_tail: bool, max_rel_err
         bwd = backward_ms(fn, x, device)
         rows.append(dict(op=op, variant=name, shape=list(x.shape), dtype=str(x.dtype).removeprefix("torch."),
                          forward_ms=fwd, backward_ms=bwd, max_rel_err=max_rel_err,
-                         # the fewest bytes each pass must move: read x / write grad_x
-                         forward_bytes=nbytes, backward_bytes=nbytes))
+                         # the fewest bytes each pass must move: read x (or the part of it
+                         # that reaches the output) / write grad_x
+                         forward_bytes=nbytes if forward_bytes is None else forward_bytes,
+                         backward_bytes=nbytes))
     return rows
 
 

@@ -8,9 +8,11 @@
 #pragma once
 
 #include <ATen/NumericUtils.h>
+#include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
 
 #include <cstdint>
+#include <optional>
 
 #include "pool_geometry.h"
 
@@ -45,6 +47,54 @@ struct MaxPool3dGeometry {
   }
 };
 
+// The largest kernel volume whose pick offsets fit a saved byte.
+constexpr int64_t kMaxSavedKernelVolume = 256;
+
+// Checks the pooling arguments for an input of spatial size `input_size` and
+// returns the geometry. An empty stride means stride = kernel_size.
+inline MaxPool3dGeometry max_pool3d_geometry(const char* what, c10::IntArrayRef input_size,
+                                             c10::IntArrayRef kernel_size,
+                                             c10::IntArrayRef stride, c10::IntArrayRef padding,
+                                             bool ceil_mode) {
+  const auto k = expand_param<3>(what, "kernel_size", kernel_size);
+  const auto s = stride.empty() ? k : expand_param<3>(what, "stride", stride);
+  const auto p = expand_param<3>(what, "padding", padding);
+  MaxPool3dGeometry g;
+  const char* dims[3] = {"depth", "height", "width"};
+  PoolDim* pd[3] = {&g.d, &g.h, &g.w};
+  for (int i = 0; i < 3; ++i) {
+    *pd[i] = make_pool_dim(what, dims[i], input_size[i], k[i], s[i], p[i], ceil_mode);
+  }
+  TORCH_CHECK_VALUE(g.kernel_volume() < (int64_t{1} << 31), what,
+                    ": kernel volumes of 2^31 or more are not supported, got kernel_size ",
+                    c10::IntArrayRef(k));
+  return g;
+}
+
+// Checks that x is a (B, C, D, H, W) floating-point input with non-empty planes.
+inline void check_pool3d_input(const char* what, const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() == 5, what,
+                    ": expected a 5-D input (batch, channels, depth, height, width), got ",
+                    x.dim(), "-D input of shape ", x.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), what,
+                   ": input must be a floating-point tensor (float64, float32, float16 or "
+                   "bfloat16), got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.size(1) > 0 && x.size(2) > 0 && x.size(3) > 0 && x.size(4) > 0, what,
+                    ": channels, depth, height and width must be non-zero, got input of shape ",
+                    x.sizes());
+}
+
+// Calls f(p) with the picks' data as the kernels read them: uint8_t* (one
+// byte per pick, where the offsets fit) or int32_t*.
+template <typename F>
+void dispatch_picks(at::Tensor& picks, F&& f) {
+  if (picks.scalar_type() == at::kByte) {
+    f(picks.mutable_data_ptr<uint8_t>());
+  } else {
+    f(picks.mutable_data_ptr<int32_t>());
+  }
+}
+
 // The element a max-pool window picks, fed its elements in scan order. The
 // rule of PyTorch's max_pool3d kernels (CPU MaxPoolKernel.cpp, CUDA
 // DilatedMaxPool3d.cu): starting at the window's first element with max = -inf,
@@ -61,6 +111,20 @@ struct WindowPick {
   // windows need not wait on each other's compares.
   C10_HOST_DEVICE void update(acc_t v, int element, bool present = true) {
     const bool take = present & ((offset < 0) | (v > value) | at::_isnan(v));
+    value = take ? v : value;
+    offset = take ? element : offset;
+  }
+
+  // Offers element `element` of value v in any order (a pick of part of the
+  // window, say): the result is the pick of the elements offered so far as
+  // update() fed them in scan order would make it, since that pick is the
+  // last NaN, else the first maximum, by offset: of two NaNs the later one,
+  // a NaN over a number, of two numbers the larger, of two equal the earlier.
+  C10_HOST_DEVICE void merge(acc_t v, int element) {
+    const bool v_nan = at::_isnan(v), value_nan = at::_isnan(value);
+    const bool wins = v_nan ? (!value_nan | (element > offset))
+                            : (!value_nan & ((v > value) | ((v == value) & (element < offset))));
+    const bool take = (offset < 0) | wins;
     value = take ? v : value;
     offset = take ? element : offset;
   }
@@ -101,6 +165,24 @@ C10_HOST_DEVICE int pick_count(const MaxPool3dGeometry& g, const index_t* picks,
     }
   }
   return count;
+}
+
+// A max-pool backward's source of picks: `indices`, the forward's saved picks,
+// or `x` to recompute them from; exactly one given, on grad's device. Returns
+// it and sets `saved`.
+inline const at::Tensor& picks_source(const char* what, const char* grad_name, const at::Tensor& grad,
+                                      const std::optional<at::Tensor>& indices,
+                                      const std::optional<at::Tensor>& x, bool& saved) {
+  saved = indices.has_value() && indices->defined();
+  const bool recompute = x.has_value() && x->defined();
+  TORCH_CHECK_VALUE(saved != recompute, what,
+                    ": pass exactly one of indices (the forward's saved picks) and x (to "
+                    "recompute them)");
+  const at::Tensor& given = saved ? *indices : *x;
+  TORCH_CHECK_VALUE(given.device() == grad.device(), what, ": ", grad_name, " and ",
+                    saved ? "indices" : "x", " must be on the same device, got ", grad.device(),
+                    " and ", given.device());
+  return given;
 }
 
 }  // namespace fused_ops

@@ -23,29 +23,8 @@
 
 namespace fused_ops {
 
-// The largest kernel volume whose pick offsets fit the saved byte.
-constexpr int64_t kMaxSavedKernelVolume = 256;
-
-// Checks the pooling arguments for an input of spatial size `input_size` and
-// returns the geometry. An empty stride means stride = kernel_size.
-inline MaxPool3dGeometry max_pool3d_geometry(const char* what, c10::IntArrayRef input_size,
-                                             c10::IntArrayRef kernel_size,
-                                             c10::IntArrayRef stride, c10::IntArrayRef padding,
-                                             bool ceil_mode, double divisor) {
+inline void check_divisor(const char* what, double divisor) {
   TORCH_CHECK_VALUE(divisor != 0, what, ": divisor must be non-zero");
-  const auto k = expand_param<3>(what, "kernel_size", kernel_size);
-  const auto s = stride.empty() ? k : expand_param<3>(what, "stride", stride);
-  const auto p = expand_param<3>(what, "padding", padding);
-  MaxPool3dGeometry g;
-  const char* dims[3] = {"depth", "height", "width"};
-  PoolDim* pd[3] = {&g.d, &g.h, &g.w};
-  for (int i = 0; i < 3; ++i) {
-    *pd[i] = make_pool_dim(what, dims[i], input_size[i], k[i], s[i], p[i], ceil_mode);
-  }
-  TORCH_CHECK_VALUE(g.kernel_volume() < (int64_t{1} << 31), what,
-                    ": kernel volumes of 2^31 or more are not supported, got kernel_size ",
-                    c10::IntArrayRef(k));
-  return g;
 }
 
 inline MaxPool3dGeometry max_pool3d_mean_geometry(const at::Tensor& x,
@@ -54,17 +33,10 @@ inline MaxPool3dGeometry max_pool3d_mean_geometry(const at::Tensor& x,
                                                   c10::IntArrayRef padding, bool ceil_mode,
                                                   double divisor, bool save_indices) {
   constexpr const char* what = "max_pool3d_mean";
-  TORCH_CHECK_VALUE(x.dim() == 5, what,
-                    ": expected a 5-D input (batch, channels, depth, height, width), got ",
-                    x.dim(), "-D input of shape ", x.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), what,
-                   ": input must be a floating-point tensor (float64, float32, float16 or "
-                   "bfloat16), got ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.size(1) > 0 && x.size(2) > 0 && x.size(3) > 0 && x.size(4) > 0, what,
-                    ": channels, depth, height and width must be non-zero, got input of shape ",
-                    x.sizes());
+  check_pool3d_input(what, x);
+  check_divisor(what, divisor);
   const auto g = max_pool3d_geometry(what, x.sizes().slice(2), kernel_size, stride, padding,
-                                     ceil_mode, divisor);
+                                     ceil_mode);
   TORCH_CHECK_VALUE(!save_indices || g.kernel_volume() <= kMaxSavedKernelVolume, what,
                     ": save_indices needs a kernel volume of at most ", kMaxSavedKernelVolume,
                     " (one byte per pick), got ", g.kernel_volume(),
@@ -83,17 +55,6 @@ inline std::pair<at::Tensor, at::Tensor> max_pool3d_mean_outputs(const at::Tenso
                                                 byte_options)
                                     : at::empty({0}, byte_options);
   return {mean, indices};
-}
-
-// Calls f(p) with the picks' data as the kernels read them: uint8_t* (one
-// byte per pooled element, where the offsets fit) or int32_t*.
-template <typename F>
-void dispatch_picks(at::Tensor& picks, F&& f) {
-  if (picks.scalar_type() == at::kByte) {
-    f(picks.mutable_data_ptr<uint8_t>());
-  } else {
-    f(picks.mutable_data_ptr<int32_t>());
-  }
 }
 
 // The backward's checked arguments: the geometry; the picks, (B, C, D', H',
@@ -119,18 +80,10 @@ inline MaxPool3dMeanBackward max_pool3d_mean_backward_setup(
                     grad_mean.sizes());
   TORCH_CHECK_VALUE(input_size.size() == 3, what, ": input_size must have 3 elements, got ",
                     input_size.size());
-  const bool saved = indices.has_value() && indices->defined();
-  const bool recompute = x.has_value() && x->defined();
-  TORCH_CHECK_VALUE(saved != recompute, what,
-                    ": pass exactly one of indices (the forward's saved picks) and x (to "
-                    "recompute them)");
-  const at::Tensor& given = saved ? *indices : *x;
-  TORCH_CHECK_VALUE(given.device() == grad_mean.device(), what,
-                    ": grad_mean and ", saved ? "indices" : "x",
-                    " must be on the same device, got ", grad_mean.device(), " and ",
-                    given.device());
-  const auto g = max_pool3d_geometry(what, input_size, kernel_size, stride, padding, ceil_mode,
-                                     divisor);
+  bool saved = false;
+  picks_source(what, "grad_mean", grad_mean, indices, x, saved);
+  check_divisor(what, divisor);
+  const auto g = max_pool3d_geometry(what, input_size, kernel_size, stride, padding, ceil_mode);
   const int64_t B = grad_mean.size(0), C = grad_mean.size(1);
   if (saved) {
     TORCH_CHECK_TYPE(indices->scalar_type() == at::kByte, what, ": indices must be uint8, got ",

@@ -26,4 +26,19 @@ TORCH_LIBRARY(fused_ops, m) {
       "max_pool3d_mean_backward(Tensor grad_mean, Tensor? indices, Tensor? x, "
       "SymInt[3] input_size, int[3] kernel_size, int[3] stride, int[3] padding, "
       "bool ceil_mode, float divisor) -> Tensor");
+
+  // sum over channels, keepdim, of max_pool3d_2(max_pool3d_1(x)) -> (B, 1, D'', H'', W''):
+  // two stages of nn.MaxPool3d (dilation 1, ceil_mode False; an empty stride
+  // means the kernel size). With save_indices, also each output's pick per
+  // channel as a uint8 (stage-2 scan offset * stage-1 kernel volume + stage-1
+  // scan offset) (B, C, D'', H'', W''), else an empty tensor.
+  m.def(
+      "max_pool3d_cascade_sum(Tensor x, int[3] kernel1, int[3] stride1, int[3] padding1, "
+      "int[3] kernel2, int[3] stride2, int[3] padding2, bool save_indices) -> (Tensor, Tensor)");
+  // grad_x (B, C, *input_size), contiguous, from the forward's saved indices
+  // or, given x instead, from picks recomputed from x.
+  m.def(
+      "max_pool3d_cascade_sum_backward(Tensor grad_out, Tensor? indices, Tensor? x, "
+      "SymInt[3] input_size, int[3] kernel1, int[3] stride1, int[3] padding1, int[3] kernel2, "
+      "int[3] stride2, int[3] padding2) -> Tensor");
 }

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from . import reference
-from .ops import avg_pool2d_sigmoid_sum, max_pool3d_mean
+from .ops import avg_pool2d_sigmoid_sum, max_pool3d_cascade_sum, max_pool3d_mean
 
 
 def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.Module:
@@ -28,6 +28,24 @@ def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.M
         setattr(module, name, getattr(original, name))
     module.train(original.training)
     return module
+
+
+def _check_5d_input(name: str, x: Tensor, in_channels: int) -> None:
+    if x.dim() != 5:
+        raise ValueError(
+            f"{name}: expected a 5-D input (batch, channels, depth, height, width), "
+            f"got {x.dim()}-D input of shape {tuple(x.shape)}"
+        )
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"{name}: input must be a floating-point tensor, got {x.dtype}")
+    if x.shape[1] != in_channels:
+        raise ValueError(f"{name}: expected {in_channels} input channels, got input of shape {tuple(x.shape)}")
+
+
+def _check_fusable_max_pool(name: str, pool: nn.MaxPool3d, ceil_mode_ok: bool) -> None:
+    if pool.dilation not in (1, (1, 1, 1), [1, 1, 1]) or pool.return_indices or (pool.ceil_mode and not ceil_mode_ok):
+        unsupported = "dilation != 1, return_indices" + ("" if ceil_mode_ok else " or ceil_mode")
+        raise ValueError(f"{name}: the fused max-pool does not support {unsupported}, got {pool}")
 
 
 class Conv2dAvgPoolSigmoidSum(nn.Module):
@@ -76,17 +94,30 @@ class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
 
     def forward(self, x: Tensor) -> Tensor:
         name = type(self).__name__
-        if x.dim() != 5:
-            raise ValueError(
-                f"{name}: expected a 5-D input (batch, channels, depth, height, width), "
-                f"got {x.dim()}-D input of shape {tuple(x.shape)}"
-            )
-        if not x.dtype.is_floating_point:
-            raise TypeError(f"{name}: input must be a floating-point tensor, got {x.dtype}")
-        if x.shape[1] != self.conv.in_channels:
-            raise ValueError(f"{name}: expected {self.conv.in_channels} input channels, got input of shape {tuple(x.shape)}")
+        _check_5d_input(name, x, self.conv.in_channels)
         pool = self.max_pool
-        if pool.dilation not in (1, (1, 1, 1), [1, 1, 1]) or pool.return_indices:
-            raise ValueError(f"{name}: the fused max-pool supports neither dilation != 1 nor return_indices, got {pool}")
+        _check_fusable_max_pool(name, pool, ceil_mode_ok=True)
         mean = max_pool3d_mean(self.conv(x), pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
         return torch.sum(mean[:, :, None, None, None] + self.bias, dim=self.sum_dim)
+
+
+class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSum):
+    """conv_transpose3d -> max_pool3d -> max_pool3d -> sum over channels
+    (keepdim); the two pools and the sum fused into one kernel
+    (``fused_ops.max_pool3d_cascade_sum``). The constructor is the original's
+    (the same members, parameters drawn in the same order)."""
+
+    @classmethod
+    def from_module(cls, original: nn.Module) -> "ConvTranspose3dMaxPoolMaxPoolSum":
+        return _adopt(cls, original, conv_transpose=nn.ConvTranspose3d, max_pool1=nn.MaxPool3d,
+                      max_pool2=nn.MaxPool3d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        name = type(self).__name__
+        _check_5d_input(name, x, self.conv_transpose.in_channels)
+        first, second = self.max_pool1, self.max_pool2
+        _check_fusable_max_pool(name, first, ceil_mode_ok=False)
+        _check_fusable_max_pool(name, second, ceil_mode_ok=False)
+        return max_pool3d_cascade_sum(self.conv_transpose(x), first.kernel_size, second.kernel_size,
+                                      stride1=first.stride, padding1=first.padding, stride2=second.stride,
+                                      padding2=second.padding)

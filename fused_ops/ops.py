@@ -4,6 +4,7 @@ for torch.compile, and autograd wired to the handwritten backward op.
 The kernels themselves are registered by the C++ extension under
 ``torch.ops.fused_ops`` (schemas in csrc/ops.cpp).
 """
+import math
 from collections.abc import Sequence
 
 import torch
@@ -213,4 +214,107 @@ torch.library.register_autograd(
     "fused_ops::max_pool3d_mean",
     _max_pool3d_mean_backward,
     setup_context=_max_pool3d_mean_setup_context,
+)
+
+
+# --------------------------------------------------------------------------
+# max_pool3d_cascade_sum
+# --------------------------------------------------------------------------
+
+
+def _pool_triples(kernel_size, stride, padding) -> tuple[list[int], list[int], list[int]]:
+    """nn.MaxPool3d's kernel_size, stride (None: the kernel size) and padding as lists of 3 ints."""
+    kernel_size = _expand(kernel_size, 3, "kernel_size")
+    no_stride = stride is None or (isinstance(stride, Sequence) and len(stride) == 0)
+    return kernel_size, kernel_size if no_stride else _expand(stride, 3, "stride"), _expand(padding, 3, "padding")
+
+
+def max_pool3d_cascade_sum(x: Tensor, kernel_size1, kernel_size2, *, stride1=None, padding1=0, stride2=None,
+                           padding2=0) -> Tensor:
+    """``F.max_pool3d(F.max_pool3d(x, kernel_size1, stride1, padding1), kernel_size2, stride2,
+    padding2).sum(dim=1, keepdim=True)`` in one pass over the part of x that reaches the output.
+
+    x: (B, C, D, H, W), float64/float32/float16/bfloat16, any strides (read in
+    place). Each stage takes ``nn.MaxPool3d``'s arguments (dilation 1,
+    ceil_mode False). Returns (B, 1, D'', H'', W'') in x's dtype, the channels
+    added in a fixed order in float32 (float64 for float64 input).
+    Differentiable in x: each output's gradient goes, per channel, to the
+    element PyTorch's cascade picks (the stage-1 pick in the window stage 2
+    picks, the first maximum at each stage, NaN propagating). The forward
+    saves one byte per output and channel when x requires grad (kernel
+    volumes whose product is at most 256; past it the backward recomputes
+    the picks from x).
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"max_pool3d_cascade_sum: x must be a Tensor, got {type(x).__name__}")
+    first = _pool_triples(kernel_size1, stride1, padding1)
+    second = _pool_triples(kernel_size2, stride2, padding2)
+    volume = math.prod(first[0]) * math.prod(second[0])
+    save_indices = torch.is_grad_enabled() and x.requires_grad and volume <= _MAX_SAVED_KERNEL_VOLUME
+    out, _ = _ops.max_pool3d_cascade_sum(x, *first, *second, save_indices)
+    return out
+
+
+def _cascade_output_size(input_size, kernel1, stride1, padding1, kernel2, stride2, padding2) -> list:
+    pooled = [_pooled_size(input_size[d], kernel1[d], stride1[d], padding1[d], False) for d in range(3)]
+    torch._check(all(o >= 1 for o in pooled), lambda: "max_pool3d_cascade_sum: input is smaller than the first kernel")
+    out = [_pooled_size(pooled[d], kernel2[d], stride2[d], padding2[d], False) for d in range(3)]
+    torch._check(all(o >= 1 for o in out), lambda: "max_pool3d_cascade_sum: input is smaller than the second kernel")
+    return out
+
+
+def _cascade_args(kernel1, stride1, padding1, kernel2, stride2, padding2) -> list[list[int]]:
+    # The schema's lists (1 or 3 elements; an empty stride means the kernel size) as lists of 3.
+    return [*_pool_triples(list(kernel1), list(stride1), list(padding1)),
+            *_pool_triples(list(kernel2), list(stride2), list(padding2))]
+
+
+@torch.library.register_fake("fused_ops::max_pool3d_cascade_sum")
+def _max_pool3d_cascade_sum_fake(x, kernel1, stride1, padding1, kernel2, stride2, padding2, save_indices):
+    torch._check(x.dim() == 5, lambda: f"max_pool3d_cascade_sum: expected a 5-D input, got {x.dim()}-D")
+    torch._check(
+        x.dtype.is_floating_point,
+        lambda: f"max_pool3d_cascade_sum: input must be a floating-point tensor, got {x.dtype}",
+    )
+    args = _cascade_args(kernel1, stride1, padding1, kernel2, stride2, padding2)
+    out_size = _cascade_output_size(x.shape[2:], *args)
+    torch._check(
+        not save_indices or math.prod(args[0]) * math.prod(args[3]) <= _MAX_SAVED_KERNEL_VOLUME,
+        lambda: "max_pool3d_cascade_sum: save_indices needs the product of the two kernel volumes to be at "
+        f"most {_MAX_SAVED_KERNEL_VOLUME}",
+    )
+    out = x.new_empty((x.shape[0], 1, *out_size))
+    if not save_indices:
+        return out, x.new_empty((0,), dtype=torch.uint8)
+    return out, x.new_empty((x.shape[0], x.shape[1], *out_size), dtype=torch.uint8)
+
+
+@torch.library.register_fake("fused_ops::max_pool3d_cascade_sum_backward")
+def _max_pool3d_cascade_sum_backward_fake(grad_out, indices, x, input_size, kernel1, stride1, padding1, kernel2,
+                                          stride2, padding2):
+    channels = (indices if indices is not None else x).shape[1]
+    return grad_out.new_empty((grad_out.shape[0], channels, *input_size))
+
+
+def _max_pool3d_cascade_sum_setup_context(ctx, inputs, output):
+    x, *pools, _ = inputs
+    _, indices = output
+    ctx.mark_non_differentiable(indices)
+    # The saved picks, or x to recompute them from when the forward saved none.
+    saved = indices.dim() == 5
+    ctx.save_for_backward(indices if saved else None, None if saved else x)
+    ctx.input_size = tuple(x.shape[2:])
+    ctx.pools = pools
+
+
+def _max_pool3d_cascade_sum_backward(ctx, grad_out, _grad_of_indices):
+    indices, x = ctx.saved_tensors
+    grad_x = _ops.max_pool3d_cascade_sum_backward(grad_out, indices, x, ctx.input_size, *ctx.pools)
+    return grad_x, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "fused_ops::max_pool3d_cascade_sum",
+    _max_pool3d_cascade_sum_backward,
+    setup_context=_max_pool3d_cascade_sum_setup_context,
 )

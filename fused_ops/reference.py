@@ -40,3 +40,21 @@ class Conv3dDivMaxPoolGAPBiasSum(nn.Module):
         x = x + self.bias
         x = torch.sum(x, dim=self.sum_dim)
         return x
+
+
+class ConvTranspose3dMaxPoolMaxPoolSum(nn.Module):
+    """Architecture B: conv_transpose3d -> max_pool3d(2) -> max_pool3d(3) -> sum
+    over channels, keepdim."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, stride, padding):
+        super().__init__()
+        self.conv_transpose = nn.ConvTranspose3d(in_channels, out_channels, kernel_size, stride=stride, padding=padding)
+        self.max_pool1 = nn.MaxPool3d(kernel_size=2)
+        self.max_pool2 = nn.MaxPool3d(kernel_size=3)
+
+    def forward(self, x):
+        x = self.conv_transpose(x)
+        x = self.max_pool1(x)
+        x = self.max_pool2(x)
+        x = torch.sum(x, dim=1, keepdim=True)
+        return x

@@ -120,3 +120,11 @@ def check_from_module(name, args, members):
     assert [p.data_ptr() for p in fused.parameters()] == [p.data_ptr() for p in original.parameters()]
     with pytest.raises(TypeError, match="from_module: expected a module with a"):
         getattr(fnn, name).from_module(torch.nn.Sequential())
+
+
+def make_input(shape, dtype, device, seed=0, requires_grad=False):
+    """torch.rand values (drawn in float64 on the CPU, so every dtype and device
+    sees the same numbers) in dtype on device."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    return x.requires_grad_(requires_grad)

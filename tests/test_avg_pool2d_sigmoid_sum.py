@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DTYPES, assert_close_to_reference, poison_cuda_allocator, requires_cuda
+from conftest import DTYPES, assert_close_to_reference, make_input, poison_cuda_allocator, requires_cuda
 from fused_ops import avg_pool2d_sigmoid_sum
 
 OP = torch.ops.fused_ops.avg_pool2d_sigmoid_sum.default
@@ -37,12 +37,6 @@ CONFIGS = [random_config(random.Random(seed)) for seed in range(24)] + [
     # kernel the whole input (global average)
     ((3, 4, 7, 9), dict(kernel_size=(7, 9))),
 ]
-
-
-def make_input(shape, dtype, device, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
-    return x.requires_grad_(requires_grad)
 
 
 def check_forward_backward(x, pool, dtype):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DTYPES, assert_close_to_reference, poison_cuda_allocator, requires_cuda
+from conftest import DTYPES, assert_close_to_reference, make_input, poison_cuda_allocator, requires_cuda
 from fused_ops import max_pool3d_mean
 
 OP = torch.ops.fused_ops.max_pool3d_mean.default
@@ -51,12 +51,6 @@ CONFIGS = [random_config(random.Random(seed)) for seed in range(20)] + [
     # kernel volume > 256: the backward recomputes the picks (int32 offsets)
     ((1, 2, 8, 9, 10), dict(kernel_size=7, stride=(1, 2, 3), padding=(0, 1, 2)), 2.0),
 ]
-
-
-def make_input(shape, dtype, device, seed=0, requires_grad=False):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.rand(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
-    return x.requires_grad_(requires_grad)
 
 
 def check_forward_backward(x, pool, divisor, dtype):

@@ -70,22 +70,6 @@ __host__ __device__ constexpr int gather_band_rows(int batch_rows) {
   return batch_rows > 512 ? batch_rows : 512;
 }
 
-// Strides of a (B, C, D, H, W) tensor, in elements: 64-bit from plane to
-// plane, 32-bit inside a plane (in_plane_strides says when they fit).
-struct InputStrides {
-  int64_t b, c;
-  int d, h, w;
-};
-
-// x's strides, if every offset inside one of its (b, c) planes fits an int.
-std::optional<InputStrides> in_plane_strides(const at::Tensor& x) {
-  int64_t extent = 0;
-  for (int i = 2; i < 5; ++i) extent += (x.size(i) - 1) * x.stride(i);
-  if (extent > std::numeric_limits<int>::max()) return std::nullopt;
-  return InputStrides{x.stride(0), x.stride(1), static_cast<int>(x.stride(2)),
-                      static_cast<int>(x.stride(3)), static_cast<int>(x.stride(4))};
-}
-
 int pow2_at_least(int n) {
   int p = 1;
   while (p < n) p *= 2;

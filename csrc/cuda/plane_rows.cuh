@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <limits>
+#include <optional>
 
 namespace fused_ops {
 
@@ -35,6 +37,22 @@ inline PlaneRows plane_rows(const at::Tensor& t, bool channels_last) {
     return {1, static_cast<int>(C), static_cast<int>(W * C), t.stride(0), 0, t.stride(2), 1};
   }
   return {C, 1, static_cast<int>(W), t.stride(0), t.stride(1), t.stride(2), t.stride(3)};
+}
+
+// Strides of a (B, C, D, H, W) tensor, in elements: 64-bit from plane to
+// plane, 32-bit inside a plane (in_plane_strides says when they fit).
+struct InputStrides {
+  int64_t b, c;
+  int d, h, w;
+};
+
+// A 5-D tensor's strides, if every offset inside one of its (b, c) planes fits an int.
+inline std::optional<InputStrides> in_plane_strides(const at::Tensor& x) {
+  int64_t extent = 0;
+  for (int i = 2; i < 5; ++i) extent += (x.size(i) - 1) * x.stride(i);
+  if (extent > std::numeric_limits<int>::max()) return std::nullopt;
+  return InputStrides{x.stride(0), x.stride(1), static_cast<int>(x.stride(2)),
+                      static_cast<int>(x.stride(3)), static_cast<int>(x.stride(4))};
 }
 
 // Work items numbered in mixed radix, item = ((digit[0] * size[1] + digit[1])

@@ -51,5 +51,19 @@ int main(int argc, char** argv) {
   const auto mean_ref = at::max_pool3d(x5 / -2.0, {2, 3, 2}, {2, 2, 1}, {1, 1, 0}, 1, true).mean({2, 3, 4});
   const double err_mean = (mean - mean_ref).abs().max().item<double>();
   std::printf("max_pool3d_mean: forward error %.3g\n", err_mean);
-  return err_out < 1e-12 && err_grad < 1e-12 && err_mean < 1e-12 ? 0 : 1;
+
+  const auto cascade_sum =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fused_ops::max_pool3d_cascade_sum", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef,
+                                                    at::IntArrayRef, at::IntArrayRef,
+                                                    at::IntArrayRef, at::IntArrayRef,
+                                                    at::IntArrayRef, bool)>();
+  const auto x6 = at::rand({2, 5, 13, 12, 14}, at::kDouble);
+  const auto sum = std::get<0>(cascade_sum.call(x6, {2, 2, 2}, {2, 2, 2}, {0, 0, 0}, {3, 3, 3},
+                                                {3, 3, 3}, {0, 0, 0}, false));
+  const auto sum_ref = at::max_pool3d(at::max_pool3d(x6, {2, 2, 2}), {3, 3, 3}).sum(1, true);
+  const double err_sum = (sum - sum_ref).abs().max().item<double>();
+  std::printf("max_pool3d_cascade_sum: forward error %.3g\n", err_sum);
+  return err_out < 1e-12 && err_grad < 1e-12 && err_mean < 1e-12 && err_sum < 1e-12 ? 0 : 1;
 }

@@ -1,0 +1,113 @@
+// CPU kernels of max_pool3d_cascade_sum (the math: ../max_pool3d_cascade_sum.h).
+// Parallel over (batch, output position); any input strides, read in place.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "../dispatch.h"
+#include "../max_pool3d_cascade_sum.h"
+
+namespace fused_ops {
+namespace {
+
+// Every output's cascade pick per channel into picks (when not null; (B, C,
+// D'', H'', W'') contiguous of index_t) and the channel sum of the picked
+// values, channels added in order, into out (when not null; (B, 1, D'', H'',
+// W'') contiguous).
+template <typename scalar_t, typename index_t>
+void pick_cascades(const at::Tensor& x, const MaxPool3dCascade& g, index_t* picks, scalar_t* out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t C = x.size(1), P = g.outputs();
+  const auto xs = x.strides();
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  const MaxPool3dGeometry& s = g.second;
+  at::parallel_for(0, x.size(0) * P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t b = n / P, p = n % P;
+      const int od = static_cast<int>(p / (int64_t{s.h.out} * s.w.out));
+      const int oh = static_cast<int>(p / s.w.out % s.h.out), ow = static_cast<int>(p % s.w.out);
+      acc_t total = 0;
+      for (int64_t c = 0; c < C; ++c) {
+        const scalar_t* xc = xp + b * xs[0] + c * xs[1];
+        auto value_at = [&](int d, int h, int w) {
+          return static_cast<acc_t>(xc[d * xs[2] + h * xs[3] + w * xs[4]]);
+        };
+        const auto pick = cascade_pick<acc_t>(g, od, oh, ow, value_at);
+        total += pick.value;
+        if (picks != nullptr) picks[(b * C + c) * P + p] = static_cast<index_t>(pick.offset);
+      }
+      if (out != nullptr) out[n] = static_cast<scalar_t>(total);
+    }
+  });
+}
+
+// grad_x[b, c, e] = sum of grad_out[b, 0, p] over the outputs p whose pick
+// for channel c is e (cascade_grad), written once per element.
+template <typename scalar_t, typename index_t>
+void gather_grad(const at::Tensor& grad_out, const index_t* picks, const MaxPool3dCascade& g,
+                 at::Tensor& grad_x) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t C = grad_x.size(1), P = g.outputs();
+  const int D = grad_x.size(2), H = grad_x.size(3), W = grad_x.size(4);
+  const scalar_t* go = grad_out.const_data_ptr<scalar_t>();  // contiguous
+  const MaxPool3dGeometry& s = g.second;
+  scalar_t* gx = grad_x.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, grad_x.size(0) * C * D, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t plane = n / D;
+      const int d = static_cast<int>(n % D);
+      const scalar_t* gb = go + plane / C * P;
+      auto grad_at = [&](int od, int oh, int ow) {
+        return static_cast<acc_t>(gb[(static_cast<int64_t>(od) * s.h.out + oh) * s.w.out + ow]);
+      };
+      const index_t* plane_picks = picks + plane * P;
+      scalar_t* row = gx + n * H * W;
+      for (int h = 0; h < H; ++h) {
+        for (int w = 0; w < W; ++w) {
+          *row++ = static_cast<scalar_t>(cascade_grad<acc_t>(g, plane_picks, d, h, w, grad_at));
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> max_pool3d_cascade_sum_cpu(
+    const at::Tensor& x, at::IntArrayRef kernel1, at::IntArrayRef stride1,
+    at::IntArrayRef padding1, at::IntArrayRef kernel2, at::IntArrayRef stride2,
+    at::IntArrayRef padding2, bool save_indices) {
+  const auto g = max_pool3d_cascade_sum_geometry(
+      x, {kernel1, stride1, padding1, kernel2, stride2, padding2}, save_indices);
+  auto [out, indices] = max_pool3d_cascade_sum_outputs(x, g, save_indices);
+  FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "max_pool3d_cascade_sum_cpu", [&] {
+    pick_cascades<scalar_t, uint8_t>(x, g,
+                                     save_indices ? indices.mutable_data_ptr<uint8_t>() : nullptr,
+                                     out.mutable_data_ptr<scalar_t>());
+  });
+  return {out, indices};
+}
+
+at::Tensor max_pool3d_cascade_sum_backward_cpu(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& indices,
+    const std::optional<at::Tensor>& x, at::IntArrayRef input_size, at::IntArrayRef kernel1,
+    at::IntArrayRef stride1, at::IntArrayRef padding1, at::IntArrayRef kernel2,
+    at::IntArrayRef stride2, at::IntArrayRef padding2) {
+  auto args = max_pool3d_cascade_sum_backward_setup(
+      grad_out, indices, x, input_size, {kernel1, stride1, padding1, kernel2, stride2, padding2});
+  FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "max_pool3d_cascade_sum_backward_cpu", [&] {
+    dispatch_picks(args.picks, [&](auto* picks) {
+      if (args.recompute) pick_cascades<scalar_t>(args.x, args.g, picks, static_cast<scalar_t*>(nullptr));
+      gather_grad<scalar_t>(args.grad_out, picks, args.g, args.grad_x);
+    });
+  });
+  return args.grad_x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CPU, m) {
+  m.impl("max_pool3d_cascade_sum", &max_pool3d_cascade_sum_cpu);
+  m.impl("max_pool3d_cascade_sum_backward", &max_pool3d_cascade_sum_backward_cpu);
+}
+
+}  // namespace fused_ops
