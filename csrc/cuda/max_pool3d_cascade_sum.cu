@@ -58,7 +58,7 @@ constexpr int kGatherMinBlocks = 2;
 // The same for the thread-per-item kernels of any cascade.
 constexpr int kAnyCascadeMinBlocks = 2;
 // Rows of one depth per tiled_gather_kernel item.
-constexpr int kGatherRows = 8;
+constexpr int kGatherRows = 12;
 
 __host__ __device__ int channel_groups(int64_t channels) {
   return static_cast<int>((channels + kChannelsPerItem - 1) / kChannelsPerItem);
