@@ -43,6 +43,20 @@ def _pooled_size(size, kernel: int, stride: int, padding: int, ceil_mode: bool):
     return out
 
 
+def _pool_triples(kernel_size, stride, padding) -> tuple[list[int], list[int], list[int]]:
+    """nn.MaxPool3d's kernel_size, stride (None: the kernel size) and padding as lists of 3 ints."""
+    kernel_size = _expand(kernel_size, 3, "kernel_size")
+    no_stride = stride is None or (isinstance(stride, Sequence) and len(stride) == 0)
+    return kernel_size, kernel_size if no_stride else _expand(stride, 3, "stride"), _expand(padding, 3, "padding")
+
+
+def _save_picks_or_input(ctx, indices, x):
+    """Saves the forward's picks for the backward, or x to recompute them from when it saved none."""
+    ctx.mark_non_differentiable(indices)
+    saved = indices.dim() == 5
+    ctx.save_for_backward(indices if saved else None, None if saved else x)
+
+
 # --------------------------------------------------------------------------
 # avg_pool2d_sigmoid_sum
 # --------------------------------------------------------------------------
@@ -137,6 +151,7 @@ torch.library.register_autograd(
 # max_pool3d_mean
 # --------------------------------------------------------------------------
 
+
 # The largest kernel volume whose picks the forward saves, one byte each
 # (csrc/max_pool3d_mean.h); past it the backward recomputes them from x.
 _MAX_SAVED_KERNEL_VOLUME = 256
@@ -159,11 +174,8 @@ def max_pool3d_mean(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: b
         raise TypeError(f"max_pool3d_mean: x must be a Tensor, got {type(x).__name__}")
     if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
         raise TypeError(f"max_pool3d_mean: divisor must be a number, got {divisor!r}")
-    kernel_size = _expand(kernel_size, 3, "kernel_size")
-    stride = kernel_size if stride is None or (isinstance(stride, Sequence) and len(stride) == 0) else _expand(stride, 3, "stride")
-    padding = _expand(padding, 3, "padding")
-    volume = kernel_size[0] * kernel_size[1] * kernel_size[2]
-    save_indices = torch.is_grad_enabled() and x.requires_grad and volume <= _MAX_SAVED_KERNEL_VOLUME
+    kernel_size, stride, padding = _pool_triples(kernel_size, stride, padding)
+    save_indices = torch.is_grad_enabled() and x.requires_grad and math.prod(kernel_size) <= _MAX_SAVED_KERNEL_VOLUME
     mean, _ = _ops.max_pool3d_mean(x, kernel_size, stride, padding, ceil_mode, float(divisor), save_indices)
     return mean
 
@@ -175,11 +187,11 @@ def _max_pool3d_mean_fake(x, kernel_size, stride, padding, ceil_mode, divisor, s
         x.dtype.is_floating_point,
         lambda: f"max_pool3d_mean: input must be a floating-point tensor, got {x.dtype}",
     )
-    k, s, p = (_expand(list(v), 3, n) for v, n in ((kernel_size, "kernel_size"), (stride or kernel_size, "stride"), (padding, "padding")))
+    k, s, p = _pool_triples(list(kernel_size), list(stride), list(padding))
     pooled = [_pooled_size(x.shape[2 + d], k[d], s[d], p[d], ceil_mode) for d in range(3)]
     torch._check(all(o >= 1 for o in pooled), lambda: "max_pool3d_mean: input is smaller than the kernel")
     torch._check(
-        not save_indices or k[0] * k[1] * k[2] <= _MAX_SAVED_KERNEL_VOLUME,
+        not save_indices or math.prod(k) <= _MAX_SAVED_KERNEL_VOLUME,
         lambda: f"max_pool3d_mean: save_indices needs a kernel volume of at most {_MAX_SAVED_KERNEL_VOLUME}",
     )
     mean = x.new_empty((x.shape[0], x.shape[1]))
@@ -195,11 +207,7 @@ def _max_pool3d_mean_backward_fake(grad_mean, indices, x, input_size, kernel_siz
 
 def _max_pool3d_mean_setup_context(ctx, inputs, output):
     x, kernel_size, stride, padding, ceil_mode, divisor, _ = inputs
-    _, indices = output
-    ctx.mark_non_differentiable(indices)
-    # The saved picks, or x to recompute them from when the forward saved none.
-    saved = indices.dim() == 5
-    ctx.save_for_backward(indices if saved else None, None if saved else x)
+    _save_picks_or_input(ctx, output[1], x)
     ctx.input_size = tuple(x.shape[2:])
     ctx.pool = (kernel_size, stride, padding, ceil_mode, divisor)
 
@@ -220,13 +228,6 @@ torch.library.register_autograd(
 # --------------------------------------------------------------------------
 # max_pool3d_cascade_sum
 # --------------------------------------------------------------------------
-
-
-def _pool_triples(kernel_size, stride, padding) -> tuple[list[int], list[int], list[int]]:
-    """nn.MaxPool3d's kernel_size, stride (None: the kernel size) and padding as lists of 3 ints."""
-    kernel_size = _expand(kernel_size, 3, "kernel_size")
-    no_stride = stride is None or (isinstance(stride, Sequence) and len(stride) == 0)
-    return kernel_size, kernel_size if no_stride else _expand(stride, 3, "stride"), _expand(padding, 3, "padding")
 
 
 def max_pool3d_cascade_sum(x: Tensor, kernel_size1, kernel_size2, *, stride1=None, padding1=0, stride2=None,
@@ -298,11 +299,7 @@ def _max_pool3d_cascade_sum_backward_fake(grad_out, indices, x, input_size, kern
 
 def _max_pool3d_cascade_sum_setup_context(ctx, inputs, output):
     x, *pools, _ = inputs
-    _, indices = output
-    ctx.mark_non_differentiable(indices)
-    # The saved picks, or x to recompute them from when the forward saved none.
-    saved = indices.dim() == 5
-    ctx.save_for_backward(indices if saved else None, None if saved else x)
+    _save_picks_or_input(ctx, output[1], x)
     ctx.input_size = tuple(x.shape[2:])
     ctx.pools = pools
 
