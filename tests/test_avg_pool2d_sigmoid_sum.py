@@ -143,6 +143,26 @@ def test_cuda_large_and_tiled():
 
 
 @requires_cuda
+def test_cuda_aligned_runs_backward():
+    """Contiguous inputs with non-overlapping windows and rows longer than a
+    512-byte block but not whole blocks take the CUDA backward that writes runs
+    aligned to such blocks (rows of exactly one block, the first case, the
+    row-group one): runs starting and ending mid-row, rows and windows with
+    gaps, odd rows of 16-byte packs, an odd element count, more items than
+    resident warps."""
+    for shape, dtype, pool in [
+        ((2, 3, 9, 128), torch.float32, dict(kernel_size=4)),
+        ((1, 2, 13, 131), torch.float32, dict(kernel_size=(3, 2), stride=(4, 3), padding=(1, 1), ceil_mode=True)),
+        ((3, 5, 7, 300), torch.float16, dict(kernel_size=2, stride=(2, 3), count_include_pad=False, padding=1)),
+        ((1, 1, 3, 257), torch.float16, dict(kernel_size=(1, 2))),
+        ((2, 2, 5, 259), torch.bfloat16, dict(kernel_size=(2, 3), ceil_mode=True)),
+        ((2, 3, 6, 65), torch.float64, dict(kernel_size=(2, 3), stride=3, divisor_override=5)),
+        ((17, 128, 66, 130), torch.float32, dict(kernel_size=4)),
+    ]:
+        check_forward_backward(make_input(shape, dtype, "cuda"), pool, dtype)
+
+
+@requires_cuda
 def test_cuda_matches_cpu_and_is_deterministic():
     x = make_input((4, 16, 61, 67), torch.float32, "cuda")
     a = avg_pool2d_sigmoid_sum(x, 4)

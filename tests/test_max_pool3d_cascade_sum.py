@@ -250,7 +250,8 @@ def test_no_grad_saves_nothing(device):
 @requires_cuda
 def test_cuda_large_and_tiled():
     """Shapes past the CUDA kernels' tiles: many output columns (several
-    segments), rows wider than a warp, many channel groups, odd channel counts."""
+    segments; more than a warp's 32, which the backward gathers by row bands),
+    rows wider than a warp, many channel groups, odd channel counts."""
     for shape, first, second in [
         ((1, 2, 6, 6, 1100), dict(kernel_size=2), dict(kernel_size=3)),
         ((2, 67, 12, 30, 31), dict(kernel_size=2), dict(kernel_size=3)),

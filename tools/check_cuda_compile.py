@@ -41,7 +41,8 @@ def main() -> None:
             f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], stub]]
         for src in sources:
-            cmd = [nvcc, "-std=c++20", "-O3", "-arch=sm_90", "-c", src, "-o", os.devnull,
+            # C++17: what torch 2.11 (on the GPU machines) builds extensions with; newer torch uses C++20
+            cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-c", src, "-o", os.devnull,
                    "-Xptxas=-warn-spills", "-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS, *includes]
             print("nvcc", os.path.relpath(src, ROOT), flush=True)
             result = subprocess.run(cmd)

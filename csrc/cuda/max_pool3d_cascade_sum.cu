@@ -20,12 +20,16 @@
 //    output), cascade_pick per channel. It also recomputes the picks for the
 //    backward when none were saved (int32 when they do not fit a byte).
 //
-// Backward: grad_x (contiguous) written once, by a gather.
-//  - tiled_gather_kernel, tiled cascades: each element lies in at most one
-//    output's box, so grad_x[e] = grad_out[p] if the pick of p is e, else 0.
-//    Items (b, c, d, band of kGatherRows rows), warps alone; lane = column w
-//    (w += 32 across the row), so the stores of a row are coalesced; a lane
-//    loads the picks and grads of its kGatherRows elements, then stores them.
+// Backward: grad_x (contiguous) written once, by a gather. In a tiled
+// cascade each element lies in at most one output's box, so grad_x[e] =
+// grad_out[p] if the pick of p is e, else 0.
+//  - aligned_tiled_gather_kernel, tiled cascades of at most 32 output
+//    columns: flat chunks of whole 512-byte blocks, built in shared memory
+//    from the picks of the rows they touch (see the kernel).
+//  - tiled_gather_kernel, other tiled cascades: items (b, c, d, band of
+//    kGatherRows rows), warps alone; lane = column w (w += 32 across the
+//    row), so the stores of a row are coalesced; a lane loads the picks and
+//    grads of its kGatherRows elements, then stores them.
 //  - cascade_gather_kernel, any other cascade: a thread per element, summing
 //    over every output whose pick it is (cascade_grad).
 #include <ATen/core/Tensor.h>
@@ -59,6 +63,11 @@ constexpr int kGatherMinBlocks = 2;
 constexpr int kAnyCascadeMinBlocks = 2;
 // Rows of one depth per tiled_gather_kernel item.
 constexpr int kGatherRows = 12;
+// 512-byte blocks per aligned_tiled_gather_kernel item, and its blocks per multiprocessor.
+constexpr int kChunkBlocks = 8;
+constexpr int kAlignedGatherMinBlocks = 2;
+// Rows per lane whose picks aligned_tiled_gather_kernel loads before testing any.
+constexpr int kGatherPasses = 6;
 
 __host__ __device__ int channel_groups(int64_t channels) {
   return static_cast<int>((channels + kChannelsPerItem - 1) / kChannelsPerItem);
@@ -254,6 +263,104 @@ __global__ void __launch_bounds__(kThreads, kGatherMinBlocks)
   }
 }
 
+// grad_x of a tiled cascade whose output rows fit a warp, written in runs
+// that begin and end on 512-byte blocks (HBM takes writes at full speed only
+// when each such block is written whole by one warp; rows of x are rarely
+// whole blocks). An item is a chunk of kChunkBlocks blocks of grad_x
+// (contiguous); its warp zeroes an image of the chunk in shared memory, puts
+// each output's gradient where its pick falls inside the chunk, and stores
+// the image, lane l the 16 bytes at 16 * l of each block. Picks: for every
+// row of x the chunk touches and every output column, lane (row, ow) reads
+// the pick of output (od, oh, ow) of the row's box, and it lies in this row
+// iff its d and h offsets are the row's (pick == row key + w key of its
+// w offset).
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kThreads, kAlignedGatherMinBlocks)
+    aligned_tiled_gather_kernel(const scalar_t* __restrict__ grad_out, int channels,
+                                const index_t* __restrict__ picks, MaxPool3dCascade g, TiledCascade t,
+                                int64_t items, int64_t numel, scalar_t* __restrict__ grad_x) {
+  constexpr int EPL = 16 / sizeof(scalar_t);
+  constexpr int kChunk = 32 * EPL * kChunkBlocks;
+  using pack_t = Vector<scalar_t, EPL>;
+  const MaxPool3dGeometry& s = g.second;
+  const int D = g.first.d.in, H = g.first.h.in, W = g.first.w.in;
+  // Per depth, then per height: {offset of its outputs' row (d: in planes of
+  // H'' W'' outputs, h: of W''), -1 in no box; its part of the pick number}.
+  extern __shared__ __align__(16) unsigned char smem_bytes[];
+  int2* depth_info = reinterpret_cast<int2*>(smem_bytes);
+  int2* height_info = depth_info + D;
+  scalar_t* image = reinterpret_cast<scalar_t*>(smem_bytes + ((D + H) * sizeof(int2) + 15) / 16 * 16) +
+                    threadIdx.y * kChunk;
+  for (int i = threadIdx.y * 32 + threadIdx.x; i < D + H; i += blockDim.y * 32) {
+    const bool depth = i < D;
+    const int x = depth ? i : i - D;
+    const TiledDim& td = depth ? t.d : t.h;
+    const int o = x / td.box;
+    const bool in_box = o < (depth ? s.d.out : s.h.out);
+    const int row = depth ? o * s.h.out * s.w.out : o * s.w.out;
+    (depth ? depth_info : height_info)[x] = make_int2(in_box ? row : -1, td.key(x - o * td.box));
+  }
+  __syncthreads();
+
+  const int64_t outputs = g.outputs();
+  const int lane = threadIdx.x;  // blockDim.x == 32
+  // Lane (r, ow): output column ow of every rows_per_pass-th row.
+  const int rows_per_pass = 32 / s.w.out;
+  const int r = lane / s.w.out, ow = lane - r * s.w.out;
+  const bool reads = r < rows_per_pass;
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  for (int64_t item = warp; item < items; item += warps) {
+    const int64_t c0 = item * kChunk;
+    const int n = static_cast<int>(min(static_cast<int64_t>(kChunk), numel - c0));
+    for (int k = lane; k < kChunk / EPL; k += 32) reinterpret_cast<pack_t*>(image)[k] = pack_t{};
+    __syncwarp();
+    const int row1 = static_cast<int>((c0 + n - 1) / W);
+    int row = static_cast<int>(c0 / W) + r;
+    int plane = row / (D * H), d = row / H - plane * D, h = row - row / H * H;
+    while (reads && row <= row1) {
+      // kGatherPasses rows' picks loaded before any is tested.
+      int pick[kGatherPasses], key[kGatherPasses], at[kGatherPasses], output[kGatherPasses], batch[kGatherPasses];
+#pragma unroll
+      for (int p = 0; p < kGatherPasses; ++p) {
+        const int2 di = depth_info[d], hi = height_info[h];
+        const bool in_box = row <= row1 && di.x >= 0 && hi.x >= 0;
+        output[p] = di.x + hi.x + ow;
+        batch[p] = plane / channels;
+        pick[p] = in_box ? static_cast<int>(picks[static_cast<int64_t>(plane) * outputs + output[p]]) : -1;
+        key[p] = di.y + hi.y;
+        at[p] = static_cast<int>(static_cast<int64_t>(row) * W - c0) + ow * t.w.box;
+        row += rows_per_pass;
+        for (h += rows_per_pass; h >= H; h -= H) {
+          if (++d == D) d = 0, ++plane;
+        }
+      }
+#pragma unroll
+      for (int p = 0; p < kGatherPasses; ++p) {
+        // The pick's w offset in the box: stage-2 offset * kernel1 + stage-1 offset.
+        const int pick2 = pick[p] / t.w.weight2, pick1 = pick[p] - pick2 * t.w.weight2;
+        const int kw = pick2 % t.w.kernel2 * t.w.kernel1 + pick1 % t.w.kernel1;
+        const int e = at[p] + kw;
+        if (pick[p] >= 0 && pick[p] == key[p] + t.w.key(kw) && e >= 0 && e < n) image[e] = grad_out[batch[p] * outputs + output[p]];
+      }
+    }
+    __syncwarp();
+    scalar_t* chunk = grad_x + c0;
+    for (int k = lane; k * EPL < n; k += 32) {
+      const pack_t value = reinterpret_cast<const pack_t*>(image)[k];
+      if ((k + 1) * EPL <= n) {
+        reinterpret_cast<pack_t*>(chunk)[k] = value;
+      } else {
+#pragma unroll
+        for (int e = 0; e < EPL; ++e) {
+          if (k * EPL + e < n) chunk[k * EPL + e] = value.v[e];
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
 // grad_x of any cascade: a thread per element of grad_x (contiguous).
 template <typename scalar_t, typename index_t>
 __global__ void __launch_bounds__(kThreads, kAnyCascadeMinBlocks)
@@ -275,12 +382,6 @@ __global__ void __launch_bounds__(kThreads, kAnyCascadeMinBlocks)
     const index_t* plane_picks = picks + (b * channels + at[1]) * outputs;
     grad_x[item] = static_cast<scalar_t>(cascade_grad<acc_t>(g, plane_picks, at[2], at[3], at[4], grad_at));
   }
-}
-
-template <typename Kernel>
-unsigned grid_for(Kernel kernel, int64_t items, int items_per_block) {
-  return static_cast<unsigned>(
-      std::min(resident_blocks(kernel, kThreads, 0), (items + items_per_block - 1) / items_per_block));
 }
 
 // Calls f(std::integral_constant<int, K1>{}, std::integral_constant<int, K2>{})
@@ -322,7 +423,7 @@ void launch_pick_kernel(const at::Tensor& x_in, const MaxPool3dCascade& g, index
       const int segments = (g.second.w.out + kColumns - 1) / kColumns;
       const int64_t items = groups_items * segments;
       auto kernel = tiled_pick_kernel<scalar_t, K1, K2>;
-      kernel<<<grid_for(kernel, items, kWarps), dim3(32, kWarps), 0, stream>>>(
+      kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kWarps), dim3(32, kWarps), 0, stream>>>(
           x.const_data_ptr<scalar_t>(), xs, channels, g, segments, items, picks, partial);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -330,7 +431,7 @@ void launch_pick_kernel(const at::Tensor& x_in, const MaxPool3dCascade& g, index
   }
   const int64_t items = groups_items * g.second.w.out;
   auto kernel = cascade_pick_kernel<scalar_t, index_t>;
-  kernel<<<grid_for(kernel, items, kThreads), kThreads, 0, stream>>>(
+  kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kThreads), kThreads, 0, stream>>>(
       x.const_data_ptr<scalar_t>(), xs, channels, g, items, picks, partial);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -339,17 +440,27 @@ template <typename scalar_t, typename index_t>
 void launch_gather_kernel(const at::Tensor& grad_out, const index_t* picks,
                           const MaxPool3dCascade& g, at::Tensor& grad_x, cudaStream_t stream) {
   const int channels = static_cast<int>(grad_x.size(1));
-  if (g.tiled()) {
+  const int64_t rows = grad_x.numel() / std::max<int64_t>(g.first.w.in, 1);
+  if (g.tiled() && g.second.w.out <= 32 && rows <= std::numeric_limits<int>::max() &&
+      reinterpret_cast<uintptr_t>(grad_x.const_data_ptr()) % 512 == 0) {
+    constexpr int kChunk = 32 * (16 / sizeof(scalar_t)) * kChunkBlocks;
+    const size_t smem = ((g.first.d.in + g.first.h.in) * sizeof(int2) + 15) / 16 * 16 + kWarps * kChunk * sizeof(scalar_t);
+    const int64_t items = (grad_x.numel() + kChunk - 1) / kChunk;
+    auto kernel = aligned_tiled_gather_kernel<scalar_t, index_t>;
+    kernel<<<grid_stride_blocks(kernel, kThreads, smem, items, kWarps), dim3(32, kWarps), smem, stream>>>(
+        grad_out.const_data_ptr<scalar_t>(), channels, picks, g, tiled_cascade(g), items, grad_x.numel(),
+        grad_x.mutable_data_ptr<scalar_t>());
+  } else if (g.tiled()) {
     const int bands = (g.first.h.in + kGatherRows - 1) / kGatherRows;
     const int64_t items = grad_x.size(0) * channels * g.first.d.in * bands;
     auto kernel = tiled_gather_kernel<scalar_t, index_t>;
-    kernel<<<grid_for(kernel, items, kWarps), dim3(32, kWarps), 0, stream>>>(
+    kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kWarps), dim3(32, kWarps), 0, stream>>>(
         grad_out.const_data_ptr<scalar_t>(), channels, picks, g, tiled_cascade(g), bands, items,
         grad_x.mutable_data_ptr<scalar_t>());
   } else {
     const int64_t items = grad_x.numel();
     auto kernel = cascade_gather_kernel<scalar_t, index_t>;
-    kernel<<<grid_for(kernel, items, kThreads), kThreads, 0, stream>>>(
+    kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kThreads), kThreads, 0, stream>>>(
         grad_out.const_data_ptr<scalar_t>(), channels, picks, g, items,
         grad_x.mutable_data_ptr<scalar_t>());
   }
@@ -385,7 +496,7 @@ std::tuple<at::Tensor, at::Tensor> max_pool3d_cascade_sum_cuda(
         partial.mutable_data_ptr<acc_t>(), stream);
     const int64_t items = out.numel();
     auto kernel = sum_channel_groups_kernel<acc_t, scalar_t>;
-    kernel<<<grid_for(kernel, items, kThreads), kThreads, 0, stream>>>(
+    kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kThreads), kThreads, 0, stream>>>(
         partial.const_data_ptr<acc_t>(), groups, static_cast<int>(g.outputs()), items,
         out.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

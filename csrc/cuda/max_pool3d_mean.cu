@@ -321,8 +321,7 @@ void launch_pick_kernel(const at::Tensor& x_in, const MaxPool3dGeometry& g, doub
   const InputStrides xs = strides ? *strides : *in_plane_strides(x);
   const int64_t items = x.size(0) * x.size(1) * pick_items_per_plane(g);
   auto launch = [&](auto kernel) {
-    const int64_t blocks = std::min(resident_blocks(kernel, kThreads, 0), (items + kWarps - 1) / kWarps);
-    kernel<<<static_cast<unsigned>(blocks), dim3(32, kWarps), 0, stream>>>(
+    kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kWarps), dim3(32, kWarps), 0, stream>>>(
         x.const_data_ptr<scalar_t>(), xs, static_cast<int>(x.size(1)), g,
         ReciprocalMultiply<scalar_t>(divisor), pick_row_groups(g), items, picks, partial);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

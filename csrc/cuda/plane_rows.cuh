@@ -99,6 +99,15 @@ int64_t resident_blocks(Kernel kernel, int block_threads, size_t smem) {
   return int64_t{sms} * std::max(per_sm, 1);
 }
 
+// The grid of a grid-stride loop over `items`, `items_per_block` per block and
+// round: as many blocks as can be resident, no more than the items need.
+template <typename Kernel>
+unsigned grid_stride_blocks(Kernel kernel, int block_threads, size_t smem, int64_t items,
+                            int64_t items_per_block) {
+  const int64_t needed = (items + items_per_block - 1) / items_per_block;
+  return static_cast<unsigned>(std::clamp<int64_t>(needed, 1, resident_blocks(kernel, block_threads, smem)));
+}
+
 // The widest vector (in elements, at most 16 bytes) to which `data` is
 // aligned and of which every count in `multiples` (row lengths, strides,
 // offsets, in elements) is a multiple.
