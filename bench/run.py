@@ -13,7 +13,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = ["bench_avg_pool2d_sigmoid_sum", "bench_max_pool3d_mean", "bench_max_pool3d_cascade_sum"]
+BENCHMARKS = ["bench_avg_pool2d_sigmoid_sum", "bench_max_pool3d_mean", "bench_max_pool3d_cascade_sum",
+              "bench_batch_norm_gap"]
 
 
 def build():
@@ -74,15 +75,19 @@ def main():
             json.dump(result, f, indent=1)
 
     print(f"\n{name}, torch {torch.__version__}, copy bandwidth {copy_gbs:.0f} GB/s (read+write); tests: {tests}")
-    header = f"{'op':<24}{'variant':<9}{'fwd ms':>8}{'bwd ms':>8}{'fwd %copy':>10}{'bwd %copy':>10}{'fwd x':>7}{'bwd x':>7}"
+    header = (f"{'op':<24}{'variant':<9}{'fwd ms':>8}{'bwd ms':>8}{'fwd %copy':>10}{'bwd %copy':>10}{'fwd x':>7}"
+              f"{'bwd x':>7}{'eval fwd ms':>12}")
     print(header)
     eager = {r["op"]: r for r in rows if r["variant"] == "eager"}
     for r in rows:
         e = eager[r["op"]]
         fwd_pct = r["forward_bytes"] / r["forward_ms"] / 1e6 / copy_gbs * 100
         bwd_pct = r["backward_bytes"] / r["backward_ms"] / 1e6 / copy_gbs * 100
+        # tails with an eval mode (a batch norm's): forward in eval mode too
+        eval_fwd = f"{r['eval_forward_ms']:>12.3f}" if "eval_forward_ms" in r else ""
         print(f"{r['op']:<24}{r['variant']:<9}{r['forward_ms']:>8.3f}{r['backward_ms']:>8.3f}"
-              f"{fwd_pct:>9.0f}%{bwd_pct:>9.0f}%{e['forward_ms'] / r['forward_ms']:>7.2f}{e['backward_ms'] / r['backward_ms']:>7.2f}")
+              f"{fwd_pct:>9.0f}%{bwd_pct:>9.0f}%{e['forward_ms'] / r['forward_ms']:>7.2f}{e['backward_ms'] / r['backward_ms']:>7.2f}"
+              f"{eval_fwd}")
         if "train_forward_ms" in r:
             print(f"{'':<24}train forward (saves {r['saved_bytes'] / 2**20:.1f} MiB) {r['train_forward_ms']:.3f} ms; "
                   f"backward op alone {r['backward_op_ms']:.3f} ms")

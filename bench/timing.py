@@ -40,25 +40,34 @@ def backward_ms(fn, x, device) -> float:
 
 
 def time_tails(op: str, fused, eager, x, device, compile_tail: bool, max_rel_err: float,
-               forward_bytes: int | None = None) -> list[dict]:
+               forward_bytes: int | None = None, backward_bytes: int | None = None,
+               eval_tails: tuple | None = None) -> list[dict]:
     """One row per variant of a tail at x: the fused op, the eager tail and
     (compile_tail) torch.compile of the eager tail; forward and backward times.
-    forward_bytes: what the forward must read, where that is less than all of x."""
+    forward_bytes: what the forward must read, where that is less than all of x;
+    backward_bytes: what the backward must move, where that is more than a
+    write of grad_x. eval_tails: (fused, eager) of the tail in eval mode, where
+    it has one (a batch norm's): each variant's eval forward too."""
     nbytes = x.numel() * x.element_size()
-    variants = {"fused": fused, "eager": eager}
+    variants = {"fused": (fused, None), "eager": (eager, None)}
+    if eval_tails is not None:
+        variants = {"fused": (fused, eval_tails[0]), "eager": (eager, eval_tails[1])}
     if compile_tail:
-        variants["compile"] = torch.compile(eager)
+        variants["compile"] = (torch.compile(eager), None if eval_tails is None else torch.compile(eval_tails[1]))
     rows = []
-    for name, fn in variants.items():
+    for name, (fn, eval_fn) in variants.items():
         with torch.no_grad():
             fwd = median_ms(lambda: fn(x), device)
+            eval_fwd = None if eval_fn is None else median_ms(lambda: eval_fn(x), device)
         bwd = backward_ms(fn, x, device)
         rows.append(dict(op=op, variant=name, shape=list(x.shape), dtype=str(x.dtype).removeprefix("torch."),
                          forward_ms=fwd, backward_ms=bwd, max_rel_err=max_rel_err,
                          # the fewest bytes each pass must move: read x (or the part of it
                          # that reaches the output) / write grad_x
                          forward_bytes=nbytes if forward_bytes is None else forward_bytes,
-                         backward_bytes=nbytes))
+                         backward_bytes=nbytes if backward_bytes is None else backward_bytes))
+        if eval_fwd is not None:
+            rows[-1]["eval_forward_ms"] = eval_fwd
     return rows
 
 

@@ -6,6 +6,7 @@
 #include <c10/macros/Macros.h>
 
 #include <cmath>
+#include <type_traits>
 
 // The dtypes every op takes: float64, float32, float16, bfloat16. Kernels
 // accumulate in at::opmath_type<scalar_t> (float, or double for float64).
@@ -47,6 +48,32 @@ struct ReciprocalMultiply {
       : reciprocal(acc_t(1) / static_cast<acc_t>(number)) {}
   C10_HOST_DEVICE scalar_t operator()(acc_t v) const {
     return static_cast<scalar_t>(v * reciprocal);
+  }
+};
+
+// `tensor * number` as PyTorch computes it for a tensor of scalar_t, rounded
+// to scalar_t: a product in opmath by the number cast straight to opmath, on
+// the CPU (BinaryOpsKernel.cpp, mul_kernel) and CUDA (BinaryMulKernel.cu,
+// opmath_symmetric_gpu_kernel_with_scalars) alike. Apply to a value already in
+// the accumulation type. On the GPU the product is rounded on its own
+// (__fmul_rn / __dmul_rn), so that nvcc cannot fuse it into a following
+// addition and skip the rounding PyTorch does.
+template <typename scalar_t>
+struct Multiply {
+  using acc_t = at::opmath_type<scalar_t>;
+  acc_t factor;
+
+  explicit Multiply(double number) : factor(static_cast<acc_t>(number)) {}
+  C10_HOST_DEVICE scalar_t operator()(acc_t v) const {
+#ifdef __CUDA_ARCH__
+    if constexpr (std::is_same_v<acc_t, float>) {
+      return static_cast<scalar_t>(__fmul_rn(v, factor));
+    } else {
+      return static_cast<scalar_t>(__dmul_rn(v, factor));
+    }
+#else
+    return static_cast<scalar_t>(v * factor);
+#endif
   }
 };
 

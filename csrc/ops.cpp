@@ -41,4 +41,30 @@ TORCH_LIBRARY(fused_ops, m) {
       "max_pool3d_cascade_sum_backward(Tensor grad_out, Tensor? indices, Tensor? x, "
       "SymInt[3] input_size, int[3] kernel1, int[3] stride1, int[3] padding1, int[3] kernel2, "
       "int[3] stride2, int[3] padding2) -> Tensor");
+
+  // adaptive_avg_pool3d(batch_norm(x * scale), 1) -> out (B, C, 1, 1, 1), as
+  // nn.BatchNorm3d normalizes: with running_mean and running_var given, with
+  // them; else with the batch's statistics (biased variance). Also, in the
+  // accumulation type, for the backward and the running-statistics update:
+  // plane_dev (B, C), each plane's mean of x * scale minus the channel's mean;
+  // mean, rstd = 1 / sqrt(var + eps) and var (C), the statistics it normalized
+  // with (the batch mean rounded to the accumulation type).
+  m.def(
+      "batch_norm_gap(Tensor x, float scale, Tensor? weight, Tensor? bias, Tensor? running_mean, "
+      "Tensor? running_var, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // grad_x (B, C, *input_size) contiguous (an empty tensor without grad_input),
+  // grad_weight, grad_bias (C). batch_stats: the forward normalized with batch
+  // statistics; x is then read for grad_x (else it may be None).
+  m.def(
+      "batch_norm_gap_backward(Tensor grad_out, Tensor? x, SymInt[3] input_size, float scale, "
+      "Tensor? weight, Tensor plane_dev, Tensor mean, Tensor rstd, bool batch_stats, "
+      "bool grad_input) -> (Tensor, Tensor, Tensor)");
+  // nn.BatchNorm3d's update of its running statistics from a batch of `count`
+  // values per channel with statistics mean and var (biased), in place, on
+  // the device: num_batches_tracked (when given) is incremented; the factor
+  // is momentum, or with momentum None 1 / num_batches_tracked; running_var
+  // takes the unbiased variance. An empty batch (count 0) changes only the counter.
+  m.def(
+      "batch_norm_update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, "
+      "Tensor(c!)? num_batches_tracked, Tensor mean, Tensor var, SymInt count, float? momentum) -> ()");
 }

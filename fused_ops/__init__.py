@@ -5,9 +5,9 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers the torch.ops.fused_ops kernels)
 from . import nn, reference
-from .ops import avg_pool2d_sigmoid_sum, max_pool3d_cascade_sum, max_pool3d_mean
+from .ops import avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean
 
-__all__ = ["avg_pool2d_sigmoid_sum", "max_pool3d_cascade_sum", "max_pool3d_mean", "nn", "reference", "has_cuda_kernels"]
+__all__ = ["avg_pool2d_sigmoid_sum", "batch_norm_gap", "max_pool3d_cascade_sum", "max_pool3d_mean", "nn", "reference", "has_cuda_kernels"]
 
 
 def has_cuda_kernels() -> bool:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from . import reference
-from .ops import avg_pool2d_sigmoid_sum, max_pool3d_cascade_sum, max_pool3d_mean
+from .ops import avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean
 
 
 def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.Module:
@@ -121,3 +121,33 @@ class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSu
         return max_pool3d_cascade_sum(self.conv_transpose(x), first.kernel_size, second.kernel_size,
                                       stride1=first.stride, padding1=first.padding, stride2=second.stride,
                                       padding2=second.padding)
+
+
+class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGAP):
+    """conv_transpose3d -> * scale_factor -> batch_norm3d -> global average
+    pool; the scale, the batch norm and the pool fused into one op
+    (``fused_ops.batch_norm_gap``), which updates the running statistics as
+    nn.BatchNorm3d does, on the device. The constructor is the original's (the
+    same members, parameters and buffers, drawn in the same order);
+    ``batch_norm`` holds the parameters, buffers and settings the fused op
+    reads (affine, track_running_stats, momentum, eps), ``global_avg_pool``
+    stays for its structure."""
+
+    @classmethod
+    def from_module(cls, original: nn.Module) -> "ConvTranspose3dScaleBatchNormGAP":
+        return _adopt(cls, original, conv_transpose=nn.ConvTranspose3d, scale_factor=(int, float),
+                      batch_norm=nn.BatchNorm3d, global_avg_pool=nn.AdaptiveAvgPool3d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        name = type(self).__name__
+        _check_5d_input(name, x, self.conv_transpose.in_channels)
+        if self.global_avg_pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
+            raise ValueError(f"{name}: the fused op pools to (1, 1, 1), got {self.global_avg_pool}")
+        bn = self.batch_norm
+        # nn.BatchNorm3d's rules: the running statistics are normalized with
+        # in eval mode and updated in training mode with track_running_stats.
+        running = not bn.training or bn.track_running_stats
+        return batch_norm_gap(self.conv_transpose(x), self.scale_factor, bn.weight, bn.bias,
+                              bn.running_mean if running else None, bn.running_var if running else None,
+                              bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
+                              training=bn.training, momentum=bn.momentum, eps=bn.eps)

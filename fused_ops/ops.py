@@ -50,6 +50,12 @@ def _pool_triples(kernel_size, stride, padding) -> tuple[list[int], list[int], l
     return kernel_size, kernel_size if no_stride else _expand(stride, 3, "stride"), _expand(padding, 3, "padding")
 
 
+def _check_5d_floating(x: Tensor, what: str) -> None:
+    """The fakes' check of the kernels' first input rule: a 5-D floating-point tensor."""
+    torch._check(x.dim() == 5, lambda: f"{what}: expected a 5-D input, got {x.dim()}-D")
+    torch._check(x.dtype.is_floating_point, lambda: f"{what}: input must be a floating-point tensor, got {x.dtype}")
+
+
 def _save_picks_or_input(ctx, indices, x):
     """Saves the forward's picks for the backward, or x to recompute them from when it saved none."""
     ctx.mark_non_differentiable(indices)
@@ -182,11 +188,7 @@ def max_pool3d_mean(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: b
 
 @torch.library.register_fake("fused_ops::max_pool3d_mean")
 def _max_pool3d_mean_fake(x, kernel_size, stride, padding, ceil_mode, divisor, save_indices):
-    torch._check(x.dim() == 5, lambda: f"max_pool3d_mean: expected a 5-D input, got {x.dim()}-D")
-    torch._check(
-        x.dtype.is_floating_point,
-        lambda: f"max_pool3d_mean: input must be a floating-point tensor, got {x.dtype}",
-    )
+    _check_5d_floating(x, "max_pool3d_mean")
     k, s, p = _pool_triples(list(kernel_size), list(stride), list(padding))
     pooled = [_pooled_size(x.shape[2 + d], k[d], s[d], p[d], ceil_mode) for d in range(3)]
     torch._check(all(o >= 1 for o in pooled), lambda: "max_pool3d_mean: input is smaller than the kernel")
@@ -272,11 +274,7 @@ def _cascade_args(kernel1, stride1, padding1, kernel2, stride2, padding2) -> lis
 
 @torch.library.register_fake("fused_ops::max_pool3d_cascade_sum")
 def _max_pool3d_cascade_sum_fake(x, kernel1, stride1, padding1, kernel2, stride2, padding2, save_indices):
-    torch._check(x.dim() == 5, lambda: f"max_pool3d_cascade_sum: expected a 5-D input, got {x.dim()}-D")
-    torch._check(
-        x.dtype.is_floating_point,
-        lambda: f"max_pool3d_cascade_sum: input must be a floating-point tensor, got {x.dtype}",
-    )
+    _check_5d_floating(x, "max_pool3d_cascade_sum")
     args = _cascade_args(kernel1, stride1, padding1, kernel2, stride2, padding2)
     out_size = _cascade_output_size(x.shape[2:], *args)
     torch._check(
@@ -314,4 +312,114 @@ torch.library.register_autograd(
     "fused_ops::max_pool3d_cascade_sum",
     _max_pool3d_cascade_sum_backward,
     setup_context=_max_pool3d_cascade_sum_setup_context,
+)
+
+
+# --------------------------------------------------------------------------
+# batch_norm_gap
+# --------------------------------------------------------------------------
+
+
+def _check_number(name: str, value, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"batch_norm_gap: {name} must be a number{' or None' if optional else ''}, got {value!r}")
+
+
+def batch_norm_gap(x: Tensor, scale=1.0, weight: Tensor | None = None, bias: Tensor | None = None,
+                   running_mean: Tensor | None = None, running_var: Tensor | None = None,
+                   num_batches_tracked: Tensor | None = None, training: bool = False, momentum=0.1,
+                   eps=1e-5) -> Tensor:
+    """``F.adaptive_avg_pool3d(F.batch_norm(x * scale, ...), 1)`` in one pass over x, as
+    ``nn.BatchNorm3d`` normalizes and updates its running statistics.
+
+    x: (B, C, D, H, W), float64/float32/float16/bfloat16, any strides (read in
+    place); ``x * scale`` is rounded to x's dtype as PyTorch computes it.
+    Normalizes with the batch's statistics over (B, D, H, W) (biased
+    variance) when training or when no running statistics are given, else
+    with running_mean and running_var. Training with running statistics
+    updates them in place as nn.BatchNorm3d does, on the device and without a
+    host synchronization: num_batches_tracked (when given) is incremented,
+    the factor is momentum, or with momentum None 1 / num_batches_tracked
+    (a cumulative average), and running_var takes the unbiased variance.
+    weight, bias, running_mean, running_var: (C,) in x's dtype (or float32
+    for a float16 or bfloat16 x); num_batches_tracked: an int64 scalar
+    tensor. Returns (B, C, 1, 1, 1) in x's dtype; the statistics are taken
+    without cancellation (shifted by an element of each channel) in float32
+    (float64 for float64 x). Differentiable in x, weight and bias, through
+    the batch statistics where it uses them.
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"batch_norm_gap: x must be a Tensor, got {type(x).__name__}")
+    _check_number("scale", scale)
+    _check_number("momentum", momentum, optional=True)
+    _check_number("eps", eps)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("batch_norm_gap: pass both running_mean and running_var or neither")
+    batch_stats = training or running_mean is None
+    update = training and running_mean is not None
+    if batch_stats and x.dim() == 5 and x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4] == 1:
+        # one value per channel; nn.BatchNorm3d counts the batch before F.batch_norm refuses it
+        if update and num_batches_tracked is not None:
+            num_batches_tracked.add_(1)
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.size()}")
+    out, _, mean, _, var = _ops.batch_norm_gap(
+        x, float(scale), weight, bias, None if batch_stats else running_mean, None if batch_stats else running_var,
+        float(eps))
+    if update:
+        count = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4]
+        _ops.batch_norm_update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count,
+                                             None if momentum is None else float(momentum))
+    return out
+
+
+@torch.library.register_fake("fused_ops::batch_norm_gap")
+def _batch_norm_gap_fake(x, scale, weight, bias, running_mean, running_var, eps):
+    _check_5d_floating(x, "batch_norm_gap")
+    batch, channels = x.shape[:2]
+    acc = _accumulation_dtype(x.dtype)
+    channel_stat = [x.new_empty((channels,), dtype=acc) for _ in range(3)]
+    return x.new_empty((batch, channels, 1, 1, 1)), x.new_empty((batch, channels), dtype=acc), *channel_stat
+
+
+@torch.library.register_fake("fused_ops::batch_norm_gap_backward")
+def _batch_norm_gap_backward_fake(grad_out, x, input_size, scale, weight, plane_dev, mean, rstd, batch_stats,
+                                  grad_input):
+    batch, channels = plane_dev.shape
+    grad_x = grad_out.new_empty((batch, channels, *input_size) if grad_input else (0,))
+    param_dtype = grad_out.dtype if weight is None else weight.dtype
+    return grad_x, grad_out.new_empty((channels,), dtype=param_dtype), grad_out.new_empty((channels,), dtype=param_dtype)
+
+
+@torch.library.register_fake("fused_ops::batch_norm_update_running_stats")
+def _batch_norm_update_running_stats_fake(running_mean, running_var, num_batches_tracked, mean, var, count, momentum):
+    return None
+
+
+def _batch_norm_gap_setup_context(ctx, inputs, output):
+    x, scale, weight, _, running_mean, _, _ = inputs
+    _, plane_dev, mean, rstd, var = output
+    ctx.mark_non_differentiable(plane_dev, mean, rstd, var)
+    ctx.batch_stats = running_mean is None
+    ctx.input_size = tuple(x.shape[2:])
+    ctx.scale = scale
+    # x only where grad_x goes through the batch statistics (with running
+    # statistics grad_x does not depend on it)
+    ctx.save_for_backward(x if ctx.batch_stats and x.requires_grad else None, weight, plane_dev, mean, rstd)
+
+
+def _batch_norm_gap_backward(ctx, grad_out, *_grads_of_statistics):
+    x, weight, plane_dev, mean, rstd = ctx.saved_tensors
+    grad_input = ctx.needs_input_grad[0]
+    grad_x, grad_weight, grad_bias = _ops.batch_norm_gap_backward(
+        grad_out, x, ctx.input_size, ctx.scale, weight, plane_dev, mean, rstd, ctx.batch_stats, grad_input)
+    return (grad_x if grad_input else None, None, grad_weight if ctx.needs_input_grad[2] else None,
+            grad_bias if ctx.needs_input_grad[3] else None, None, None, None)
+
+
+torch.library.register_autograd(
+    "fused_ops::batch_norm_gap",
+    _batch_norm_gap_backward,
+    setup_context=_batch_norm_gap_setup_context,
 )

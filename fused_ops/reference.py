@@ -58,3 +58,22 @@ class ConvTranspose3dMaxPoolMaxPoolSum(nn.Module):
         x = self.max_pool2(x)
         x = torch.sum(x, dim=1, keepdim=True)
         return x
+
+
+class ConvTranspose3dScaleBatchNormGAP(nn.Module):
+    """Architecture D: conv_transpose3d -> * scale_factor -> batch_norm3d ->
+    global average pool -> (B, C, 1, 1, 1)."""
+
+    def __init__(self, in_channels, out_channels, kernel_size, scale_factor, eps=1e-5, momentum=0.1):
+        super().__init__()
+        self.conv_transpose = nn.ConvTranspose3d(in_channels, out_channels, kernel_size)
+        self.scale_factor = scale_factor
+        self.batch_norm = nn.BatchNorm3d(out_channels, eps=eps, momentum=momentum)
+        self.global_avg_pool = nn.AdaptiveAvgPool3d((1, 1, 1))
+
+    def forward(self, x):
+        x = self.conv_transpose(x)
+        x = x * self.scale_factor
+        x = self.batch_norm(x)
+        x = self.global_avg_pool(x)
+        return x

@@ -35,15 +35,20 @@ def poison_cuda_allocator():
         del block
 
 
-def assert_close_to_reference(actual, reference, dtype, what=""):
+def assert_close_to_reference(actual, reference, dtype, what="", normwise=False, magnitude=0.0):
     """actual (any dtype) against a float64 reference, relative to the
-    reference's largest magnitude for low-precision types."""
+    reference's largest magnitude for low-precision types. normwise: every
+    element within rtol of the reference's largest magnitude, or of
+    `magnitude` where that is larger: for results that are differences of
+    nearly equal sums (a plane's mean minus its channel's mean, say), whose
+    rounding errors scale with the terms that cancel and not with the result."""
     actual = actual.double().cpu()
     reference = reference.double().cpu()
     rtol = RTOL[dtype]
     finite = reference[reference.isfinite()]
     scale = finite.abs().max().item() if finite.numel() else 0.0
-    torch.testing.assert_close(actual, reference, rtol=rtol, atol=rtol * scale * 1e-2, equal_nan=True, msg=lambda m: f"{what}\n{m}")
+    atol = rtol * max(scale, magnitude) if normwise else rtol * scale * 1e-2
+    torch.testing.assert_close(actual, reference, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m: f"{what}\n{m}")
 
 
 # --------------------------------------------------------------------------
@@ -83,30 +88,34 @@ def check_state_dict_both_ways(name, args):
         assert torch.equal(a, b)
 
 
-def check_matches_original(original, fused, x, dtype):
+def check_matches_original(original, fused, x, dtype, normwise=False, magnitude=0.0):
     """Output (shape, dtype, device, values) and the gradients of the input and
-    of every parameter."""
+    of every parameter. normwise: assert_close_to_reference's, the output's
+    with `magnitude`, and the parameters' gradients as one vector (a gradient
+    that cancels to 0, as a conv bias's before a batch norm in training, at
+    the scale of the others)."""
     x_ref = x.clone().requires_grad_()
     x = x.clone().requires_grad_()
     out, ref = fused(x), original(x_ref)
     assert out.shape == ref.shape and out.dtype == ref.dtype and out.device == ref.device
-    assert_close_to_reference(out, ref, dtype)
+    assert_close_to_reference(out, ref, dtype, normwise=normwise, magnitude=magnitude)
     grad = torch.rand_like(ref)
     out.backward(grad)
     ref.backward(grad)
-    assert_close_to_reference(x.grad, x_ref.grad, dtype, "grad input")
+    assert_close_to_reference(x.grad, x_ref.grad, dtype, "grad input", normwise=normwise)
+    largest = max(q.grad.abs().max().item() for q in original.parameters()) if normwise else 0.0
     for (name, p), q in zip(fused.named_parameters(), original.parameters()):
-        assert_close_to_reference(p.grad, q.grad, dtype, f"grad {name}")
+        assert_close_to_reference(p.grad, q.grad, dtype, f"grad {name}", normwise=normwise, magnitude=largest)
 
 
-def check_drop_in(name, args, input_shape, dtype, device, train=True):
+def check_drop_in(name, args, input_shape, dtype, device, train=True, normwise=False):
     """The drop-in against the original, both built under the same seed, on a
     random input of `input_shape` (check_matches_original)."""
     original, fused = build_pair(name, args)
     original.to(device, dtype).train(train)
     fused.to(device, dtype).train(train)
     x = torch.rand(input_shape, dtype=dtype, device=device)
-    check_matches_original(original, fused, x, dtype)
+    check_matches_original(original, fused, x, dtype, normwise)
 
 
 def check_from_module(name, args, members):
@@ -128,3 +137,21 @@ def make_input(shape, dtype, device, seed=0, requires_grad=False):
     g = torch.Generator().manual_seed(seed)
     x = torch.rand(shape, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
     return x.requires_grad_(requires_grad)
+
+
+LAYOUTS_5D = ["channels_last_3d", "transposed", "sliced", "misaligned", "expanded"]
+
+
+def in_layout_5d(base, layout, sliced=(slice(None), slice(1, 4), slice(1, None), slice(None), slice(None, None, 2))):
+    """base (B, C, D, H, W) in one of LAYOUTS_5D, the strides the ops must read
+    in place; `sliced` is the view the "sliced" layout takes."""
+    if layout == "channels_last_3d":
+        return base.to(memory_format=torch.channels_last_3d)
+    if layout == "transposed":
+        return base.transpose(3, 4)
+    if layout == "sliced":
+        return base[sliced]
+    if layout == "misaligned":  # contiguous, but the data starts one element past an aligned address
+        return torch.empty(base.numel() + 1, dtype=base.dtype, device=base.device)[1:].view(base.shape).copy_(base)
+    assert layout == "expanded", layout  # one channel repeated: stride 0
+    return base[:, :1].expand(base.shape)

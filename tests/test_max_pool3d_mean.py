@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DTYPES, assert_close_to_reference, make_input, poison_cuda_allocator, requires_cuda
+from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, in_layout_5d, make_input, poison_cuda_allocator,
+                      requires_cuda)
 from fused_ops import max_pool3d_mean
 
 OP = torch.ops.fused_ops.max_pool3d_mean.default
@@ -75,21 +76,12 @@ def test_matches_pytorch(shape, pool, divisor, device):
         check_forward_backward(make_input(shape, dtype, device, seed=len(shape)), pool, divisor, dtype)
 
 
-@pytest.mark.parametrize("layout", ["channels_last_3d", "transposed", "sliced", "misaligned", "expanded"])
+@pytest.mark.parametrize("layout", LAYOUTS_5D)
 @pytest.mark.parametrize("pool", [dict(kernel_size=2), dict(kernel_size=(3, 2, 2), stride=(2, 1, 2), padding=(1, 0, 1))],
                          ids=["2", "3x2x2"])
 def test_layouts(layout, pool, device, dtype):
     base = make_input((2, 5, 6, 8, 10), dtype, device)
-    if layout == "channels_last_3d":
-        x = base.to(memory_format=torch.channels_last_3d)
-    elif layout == "transposed":
-        x = base.transpose(3, 4)
-    elif layout == "sliced":
-        x = base[:, 1:4, 1:, :, 1::2]
-    elif layout == "misaligned":  # contiguous, but the data starts one element past an aligned address
-        x = torch.empty(base.numel() + 1, dtype=dtype, device=device)[1:].view(base.shape).copy_(base)
-    else:  # one channel repeated: stride 0
-        x = base[:, :1].expand(2, 5, 6, 8, 10)
+    x = in_layout_5d(base, layout)
     grad_x = check_forward_backward(x, pool, -2.0, dtype)
     assert grad_x.is_contiguous()
 

@@ -1,0 +1,301 @@
+// CPU kernels of batch_norm_gap and batch_norm_update_running_stats (the
+// math: ../batch_norm_gap.h). Parallel over (batch, channel) planes, then over
+// channels; any input strides, read in place.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "../batch_norm_gap.h"
+#include "../dispatch.h"
+
+namespace fused_ops {
+namespace {
+
+// Count, mean and sum of squared deviations from the mean of a set of values.
+template <typename acc_t>
+struct Moments {
+  acc_t count = 0, mean = 0, m2 = 0;
+
+  // Adds another set: Chan et al.'s combination of two sets' moments.
+  void merge(const Moments& other) {
+    if (other.count == 0) return;
+    const acc_t total = count + other.count;
+    const acc_t delta = other.mean - mean, share = other.count / total;
+    mean += delta * share;
+    m2 += other.m2 + delta * delta * count * share;
+    count = total;
+  }
+};
+
+// The moments of values[0, n), by two passes: the mean, then the squared
+// deviations from it.
+template <typename acc_t>
+Moments<acc_t> two_pass_moments(const acc_t* values, int n) {
+  Moments<acc_t> m;
+  if (n == 0) return m;
+  acc_t sum = 0;
+  for (int i = 0; i < n; ++i) sum += values[i];
+  m.count = static_cast<acc_t>(n);
+  m.mean = sum / m.count;
+  for (int i = 0; i < n; ++i) m.m2 += (values[i] - m.mean) * (values[i] - m.mean);
+  return m;
+}
+
+// Values per block of a plane's two-pass moments.
+constexpr int kBlock = 64;
+
+// Calls f(e, offset) for the elements of one (b, c) plane of x in (d, h, w)
+// order: e counts them, offset is the element's offset from the plane's start.
+template <typename F>
+void for_each_in_plane(const at::Tensor& x, F&& f) {
+  const auto xs = x.strides();
+  int64_t e = 0;
+  for (int64_t d = 0; d < x.size(2); ++d) {
+    for (int64_t h = 0; h < x.size(3); ++h) {
+      for (int64_t w = 0; w < x.size(4); ++w) f(e++, d * xs[2] + h * xs[3] + w * xs[4]);
+    }
+  }
+}
+
+// The channel's shift: y[0, c, 0, 0, 0] (batch_norm_gap.h).
+template <typename scalar_t>
+at::opmath_type<scalar_t> channel_shift(const at::Tensor& x, int64_t c, const Multiply<scalar_t>& multiply) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if (x.size(0) == 0) return 0;
+  return static_cast<acc_t>(multiply(static_cast<acc_t>(x.const_data_ptr<scalar_t>()[c * x.stride(1)])));
+}
+
+// Moments added block by block and combined pairwise, in float64 (a binary
+// counter: level l holds the moments of 2^l blocks).
+class PairwiseMoments {
+ public:
+  template <typename acc_t>
+  void add(const Moments<acc_t>& block) {
+    Moments<double> m{block.count, block.mean, block.m2};
+    int l = 0;
+    for (; held_[l]; ++l) {
+      level_[l].merge(m);
+      m = level_[l];
+      held_[l] = false;
+    }
+    level_[l] = m;
+    held_[l] = true;
+  }
+  Moments<double> total() const {
+    Moments<double> m;
+    for (int l = 0; l < kLevels; ++l) {
+      if (held_[l]) m.merge(level_[l]);
+    }
+    return m;
+  }
+
+ private:
+  static constexpr int kLevels = 64;
+  Moments<double> level_[kLevels];
+  bool held_[kLevels] = {};
+};
+
+// Each plane's mean of y - shift (into plane_mean) and sum of squared
+// deviations (into plane_m2), (B, C) contiguous: blocks of kBlock values by
+// two passes, combined pairwise in float64.
+template <typename scalar_t>
+void plane_moments(const at::Tensor& x, const Multiply<scalar_t>& multiply, double* plane_mean,
+                   double* plane_m2) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t C = x.size(1);
+  const scalar_t* xp = x.const_data_ptr<scalar_t>();
+  at::parallel_for(0, x.size(0) * C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const scalar_t* plane = xp + n / C * x.stride(0) + n % C * x.stride(1);
+      const acc_t shift = channel_shift(x, n % C, multiply);
+      PairwiseMoments moments;
+      acc_t block[kBlock];
+      int filled = 0;
+      for_each_in_plane(x, [&](int64_t, int64_t offset) {
+        block[filled++] = static_cast<acc_t>(multiply(static_cast<acc_t>(plane[offset]))) - shift;
+        if (filled == kBlock) {
+          moments.add(two_pass_moments(block, kBlock));
+          filled = 0;
+        }
+      });
+      moments.add(two_pass_moments(block, filled));
+      const Moments<double> m = moments.total();
+      plane_mean[n] = m.mean;
+      plane_m2[n] = m.m2;
+    }
+  });
+}
+
+// Per channel: its statistics (ChannelNorm) from the planes' moments, the
+// saved mean, var and rstd, and per plane out and the saved deviation.
+template <typename scalar_t, typename param_t>
+void normalize_channels(const at::Tensor& x, const Multiply<scalar_t>& multiply,
+                        const std::vector<double>& plane_mean, const std::vector<double>& plane_m2,
+                        const at::Tensor& weight, const at::Tensor& bias,
+                        const at::Tensor& running_mean, const at::Tensor& running_var, double eps,
+                        const BatchNormGapForward& f) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t B = x.size(0), C = x.size(1), S = x.size(2) * x.size(3) * x.size(4);
+  auto value = [](const at::Tensor& t, int64_t c, acc_t otherwise) {
+    return t.defined() ? static_cast<acc_t>(t.const_data_ptr<param_t>()[c]) : otherwise;
+  };
+  scalar_t* out = f.out.mutable_data_ptr<scalar_t>();
+  acc_t* dev = f.plane_dev.mutable_data_ptr<acc_t>();
+  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const double shift = channel_shift(x, c, multiply);
+      ChannelNorm<acc_t> norm;
+      if (f.batch_stats) {
+        double sum = 0, m2 = 0, squares = 0;
+        for (int64_t b = 0; b < B; ++b) {
+          sum += plane_mean[b * C + c];
+          m2 += plane_m2[b * C + c];
+        }
+        const double d = B > 0 ? sum / static_cast<double>(B) : 0.0;
+        for (int64_t b = 0; b < B; ++b) {
+          const double delta = plane_mean[b * C + c] - d;
+          squares += delta * delta;
+        }
+        norm = ChannelNorm<acc_t>::batch(shift, d, m2 + static_cast<double>(S) * squares,
+                                         static_cast<double>(B * S), eps);
+      } else {
+        norm = ChannelNorm<acc_t>::running(shift, value(running_mean, c, 0), value(running_var, c, 0), eps);
+      }
+      f.mean.mutable_data_ptr<acc_t>()[c] = norm.mean;
+      f.var.mutable_data_ptr<acc_t>()[c] = norm.var;
+      f.rstd.mutable_data_ptr<acc_t>()[c] = norm.rstd;
+      const double w = value(weight, c, 1), beta = value(bias, c, 0);
+      for (int64_t b = 0; b < B; ++b) {
+        const double D = plane_mean[b * C + c];
+        dev[b * C + c] = static_cast<acc_t>(D - norm.dev_offset);
+        out[b * C + c] = static_cast<scalar_t>(norm.output(D, w, beta));
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_cpu(
+    const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, double eps) {
+  const auto f = batch_norm_gap_setup(x, weight, bias, running_mean, running_var);
+  FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_norm_gap_cpu", [&] {
+    const Multiply<scalar_t> multiply(scale);
+    std::vector<double> plane_mean(x.size(0) * x.size(1)), plane_m2(plane_mean.size());
+    plane_moments<scalar_t>(x, multiply, plane_mean.data(), plane_m2.data());
+    dispatch_param_type<scalar_t>(f.param_dtype, [&](auto* tag) {
+      using param_t = std::remove_pointer_t<decltype(tag)>;
+      normalize_channels<scalar_t, param_t>(x, multiply, plane_mean, plane_m2, channel_values(weight),
+                                            channel_values(bias), channel_values(running_mean),
+                                            channel_values(running_var), eps, f);
+    });
+  });
+  return {f.out, f.plane_dev, f.mean, f.rstd, f.var};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_backward_cpu(
+    const at::Tensor& grad_out, const std::optional<at::Tensor>& x, at::IntArrayRef input_size,
+    double scale, const std::optional<at::Tensor>& weight, const at::Tensor& plane_dev,
+    const at::Tensor& mean, const at::Tensor& rstd, bool batch_stats, bool grad_input) {
+  auto args = batch_norm_gap_backward_setup(grad_out, x, input_size, weight, plane_dev, mean, rstd,
+                                            batch_stats, grad_input);
+  const int64_t B = plane_dev.size(0), C = plane_dev.size(1), S = args.plane_size;
+  FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "batch_norm_gap_backward_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* g = grad_out.const_data_ptr<scalar_t>();
+    const int64_t gs0 = grad_out.stride(0), gs1 = grad_out.stride(1);
+    const at::Tensor dev_values = plane_dev.contiguous(), rstd_values = rstd.contiguous(),
+                     mean_values = mean.contiguous(), w_values = channel_values(weight);
+    const acc_t* dev = dev_values.const_data_ptr<acc_t>();
+    // Per channel: grad_weight = rstd P, P = sum_b g[b] (m[b] - mu) (d out[b] /
+    // d weight = (m[b] - mu) rstd), grad_bias = G = sum_b g[b], and grad_x's
+    // coefficients, slope and per plane plane_term (ChannelGrad).
+    std::vector<acc_t> plane_term(B * C), slope(C);
+    dispatch_param_type<scalar_t>(args.param_dtype, [&](auto* tag) {
+      using param_t = std::remove_pointer_t<decltype(tag)>;
+      at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t c = begin; c < end; ++c) {
+          acc_t sum_g = 0, sum_dev = 0, sum_g_dev = 0;
+          for (int64_t b = 0; b < B; ++b) {
+            const acc_t gb = static_cast<acc_t>(g[b * gs0 + c * gs1]);
+            sum_g += gb;
+            sum_dev += dev[b * C + c];
+            sum_g_dev += gb * dev[b * C + c];
+          }
+          const acc_t w = w_values.defined() ? static_cast<acc_t>(w_values.const_data_ptr<param_t>()[c]) : acc_t(1);
+          const auto cg = ChannelGrad<acc_t>::make(sum_g, sum_dev, sum_g_dev, B, S, w,
+                                                   rstd_values.const_data_ptr<acc_t>()[c],
+                                                   static_cast<acc_t>(scale), batch_stats);
+          args.grad_weight.mutable_data_ptr<param_t>()[c] = static_cast<param_t>(cg.grad_weight);
+          args.grad_bias.mutable_data_ptr<param_t>()[c] = static_cast<param_t>(cg.grad_bias);
+          slope[c] = cg.slope;
+          for (int64_t b = 0; b < B; ++b) {
+            plane_term[b * C + c] = cg.plane_term(static_cast<acc_t>(g[b * gs0 + c * gs1]));
+          }
+        }
+      });
+    });
+    if (!grad_input) return;
+    // grad_y = w rstd (g[b] / S - G / N) - w rstd^3 P (y - mu) / N (through m[b],
+    // mu and rstd), times scale: grad_x[b, c, s] = plane_term[b, c] + slope[c] *
+    // (y[b, c, s] - mean[c]); without batch statistics slope is 0 and x is not read.
+    scalar_t* gx = args.grad_x.mutable_data_ptr<scalar_t>();
+    const acc_t* center = mean_values.const_data_ptr<acc_t>();
+    const Multiply<scalar_t> multiply(scale);
+    at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        scalar_t* out = gx + n * S;
+        if (!batch_stats) {
+          std::fill(out, out + S, static_cast<scalar_t>(plane_term[n]));
+          continue;
+        }
+        const scalar_t* plane = x->const_data_ptr<scalar_t>() + n / C * x->stride(0) + n % C * x->stride(1);
+        const acc_t a = plane_term[n], k = slope[n % C], m = center[n % C];
+        for_each_in_plane(*x, [&](int64_t e, int64_t offset) {
+          const acc_t y = static_cast<acc_t>(multiply(static_cast<acc_t>(plane[offset])));
+          out[e] = static_cast<scalar_t>(a + k * (y - m));
+        });
+      }
+    });
+  });
+  return {args.grad_x, args.grad_weight, args.grad_bias};
+}
+
+void batch_norm_update_running_stats_cpu(at::Tensor& running_mean, at::Tensor& running_var,
+                                         const std::optional<at::Tensor>& num_batches_tracked,
+                                         const at::Tensor& mean, const at::Tensor& var, int64_t count,
+                                         std::optional<double> momentum) {
+  batch_norm_update_running_stats_check(running_mean, running_var, num_batches_tracked, mean, var, count);
+  int64_t batches = 0;
+  if (is_given(num_batches_tracked)) {
+    batches = num_batches_tracked->mutable_data_ptr<int64_t>()[0] += 1;
+  }
+  if (count == 0) return;  // an empty batch: nn.BatchNorm3d counts it, the statistics stay
+  FUSED_OPS_DISPATCH_FLOATING_TYPES(running_mean.scalar_type(), "batch_norm_update_running_stats_cpu", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const RunningStatsUpdate<acc_t> update(!momentum.has_value(), momentum.value_or(0.0), batches, count);
+    scalar_t* rm = running_mean.mutable_data_ptr<scalar_t>();
+    scalar_t* rv = running_var.mutable_data_ptr<scalar_t>();
+    const int64_t rms = running_mean.stride(0), rvs = running_var.stride(0);
+    for (int64_t c = 0; c < running_mean.size(0); ++c) {
+      rm[c * rms] = static_cast<scalar_t>(update.mean(mean.const_data_ptr<acc_t>()[c * mean.stride(0)],
+                                                      static_cast<acc_t>(rm[c * rms])));
+      rv[c * rvs] = static_cast<scalar_t>(update.var(var.const_data_ptr<acc_t>()[c * var.stride(0)],
+                                                     static_cast<acc_t>(rv[c * rvs])));
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CPU, m) {
+  m.impl("batch_norm_gap", &batch_norm_gap_cpu);
+  m.impl("batch_norm_gap_backward", &batch_norm_gap_backward_cpu);
+  m.impl("batch_norm_update_running_stats", &batch_norm_update_running_stats_cpu);
+}
+
+}  // namespace fused_ops
