@@ -395,7 +395,8 @@ std::tuple<at::Tensor, at::Tensor> avg_pool2d_sigmoid_sum_cuda(
     std::optional<int64_t> divisor_override, bool save_grad_factor) {
   const auto g = avg_pool2d_sigmoid_sum_geometry(x, kernel_size, stride, padding, ceil_mode,
                                                  count_include_pad, divisor_override);
-  auto [out, grad_factor] = avg_pool2d_sigmoid_sum_outputs(x, g, save_grad_factor);
+  at::Tensor out, grad_factor;  // (no structured binding: lambdas capture them, C++20 only)
+  std::tie(out, grad_factor) = avg_pool2d_sigmoid_sum_outputs(x, g, save_grad_factor);
   const int64_t B = x.size(0);
   if (B == 0) return {out, grad_factor};
   const c10::cuda::CUDAGuard guard(x.device());

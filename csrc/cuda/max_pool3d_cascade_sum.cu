@@ -482,7 +482,8 @@ std::tuple<at::Tensor, at::Tensor> max_pool3d_cascade_sum_cuda(
   const auto g = max_pool3d_cascade_sum_geometry(
       x, {kernel1, stride1, padding1, kernel2, stride2, padding2}, save_indices);
   check_plane_sizes("max_pool3d_cascade_sum", g);
-  auto [out, indices] = max_pool3d_cascade_sum_outputs(x, g, save_indices);
+  at::Tensor out, indices;  // (no structured binding: lambdas capture them, C++20 only)
+  std::tie(out, indices) = max_pool3d_cascade_sum_outputs(x, g, save_indices);
   if (out.numel() == 0) return {out, indices};
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();

@@ -395,7 +395,8 @@ std::tuple<at::Tensor, at::Tensor> max_pool3d_mean_cuda(const at::Tensor& x,
   const auto g = max_pool3d_mean_geometry(x, kernel_size, stride, padding, ceil_mode, divisor,
                                           save_indices);
   check_plane_size("max_pool3d_mean", g);
-  auto [mean, indices] = max_pool3d_mean_outputs(x, g, save_indices);
+  at::Tensor mean, indices;  // (no structured binding: lambdas capture them, C++20 only)
+  std::tie(mean, indices) = max_pool3d_mean_outputs(x, g, save_indices);
   const int64_t planes = x.size(0) * x.size(1);
   if (planes == 0) return {mean, indices};
   const c10::cuda::CUDAGuard guard(x.device());
