@@ -148,11 +148,12 @@ def test_cuda_aligned_runs_backward():
     512-byte block but not whole blocks take the CUDA backward that writes runs
     aligned to such blocks (rows of exactly one block, the first case, the
     row-group one): runs starting and ending mid-row, rows and windows with
-    gaps, odd rows of 16-byte packs, an odd element count, more items than
-    resident warps."""
+    gaps, odd rows of 16-byte packs, row lengths of every shift class of
+    16-byte packs, an odd element count, more items than resident warps."""
     for shape, dtype, pool in [
         ((2, 3, 9, 128), torch.float32, dict(kernel_size=4)),
         ((1, 2, 13, 131), torch.float32, dict(kernel_size=(3, 2), stride=(4, 3), padding=(1, 1), ceil_mode=True)),
+        ((2, 3, 9, 380), torch.float32, dict(kernel_size=(2, 4), stride=(3, 4))),
         ((3, 5, 7, 300), torch.float16, dict(kernel_size=2, stride=(2, 3), count_include_pad=False, padding=1)),
         ((1, 1, 3, 257), torch.float16, dict(kernel_size=(1, 2))),
         ((2, 2, 5, 259), torch.bfloat16, dict(kernel_size=(2, 3), ceil_mode=True)),

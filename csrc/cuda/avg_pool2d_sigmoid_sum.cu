@@ -51,12 +51,15 @@ constexpr int kBackwardTileCols = 4096;
 // is written whole by one warp (H200, 4.78 GB of stores: 1.11 ms so, against
 // 1.21 ms for runs ending on 128-byte lines and 1.50 ms for 16-byte ones).
 constexpr int kStoreBlockBytes = 512;
-// Row groups per item of the aligned-runs backward, and the most shared
-// memory a block of it may take (at least two blocks per multiprocessor).
-constexpr int kGroupsPerItem = 8;
+// The most shared memory a block of the aligned-runs backward may take (at
+// least two blocks per multiprocessor); 16-byte stores per lane in flight in
+// it (4 measured no faster; 2-byte types: 1, which fits the registers); factors per lane that it loads into registers
+// one row group ahead (rows of up to 32 times as many windows fill without
+// waiting on a load; longer ones load the rest as they fill).
 constexpr size_t kAlignedRunsSmemBytes = 96 * 1024;
-// 16-byte stores per lane in flight in the aligned-runs backward (4 measured no faster).
-constexpr int kStoresInFlight = 2;
+template <typename scalar_t>
+constexpr int kStoresInFlight = sizeof(scalar_t) >= 4 ? 2 : 1;
+constexpr int kFactorsAhead = 4;
 
 // Vector `v` of a row (VEC contiguous elements, or one at col_stride).
 template <typename scalar_t, int VEC>
@@ -224,14 +227,14 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
 
 // The aligned-runs backward's view of one row group (the non-overlapping
 // backward kernel's doc comment) of a contiguous (B, C, H, W) grad_x, row
-// groups numbered plane by plane: group g = plane * row_groups + j.
+// groups numbered plane by plane: group g = (b * C + c) * row_groups + j.
 template <typename acc_t>
 struct RowGroup {
-  int64_t start = 0;              // flat offset of its first element
-  int rows = 0;                   // its rows
-  int window_rows = 0;            // its first rows, those in window j (0: none)
+  int64_t start = 0;               // flat offset of its first element
+  int rows = 0;                    // its rows
+  int window_rows = 0;             // its first rows, those in window j (0: none)
   const acc_t* factors = nullptr;  // grad_factor's row j of its plane
-  acc_t grad = 0;                 // grad_out of its batch element
+  acc_t grad = 0;                  // grad_out of its batch element
 };
 
 template <typename scalar_t>
@@ -243,149 +246,206 @@ struct AlignedRunsArgs {
   PlaneRows gl;
   AvgPool2dGeometry g;
   int channels, row_groups;
-  int64_t groups, numel;
+  int64_t batch, numel;
 
-  __device__ RowGroup<acc_t> group(int64_t index) const {
+  // Group j of plane (b, c); none (no rows) past the last batch element.
+  __device__ RowGroup<acc_t> group(int64_t b, int c, int j) const {
     RowGroup<acc_t> r;
-    if (index >= groups) return r;
-    const int64_t plane = index / row_groups;
-    const int j = static_cast<int>(index - plane * row_groups);
-    const int64_t b = plane / channels;
+    if (b >= batch) return r;
     const PoolDim& h = g.h;
     const int r0 = max(h.origin(j), 0);
     r.rows = min(h.origin(j) + h.stride, h.in) - r0;
     r.window_rows = j < h.out ? h.end(j) - r0 : 0;
-    r.start = (plane * h.in + r0) * static_cast<int64_t>(g.w.in);
-    r.factors = grad_factor + gl.plane_offset(b, plane - b * channels) + j * gl.row_stride;
+    r.start = ((b * channels + c) * h.in + r0) * static_cast<int64_t>(g.w.in);
+    r.factors = grad_factor + gl.plane_offset(b, c) + j * gl.row_stride;
     r.grad = static_cast<acc_t>(grad_out[b * grad_out_stride]);
     return r;
   }
+  // Elements of a warp's value row: one per window, a 0, rounded up to 8 (16-byte aligned rows).
+  __host__ __device__ int value_row_elements() const { return (g.w.out + 8) / 8 * 8; }
+  // The group after group j of plane (b, c).
+  __device__ RowGroup<acc_t> group_after(int64_t b, int c, int j) const {
+    if (j + 1 < row_groups) return group(b, c, j + 1);
+    return c + 1 < channels ? group(b, c + 1, 0) : group(b + 1, 0, 0);
+  }
 };
 
-// A warp's row of grad_x values for one row group, in shared memory: value w
-// at byte w * sizeof(scalar_t), plus one padding unit after every 128 bytes,
-// so that lanes reading 16 bytes apart hit different banks.
-template <typename scalar_t>
-struct ValueStrip {
-  static constexpr int kPad = sizeof(scalar_t) > 4 ? sizeof(scalar_t) : 4;
-  unsigned char* bytes;
+// A row of per-column entries in shared memory, laid out so that the EPL
+// entries from any column w that a 16-byte pack of EPL grad_x elements can
+// start at are one aligned load. Pack starts are multiples of `unit` =
+// gcd(W, EPL) (a row starts at a multiple of W, a pack at a multiple of EPL),
+// so the row is held in EPL / unit copies, copy c shifted left by c * unit:
+// entry w + k of the pack is copy (w % EPL) / unit at (w - w % EPL) + k. Each
+// copy runs EPL - 1 entries past the row's end with its first entries again,
+// for packs that run on into the next row.
+template <typename T, int EPL>
+struct ShiftedRow {
+  int W, unit_log2, copy_bytes;
 
-  __host__ __device__ static int size_bytes(int cols) {
-    const int data = cols * static_cast<int>(sizeof(scalar_t));
-    return (data + (data / 128 + 1) * kPad + 15) / 16 * 16;
+  __host__ __device__ explicit ShiftedRow(int cols) : W(cols), unit_log2(0) {
+    while ((cols >> unit_log2) % 2 == 0 && (2 << unit_log2) <= EPL) ++unit_log2;
+    copy_bytes = (W + 2 * EPL - 1) / EPL * EPL * static_cast<int>(sizeof(T));
   }
-  __device__ scalar_t& operator[](int w) const {
-    const int at = w * static_cast<int>(sizeof(scalar_t));
-    return *reinterpret_cast<scalar_t*>(bytes + at + (at >> 7) * kPad);
+  __host__ __device__ int copies() const { return EPL >> unit_log2; }
+  __host__ __device__ int bytes() const { return copies() * copy_bytes; }
+  // Stores entry `v` of column w (and, for w < EPL - 1, its repeat after the row's end).
+  __device__ void store(unsigned char* row, int w, T v) const {
+    for (int c = 0; c < copies(); ++c) {
+      T* copy = reinterpret_cast<T*>(row + c * copy_bytes) - (c << unit_log2);
+      if (w >= (c << unit_log2)) copy[w] = v;
+      if (w < EPL - 1) copy[W + w] = v;
+    }
   }
+  // The EPL entries from column w (a multiple of the unit, below W).
+  __device__ Vector<T, EPL> pack(const unsigned char* row, int w) const {
+    const int shift = w & (EPL - 1);
+    return *reinterpret_cast<const Vector<T, EPL>*>(row + (shift >> unit_log2) * copy_bytes +
+                                                    (w - shift) * static_cast<int>(sizeof(T)));
+  }
+  // Entry w alone (copy 0).
+  __device__ T at(const unsigned char* row, int w) const { return reinterpret_cast<const T*>(row)[w]; }
 };
 
 // grad_x as the non-overlapping backward kernel computes it, for a contiguous
-// grad_x whose rows span at least one store block. An item is kGroupsPerItem
-// consecutive row groups; the warp writes each group g from the first block
-// boundary at or after its start to the first at or after the next group's
-// start (its own elements but the head, then the next group's head), so every
-// block is written whole by one warp, lane l the 16 bytes at 16 * l of each.
-// Each group's row of values (grad * factor of each column's window, or 0)
-// is computed once into the warp's strip; the rows of a group in its window
-// are that row, the others 0. Factor rows are prefetched into L1 two groups ahead.
+// grad_x whose rows span at least one store block. Warps take row groups in a
+// grid-stride loop (the warps at work write neighbouring groups) and write each
+// group from the first block boundary at or after its start to the first at or
+// after the next group's start (its own elements but the head, then the next
+// group's head, less than a block), so every block is written whole by one
+// warp, lane l the 16 bytes at 16 * l of each. The block's column table gives
+// each column's window (W.out where it has none), as a byte offset into a
+// row of values: the warp's holds grad * factor of each window of its group,
+// then a 0. The rows of a group in its window read that row, the others the
+// block's row of zeros. The factors of the
+// warp's next group are loaded into registers a group ahead, and the next
+// group's head (at most one pack per lane) from global memory as the run
+// starts, so that no load is waited on.
 template <typename scalar_t>
 __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
     backward_aligned_runs_kernel(AlignedRunsArgs<scalar_t> a, scalar_t* __restrict__ grad_x,
-                                 int64_t items) {
+                                 int64_t groups) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int EPL = 16 / sizeof(scalar_t);  // elements per lane and store
   constexpr int kBlock = kStoreBlockBytes / sizeof(scalar_t);
   constexpr int kStep = 32 * EPL;
   static_assert(kStep == kBlock);
   using pack_t = Vector<scalar_t, EPL>;
-  const int W = a.g.w.in;
-  // Per column: its window (non-overlapping windows: at most one), or -1;
-  // then two value strips per warp (this group's and the next's).
-  extern __shared__ __align__(16) unsigned char smem_bytes[];
-  int* column_window = reinterpret_cast<int*>(smem_bytes);
-  const int strip_bytes = ValueStrip<scalar_t>::size_bytes(W);
-  unsigned char* strips = smem_bytes + (W * sizeof(int) + 15) / 16 * 16 + threadIdx.y * 2 * strip_bytes;
-  ValueStrip<scalar_t> cur_values{strips}, next_values{strips + strip_bytes};
-  for (int w = threadIdx.y * 32 + threadIdx.x; w < W; w += 32 * blockDim.y) {
-    const int q = a.g.w.first_window(w);
-    column_window[w] = q < a.g.w.last_window(w) ? q : -1;
+  const PoolDim& gw = a.g.w;
+  const int W = gw.in;
+  const ShiftedRow<int, EPL> table(W);
+  extern __shared__ __align__(16) unsigned char smem[];
+  constexpr int kSize = sizeof(scalar_t);
+  unsigned char* const window = smem;
+  const int row_bytes = a.value_row_elements() * kSize;
+  // The rows as byte offsets in smem.
+  const int zero_row = table.bytes();
+  const int value_row = zero_row + (threadIdx.y + 1) * row_bytes;
+  scalar_t* const values = reinterpret_cast<scalar_t*>(smem + value_row);
+  const int tid = threadIdx.y * 32 + threadIdx.x;
+  for (int w = tid; w < W; w += 32 * blockDim.y) {
+    const int q = gw.first_window(w);
+    table.store(window, w, (q < gw.last_window(w) ? q : gw.out) * kSize);
   }
+  for (int i = tid; i < row_bytes / 16; i += 32 * blockDim.y) {
+    reinterpret_cast<int4*>(smem + table.bytes())[i] = int4{0, 0, 0, 0};
+  }
+  if (threadIdx.x == 0) values[gw.out] = scalar_t(0);
   __syncthreads();
 
   const int lane = threadIdx.x;
-  auto fill_strip = [&](const RowGroup<acc_t>& group, const ValueStrip<scalar_t>& out) {
-    if (group.window_rows == 0) return;
-    for (int w = lane; w < W; w += 32) {
-      const int q = column_window[w];
-      out[w] = static_cast<scalar_t>(q >= 0 ? group.grad * group.factors[q] : acc_t(0));
+  // Factor q = lane + 32 k of a group's row, k < kFactorsAhead (0 past the row).
+  acc_t ahead[kFactorsAhead];
+  auto load_ahead = [&](const RowGroup<acc_t>& group) {
+#pragma unroll
+    for (int k = 0; k < kFactorsAhead; ++k) {
+      const int q = lane + 32 * k;
+      ahead[k] = group.window_rows > 0 && q < gw.out ? group.factors[q] : acc_t(0);
     }
   };
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  ItemCursor<3> at(warp, warps, {a.channels, a.row_groups});
+  RowGroup<acc_t> cur = a.group(at.leading(), at[1], at[2]);
+  load_ahead(cur);
   auto block_up = [](int64_t o) { return (o + kBlock - 1) / kBlock * kBlock; };
-  for (int64_t item = warp; item < items; item += warps) {
-    const int64_t g0 = item * kGroupsPerItem;
-    const int64_t g1 = min(g0 + kGroupsPerItem, a.groups);
-    RowGroup<acc_t> cur = a.group(g0), next = a.group(g0 + 1);
-    fill_strip(cur, cur_values);
-    for (int64_t g = g0; g < g1; ++g) {
-      const RowGroup<acc_t> after = g + 2 <= g0 + kGroupsPerItem ? a.group(g + 2) : RowGroup<acc_t>{};
-      constexpr int kLine = 128 / sizeof(acc_t);  // factors per 128-byte line
-      if (after.window_rows > 0 && lane * kLine < a.g.w.out + kLine) {
-        asm volatile("prefetch.global.L1 [%0];" ::"l"(after.factors + min(lane * kLine, a.g.w.out - 1)));
-      }
-      fill_strip(next, next_values);
-      __syncwarp();
-      // This warp's run, as offsets from the group's start: [lo, hi).
-      const int lo = static_cast<int>(block_up(cur.start) - cur.start);
-      const int hi = static_cast<int>((g + 1 < a.groups ? block_up(next.start) : a.numel) - cur.start);
-      int o = lo + EPL * lane, i = 0, w = o;
-      while (w >= W) w -= W, ++i;
-      scalar_t* gx = grad_x + cur.start;
-      while (o < hi) {
-        pack_t value[kStoresInFlight];
-        int at[kStoresInFlight];
+  for (int64_t g = warp; g < groups; g += warps) {
+    const RowGroup<acc_t> next = a.group_after(at.leading(), at[1], at[2]);
+    if (cur.window_rows > 0) {
 #pragma unroll
-        for (int u = 0; u < kStoresInFlight; ++u) {
-          at[u] = o;
-          if (w + EPL <= W && i < cur.rows) {  // one row of this group
-#pragma unroll
-            for (int e = 0; e < EPL; ++e) value[u].v[e] = i < cur.window_rows ? cur_values[w + e] : scalar_t(0);
-          } else {  // across a row end, or in the next group's first row
-#pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-              int ie = i, we = w + e;
-              if (we >= W) we -= W, ++ie;
-              const bool own = ie < cur.rows;
-              const int row = own ? ie : ie - cur.rows;
-              const ValueStrip<scalar_t> values{own ? cur_values.bytes : next_values.bytes};
-              value[u].v[e] = row < (own ? cur.window_rows : next.window_rows) ? values[we] : scalar_t(0);
-            }
-          }
-          o += kStep;
-          w += kStep;
-          while (w >= W) w -= W, ++i;
-        }
-#pragma unroll
-        for (int u = 0; u < kStoresInFlight; ++u) {
-          if (at[u] + EPL <= hi) {
-            *reinterpret_cast<pack_t*>(gx + at[u]) = value[u];
-          } else {
-#pragma unroll
-            for (int e = 0; e < EPL; ++e) {
-              if (at[u] + e < hi) gx[at[u] + e] = value[u].v[e];
-            }
-          }
+      for (int k = 0; k < kFactorsAhead; ++k) {
+        if (lane + 32 * k < gw.out) {
+          values[lane + 32 * k] = static_cast<scalar_t>(cur.grad * ahead[k]);
         }
       }
-      __syncwarp();
-      unsigned char* const filled = next_values.bytes;
-      next_values.bytes = cur_values.bytes;
-      cur_values.bytes = filled;
-      cur = next;
-      next = after;
+      for (int q = lane + 32 * kFactorsAhead; q < gw.out; q += 32) {
+        values[q] = static_cast<scalar_t>(cur.grad * cur.factors[q]);
+      }
     }
+    __syncwarp();
+    // This warp's run, as offsets from the group's start: [lo, hi); the
+    // group's own elements end at own_end, the next group's head follows.
+    const int own_end = cur.rows * W;
+    const int lo = static_cast<int>(block_up(cur.start) - cur.start);
+    const int hi = static_cast<int>((g + 1 < groups ? block_up(next.start) : a.numel) - cur.start);
+    // The lane's pack that reaches past own_end (if below hi): the factors of
+    // the head's elements in it (0 outside the windows), used at the run's end.
+    const int o0 = lo + EPL * lane;
+    const int o_head = o0 + max(own_end - EPL + 1 - o0 + kStep - 1, 0) / kStep * kStep;
+    acc_t head[EPL];
+#pragma unroll
+    for (int e = 0; e < EPL; ++e) {
+      const int col = o_head + e - own_end;
+      const int q = col >= 0 && o_head + e < hi && next.window_rows > 0 ? table.at(window, col) / kSize : gw.out;
+      head[e] = q < gw.out ? next.factors[q] : acc_t(0);
+    }
+    at.next();
+    const RowGroup<acc_t> following = a.group(at.leading(), at[1], at[2]);
+    load_ahead(following);
+
+    int o = o0, i = 0, w = o;
+    while (w >= W) w -= W, ++i;
+    scalar_t* gx = grad_x + cur.start;
+    while (o < hi) {
+      pack_t value[kStoresInFlight<scalar_t>];
+      int store_at[kStoresInFlight<scalar_t>];
+#pragma unroll
+      for (int u = 0; u < kStoresInFlight<scalar_t>; ++u) {
+        store_at[u] = o;
+        // Row i's values (the window's rows: the value row, then the zero row);
+        // a pack running on into row i + 1 of the group reads that row's
+        // windows from the table's extension.
+        const int row = i < cur.window_rows ? value_row : zero_row;
+        const int row_after = i + 1 < cur.window_rows ? value_row : zero_row;
+        const Vector<int, EPL> offset = table.pack(window, w);
+        auto value_at = [&](int r, int off) { return *reinterpret_cast<const scalar_t*>(smem + r + off); };
+        if (o + EPL <= own_end && (w <= W - EPL || row == row_after)) {
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) value[u].v[e] = value_at(row, offset.v[e]);
+        } else {  // across a row end between a window row and a zero row, or into the head
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) {
+            value[u].v[e] = o + e >= own_end ? static_cast<scalar_t>(next.grad * head[e])
+                                             : value_at(w + e < W ? row : row_after, offset.v[e]);
+          }
+        }
+        o += kStep;
+        w += kStep;
+        if (w >= W) w -= W, ++i;  // kStep < W: at most one row end per step
+      }
+#pragma unroll
+      for (int u = 0; u < kStoresInFlight<scalar_t>; ++u) {
+        if (store_at[u] + EPL <= hi) {
+          *reinterpret_cast<pack_t*>(gx + store_at[u]) = value[u];
+        } else {
+#pragma unroll
+          for (int e = 0; e < EPL; ++e) {
+            if (store_at[u] + e < hi) gx[store_at[u] + e] = value[u].v[e];
+          }
+        }
+      }
+    }
+    __syncwarp();
+    cur = following;
   }
 }
 
@@ -464,23 +524,23 @@ at::Tensor avg_pool2d_sigmoid_sum_backward_cuda(const at::Tensor& grad_out,
     // Contiguous grad_x whose rows span a store block but not whole blocks
     // (whole-block rows the row-group kernel writes aligned already, and
     // faster: 1.48 against 1.61 ms at 384 columns; at 382 1.87 against 1.61),
-    // with its column table and value strips within kAlignedRunsSmemBytes:
+    // with its column table and value rows within kAlignedRunsSmemBytes:
     // the aligned-runs kernel.
-    const size_t smem = (xl.cols * sizeof(int) + 15) / 16 * 16 + 2 * kWarps * ValueStrip<scalar_t>::size_bytes(xl.cols);
+    const AlignedRunsArgs<scalar_t> a{grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0),
+                                      args.grad_factor.const_data_ptr<acc_t>(), gl, g,
+                                      static_cast<int>(grad_x.size(1)), row_groups, grad_x.size(0),
+                                      grad_x.numel()};
+    const size_t smem = ShiftedRow<int, 16 / sizeof(scalar_t)>(xl.cols).bytes() +
+                        (kWarps + 1) * a.value_row_elements() * sizeof(scalar_t);
     const size_t row_bytes = xl.cols * sizeof(scalar_t);
     if (!overlap && grad_x.is_contiguous() && row_bytes > kStoreBlockBytes && row_bytes % kStoreBlockBytes != 0 &&
         smem <= kAlignedRunsSmemBytes &&
         reinterpret_cast<uintptr_t>(grad_x.const_data_ptr()) % kStoreBlockBytes == 0) {
       const int64_t groups = grad_x.size(0) * xl.planes_per_batch * row_groups;
-      const int64_t run_items = (groups + kGroupsPerItem - 1) / kGroupsPerItem;
-      const AlignedRunsArgs<scalar_t> a{grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0),
-                                        args.grad_factor.const_data_ptr<acc_t>(), gl, g,
-                                        static_cast<int>(grad_x.size(1)), row_groups, groups,
-                                        grad_x.numel()};
       const auto kernel = backward_aligned_runs_kernel<scalar_t>;
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      kernel<<<grid_stride_blocks(kernel, 32 * kWarps, smem, run_items, kWarps), dim3(32, kWarps), smem, stream>>>(
-          a, grad_x.mutable_data_ptr<scalar_t>(), run_items);
+      kernel<<<grid_stride_blocks(kernel, 32 * kWarps, smem, groups, kWarps), dim3(32, kWarps), smem, stream>>>(
+          a, grad_x.mutable_data_ptr<scalar_t>(), groups);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }

@@ -14,11 +14,12 @@
 // plane's by a group of lanes, then the planes'; it writes out and the saved
 // statistics.
 //
-// Backward, two launches: channel_grad_kernel, a warp per channel (sums over
-// the batch: grad_weight, grad_bias, each plane's coefficients), then
-// grad_x_kernel over the forward's items: a lane loads its vectors of x, then
-// stores its vectors of grad_x (contiguous); with running statistics it only
-// stores.
+// Backward, one launch: grad_x_kernel over the forward's items: a lane loads
+// its vectors of x, the warp sums its channel over the batch (grad_weight,
+// grad_bias, the plane's coefficients), then the lane stores its vectors of
+// grad_x (contiguous); with running statistics it only stores. Without
+// grad_x, channel_grad_kernel (a warp per channel) gives the weight and bias
+// gradients alone.
 //
 // batch_norm_update_running_stats: one block (update_running_stats_kernel).
 #include <ATen/core/Tensor.h>
@@ -262,60 +263,73 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Per channel (a warp each). d out[b] / d weight = (m[b] - mu) rstd and
-// d out[b] / d bias = 1: grad_weight = rstd P, P = sum_b g[b] (m[b] - mu) =
-// sum_b g[b] dev[b] - lo G (lo = mean_b dev[b] with batch statistics, else 0),
-// grad_bias = G = sum_b g[b]; and grad_x's coefficients (ChannelGrad, the
-// math: ../batch_norm_gap.h): slope, and plane_term (B, C) where not null.
+// What the backward reads per channel: grad_out (B, C) at its strides, the
+// saved plane deviations (B, C) and rstd (C), the weight (C, or null: 1).
 template <typename scalar_t, typename param_t>
-__global__ void __launch_bounds__(kThreads)
-    channel_grad_kernel(const scalar_t* __restrict__ grad_out, int64_t grad_stride_b, int64_t grad_stride_c,
-                        const at::opmath_type<scalar_t>* __restrict__ plane_dev,
-                        const at::opmath_type<scalar_t>* __restrict__ rstd, const param_t* __restrict__ weight,
-                        int64_t batch, int channels, int plane_size, at::opmath_type<scalar_t> scale,
-                        bool batch_stats, at::opmath_type<scalar_t>* __restrict__ plane_term,
-                        at::opmath_type<scalar_t>* __restrict__ slope, param_t* __restrict__ grad_weight,
-                        param_t* __restrict__ grad_bias) {
+struct ChannelGradArgs {
   using acc_t = at::opmath_type<scalar_t>;
-  const int c = blockIdx.x * blockDim.y + threadIdx.y, lane = threadIdx.x;
-  if (c >= channels) return;
-  acc_t sum_g = 0, sum_dev = 0, sum_g_dev = 0;
-  for (int64_t b = lane; b < batch; b += 32) {
-    const acc_t g = static_cast<acc_t>(grad_out[b * grad_stride_b + c * grad_stride_c]);
-    const acc_t dev = plane_dev[b * channels + c];
-    sum_g += g;
-    sum_dev += dev;
-    sum_g_dev += g * dev;
+  const scalar_t* grad_out;
+  int64_t grad_stride_b, grad_stride_c;
+  const acc_t* plane_dev;
+  const acc_t* rstd;
+  const param_t* weight;
+  int64_t batch;
+  int channels, plane_size;
+  acc_t scale;
+  bool batch_stats;
+  param_t* grad_weight;  // (C), written by the warp that sums channel c first
+  param_t* grad_bias;
+
+  __device__ acc_t grad(int64_t b, int c) const {
+    return static_cast<acc_t>(grad_out[b * grad_stride_b + c * grad_stride_c]);
   }
-  const acc_t w = weight != nullptr ? static_cast<acc_t>(weight[c]) : acc_t(1);
-  const auto cg = ChannelGrad<acc_t>::make(warp_sum(sum_g), warp_sum(sum_dev), warp_sum(sum_g_dev),
-                                           batch, plane_size, w, rstd[c], scale, batch_stats);
-  if (lane == 0) {
-    grad_weight[c] = static_cast<param_t>(cg.grad_weight);
-    grad_bias[c] = static_cast<param_t>(cg.grad_bias);
-    slope[c] = cg.slope;
+  // Channel c's ChannelGrad, by the whole warp (lanes over the batch). d out[b]
+  // / d weight = (m[b] - mu) rstd and d out[b] / d bias = 1: grad_weight =
+  // rstd P, P = sum_b g[b] (m[b] - mu) = sum_b g[b] dev[b] - lo G (lo = mean_b
+  // dev[b] with batch statistics, else 0), grad_bias = G = sum_b g[b]; and
+  // grad_x's coefficients (the math: ../batch_norm_gap.h). Lane 0 writes the
+  // weight and bias gradients where `write` is set.
+  __device__ ChannelGrad<acc_t> channel(int c, bool write) const {
+    acc_t sum_g = 0, sum_dev = 0, sum_g_dev = 0;
+    for (int64_t b = threadIdx.x; b < batch; b += 32) {
+      const acc_t g = grad(b, c), dev = plane_dev[b * channels + c];
+      sum_g += g;
+      sum_dev += dev;
+      sum_g_dev += g * dev;
+    }
+    const acc_t w = weight != nullptr ? static_cast<acc_t>(weight[c]) : acc_t(1);
+    const auto cg = ChannelGrad<acc_t>::make(warp_sum(sum_g), warp_sum(sum_dev), warp_sum(sum_g_dev), batch,
+                                             plane_size, w, rstd[c], scale, batch_stats);
+    if (write && threadIdx.x == 0) {
+      grad_weight[c] = static_cast<param_t>(cg.grad_weight);
+      grad_bias[c] = static_cast<param_t>(cg.grad_bias);
+    }
+    return cg;
   }
-  if (plane_term == nullptr) return;
-  for (int64_t b = lane; b < batch; b += 32) {
-    plane_term[b * channels + c] =
-        cg.plane_term(static_cast<acc_t>(grad_out[b * grad_stride_b + c * grad_stride_c]));
-  }
+};
+
+// The weight and bias gradients alone (no grad_x), a warp per channel.
+template <typename scalar_t, typename param_t>
+__global__ void __launch_bounds__(kThreads) channel_grad_kernel(ChannelGradArgs<scalar_t, param_t> a) {
+  const int c = blockIdx.x * blockDim.y + threadIdx.y;
+  if (c < a.channels) a.channel(c, true);
 }
 
 // grad_y = w rstd (g[b] / S - G / N) - w rstd^3 P (y - mu) / N: out's derivative
 // through m[b] (1 / S), mu (1 / N) and rstd (-rstd^3 (y - mu) / N); with
 // (y - mu) = (y - mean) - lo and grad_x = scale * grad_y, that is
-// grad_x[b, c, s] = plane_term[b, c] + slope[c] * (y[b, c, s] - mean[c]): one
+// grad_x[b, c, s] = plane_term(g[b]) + slope * (y[b, c, s] - mean[c]): one
 // read of x and one write of grad_x per element. Without BATCH_STATS slope
 // is 0 (grad_y = w rstd g[b] / S): only writes. Items as plane_moments_kernel's;
-// grad_x contiguous.
-template <typename scalar_t, int VEC, bool FLAT, bool BATCH_STATS>
-__global__ void __launch_bounds__(kThreads, min_blocks<FLAT>())
+// grad_x contiguous. Each item's warp sums its channel over the batch itself
+// (one launch; B loads per item), the warp of (b 0, chunk 0) writing the
+// weight and bias gradients; holding x's values meanwhile takes up to 128
+// registers (2 blocks per multiprocessor: 16 warps, 64 KB of loads in flight).
+template <typename scalar_t, typename param_t, int VEC, bool FLAT, bool BATCH_STATS>
+__global__ void __launch_bounds__(kThreads, BATCH_STATS ? 2 : min_blocks<FLAT>())
     grad_x_kernel(const scalar_t* __restrict__ x, Planes p, Multiply<scalar_t> multiply,
-                  const at::opmath_type<scalar_t>* __restrict__ plane_term,
-                  const at::opmath_type<scalar_t>* __restrict__ slope,
-                  const at::opmath_type<scalar_t>* __restrict__ mean, int chunks, int64_t items,
-                  scalar_t* __restrict__ grad_x) {
+                  ChannelGradArgs<scalar_t, param_t> cga, const at::opmath_type<scalar_t>* __restrict__ mean,
+                  int chunks, int64_t items, scalar_t* __restrict__ grad_x) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int kLoads = lane_loads<scalar_t, VEC>();
   const int lane = threadIdx.x;  // blockDim.x == 32
@@ -336,8 +350,9 @@ __global__ void __launch_bounds__(kThreads, min_blocks<FLAT>())
                           : filled_vector<scalar_t, VEC>(scalar_t(0));
       }
     }
-    const acc_t a = plane_term[plane_index];
-    const acc_t k = BATCH_STATS ? slope[c] : acc_t(0), center = BATCH_STATS ? mean[c] : acc_t(0);
+    const auto cg = cga.channel(c, at.leading() == 0 && at[2] == 0);
+    const acc_t a = cg.plane_term(cga.grad(at.leading(), c));
+    const acc_t k = BATCH_STATS ? cg.slope : acc_t(0), center = BATCH_STATS ? mean[c] : acc_t(0);
 #pragma unroll
     for (int j = 0; j < kLoads; ++j) {
 #pragma unroll
@@ -493,44 +508,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_backward_cuda(
                    mean_values = mean.contiguous(), w = channel_values(weight);
   FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "batch_norm_gap_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const auto acc_options = dev.options();
-    at::Tensor plane_term = at::empty({grad_input ? B * C : 0}, acc_options);
-    at::Tensor slope = at::empty({C}, acc_options);
     dispatch_param_type<scalar_t>(args.param_dtype, [&](auto* tag) {
       using param_t = std::remove_pointer_t<decltype(tag)>;
-      channel_grad_kernel<scalar_t, param_t>
-          <<<static_cast<unsigned>((C + kWarps - 1) / kWarps), dim3(32, kWarps), 0, stream>>>(
-              grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0), grad_out.stride(1),
-              dev.const_data_ptr<acc_t>(), rstd_values.const_data_ptr<acc_t>(),
-              w.defined() ? w.const_data_ptr<param_t>() : nullptr, B, static_cast<int>(C),
-              static_cast<int>(S), static_cast<acc_t>(scale), batch_stats,
-              grad_input ? plane_term.mutable_data_ptr<acc_t>() : nullptr,
-              slope.mutable_data_ptr<acc_t>(), args.grad_weight.mutable_data_ptr<param_t>(),
-              args.grad_bias.mutable_data_ptr<param_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const ChannelGradArgs<scalar_t, param_t> cga{
+          grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0), grad_out.stride(1), dev.const_data_ptr<acc_t>(),
+          rstd_values.const_data_ptr<acc_t>(), w.defined() ? w.const_data_ptr<param_t>() : nullptr, B,
+          static_cast<int>(C), static_cast<int>(S), static_cast<acc_t>(scale), batch_stats,
+          args.grad_weight.mutable_data_ptr<param_t>(), args.grad_bias.mutable_data_ptr<param_t>()};
+      if (!grad_input || B * S == 0) {  // no grad_x elements: the channel sums alone
+        channel_grad_kernel<scalar_t, param_t>
+            <<<static_cast<unsigned>((C + kWarps - 1) / kWarps), dim3(32, kWarps), 0, stream>>>(cga);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
+      auto launch = [&](const PlaneAccess& a, auto VEC, auto FLAT, auto BATCH_STATS) {
+        const int chunks = plane_chunks<scalar_t, VEC>(S);
+        const int64_t items = B * C * chunks;
+        auto kernel = grad_x_kernel<scalar_t, param_t, VEC, FLAT, BATCH_STATS>;
+        kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kWarps), dim3(32, kWarps), 0, stream>>>(
+            BATCH_STATS ? a.x.const_data_ptr<scalar_t>() : nullptr, a.planes, Multiply<scalar_t>(scale), cga,
+            mean_values.const_data_ptr<acc_t>(), chunks, items, args.grad_x.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (batch_stats) {
+        // grad_x is contiguous and freshly allocated: x's vector width suits it too.
+        const PlaneAccess a = plane_access<scalar_t>(*x);
+        dispatch_plane_access<scalar_t>(a, [&](auto VEC, auto FLAT) { launch(a, VEC, FLAT, std::true_type{}); });
+      } else {
+        // Only grad_x (contiguous) is written.
+        PlaneAccess a = plane_access<scalar_t>(args.grad_x);
+        dispatch_vector_width<scalar_t>(a.vec, [&](auto VEC) {
+          launch(a, VEC, std::true_type{}, std::false_type{});
+        });
+      }
     });
-    if (!grad_input || B == 0) return;
-    auto launch = [&](const PlaneAccess& a, auto VEC, auto FLAT, auto BATCH_STATS) {
-      const int chunks = plane_chunks<scalar_t, VEC>(S);
-      const int64_t items = B * C * chunks;
-      auto kernel = grad_x_kernel<scalar_t, VEC, FLAT, BATCH_STATS>;
-      kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kWarps), dim3(32, kWarps), 0, stream>>>(
-          BATCH_STATS ? a.x.const_data_ptr<scalar_t>() : nullptr, a.planes, Multiply<scalar_t>(scale),
-          plane_term.const_data_ptr<acc_t>(), slope.const_data_ptr<acc_t>(),
-          mean_values.const_data_ptr<acc_t>(), chunks, items, args.grad_x.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (batch_stats) {
-      // grad_x is contiguous and freshly allocated: x's vector width suits it too.
-      const PlaneAccess a = plane_access<scalar_t>(*x);
-      dispatch_plane_access<scalar_t>(a, [&](auto VEC, auto FLAT) { launch(a, VEC, FLAT, std::true_type{}); });
-    } else {
-      // Only grad_x (contiguous) is written.
-      PlaneAccess a = plane_access<scalar_t>(args.grad_x);
-      dispatch_vector_width<scalar_t>(a.vec, [&](auto VEC) {
-        launch(a, VEC, std::true_type{}, std::false_type{});
-      });
-    }
   });
   return {args.grad_x, args.grad_weight, args.grad_bias};
 }

@@ -13,7 +13,10 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <optional>
+#include <tuple>
 
 namespace fused_ops {
 
@@ -89,14 +92,24 @@ struct ItemCursor {
   }
 };
 
-// Resident blocks of `kernel` over the whole device: the grid of a grid-stride loop.
+// Resident blocks of `kernel` over the whole device: the grid of a grid-stride
+// loop. Asked of the driver once per kernel, block shape, shared memory and
+// device, then remembered (launches are on the host's critical path).
 template <typename Kernel>
 int64_t resident_blocks(Kernel kernel, int block_threads, size_t smem) {
-  int device = 0, sms = 0, per_sm = 0;
+  using Key = std::tuple<const void*, int, size_t, int>;
+  static std::mutex mutex;
+  static std::map<Key, int64_t> known;
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
+  const Key key{reinterpret_cast<const void*>(kernel), block_threads, smem, device};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find(key);
+  if (found != known.end()) return found->second;
+  int sms = 0, per_sm = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, smem));
-  return int64_t{sms} * std::max(per_sm, 1);
+  return known[key] = int64_t{sms} * std::max(per_sm, 1);
 }
 
 // The grid of a grid-stride loop over `items`, `items_per_block` per block and
