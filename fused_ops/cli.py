@@ -45,12 +45,13 @@ def progress(message: str) -> None:
 
 def parse_models(parser: argparse.ArgumentParser, words: list[str]) -> list:
     """The architectures named by letter or class name (any case), comma or space separated, in A-D order."""
-    wanted = {w.lower() for word in words for w in re.split(r"[,\s]+", word) if w}
+    given = [w for word in words for w in re.split(r"[,\s]+", word) if w]
     known = {key.lower() for a in ARCHITECTURES for key in (a.letter, a.name)}
-    unknown = sorted(wanted - known)
+    unknown = [w for w in given if w.lower() not in known]
     if unknown:
         names = ", ".join(f"{a.letter} ({a.name})" for a in ARCHITECTURES)
         parser.error(f"unknown model {', '.join(unknown)}; choose from {names}")
+    wanted = {w.lower() for w in given}
     return [a for a in ARCHITECTURES if {a.letter.lower(), a.name.lower()} & wanted]
 
 

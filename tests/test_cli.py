@@ -94,7 +94,7 @@ def test_chart_skipped_without_matplotlib(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--models", "A,E"], "unknown model e; choose from A (Conv3dDivMaxPoolGAPBiasSum)"),
+    (["--models", "A,E"], "unknown model E; choose from A (Conv3dDivMaxPoolGAPBiasSum)"),
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["--batch", "0"], "argument --batch: expected a positive integer, got '0'"),
     (["--device", "tpu"], "--device: not a device: 'tpu'"),
