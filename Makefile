@@ -1,14 +1,18 @@
 # The two commands; each does all set-up on a fresh machine.
+#   make run    install, build, run `python -m fused_ops`: the four architectures eager, compiled and
+#               fused, checked and timed; table, JSON and chart in fused_ops_results/ (ARGS="..." for options)
 #   make test   install, build, compile-check the CUDA sources, build the C++ library + ctest, run pytest
+# and the per-tail benchmark:
 #   make bench  install, build, run the CUDA tests and time every fused op (on a GPU), table + JSON
 PYTHON ?= python3
 TORCH_PREFIX = $$($(PYTHON) -c "import torch; print(torch.utils.cmake_prefix_path)")
 
-.PHONY: deps install test bench
+.PHONY: deps install run test bench
 
 deps:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -c "import pytest, ninja" 2>/dev/null || $(PYTHON) -m pip install -q pytest ninja
+	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
 
 install: deps
 	$(PYTHON) -m pip install -q --no-build-isolation .
@@ -21,6 +25,10 @@ test: install
 	ctest --test-dir cmake-build --output-on-failure
 	$(PYTHON) -c "import torch; torch.ops.load_library('cmake-build/libfused_ops.so'); print('load_library:', torch.ops.fused_ops.avg_pool2d_sigmoid_sum.default)"
 	cd tests && $(PYTHON) -m pytest -q -c ../pytest.ini --rootdir .. .
+
+# From /, so that Python imports the installed package and not the ./fused_ops sources.
+run: install
+	cd / && $(PYTHON) -m fused_ops --out $(CURDIR)/fused_ops_results $(ARGS)
 
 bench: install
 	$(PYTHON) bench/run.py --skip-build

@@ -81,4 +81,6 @@ setup(
     cmdclass={"build_ext": BuildExtension},
     python_requires=">=3.10",
     install_requires=["torch>=2.4"],
+    extras_require={"chart": ["matplotlib"]},  # python -m fused_ops draws its chart with it, else skips it
+    entry_points={"console_scripts": ["fused-ops = fused_ops.cli:main"]},
 )

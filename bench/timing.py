@@ -1,34 +1,9 @@
-"""Timing helpers shared by the benchmarks: CUDA-event medians on a GPU,
-wall-clock medians on a CPU, and the device's measured copy bandwidth."""
-import statistics
-import time
-
+"""Timing helpers of the benchmarks: the backward alone, each tail's variants
+side by side, the device's measured copy bandwidth; the medians themselves
+(CUDA events on a GPU, the wall clock on a CPU) are fused_ops._timing's."""
 import torch
 
-
-def median_ms(fn, device, warmup: int = 3, reps: int = 50) -> float:
-    """Median time of fn() in milliseconds: CUDA events around each call on a
-    GPU, the wall clock on a CPU. The calls are queued back to back (one
-    synchronization at the end), so that the GPU times the work and not the
-    host's launch latency, as long as the host keeps ahead of the GPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-        for start, end in events:
-            start.record()
-            fn()
-            end.record()
-        torch.cuda.synchronize()
-        times = [start.elapsed_time(end) for start, end in events]
-    else:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from fused_ops._timing import device_name, median_ms  # noqa: F401  (device_name: for run.py)
 
 
 def backward_ms(fn, x, device) -> float:
@@ -77,10 +52,3 @@ def copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), device)
     return 2 * nbytes / ms / 1e6
-
-
-def device_name(device) -> str:
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"

@@ -1,0 +1,325 @@
+"""``python -m fused_ops`` (or ``fused-ops``): runs the four architectures eager
+and fused, checks that they agree, and shows the speed-ups.
+
+For each architecture it builds the original (``fused_ops.reference``, SPEC's
+default constructor arguments, seeded) and the fused drop-in
+(``fused_ops.nn.<Name>.from_module``) around a deep copy of it: the same
+weights, and buffers of its own, so that each starts a training step from the
+same running statistics. It compares the two, then times the original eager,
+torch.compile of the original, and the fused module: a forward in eval mode
+without autograd, or with --train a training step (train mode, forward and
+backward to every parameter; the input needs no gradient). It prints a table,
+and writes JSON and a PNG chart of the speed-ups to --out.
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import re
+import sys
+import time
+
+import torch
+
+from . import has_cuda_kernels
+from ._timing import device_name, median_ms
+from .architectures import ARCHITECTURES, SIZES
+
+SEED = 0
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# The largest relative error (relative_errors) that passes outright. Both run
+# the same convolutions under the same settings (TF32 or not on a GPU), so they
+# differ by the tails' roundings. Measured on a CPU at the reduced sizes, the
+# largest: 3.5e-13 in float64; 1.5e-6 in float32 (A-C), 5e-5 for D's training
+# gradients (2.5e-4 at SPEC's spatial size: see check); 8e-4 in float16 and 7e-3
+# in bfloat16 (C; the fused tails accumulate in float32, the eager ones round
+# each op's result).
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+DEFAULT_REPS = {"cuda": 50, "cpu": 20}
+
+
+def progress(message: str) -> None:
+    print(f"[fused_ops] {message}", file=sys.stderr, flush=True)
+
+
+def parse_models(parser: argparse.ArgumentParser, words: list[str]) -> list:
+    """The architectures named by letter or class name (any case), comma or space separated, in A-D order."""
+    given = [w for word in words for w in re.split(r"[,\s]+", word) if w]
+    known = {key.lower() for a in ARCHITECTURES for key in (a.letter, a.name)}
+    unknown = [w for w in given if w.lower() not in known]
+    if unknown:
+        names = ", ".join(f"{a.letter} ({a.name})" for a in ARCHITECTURES)
+        parser.error(f"unknown model {', '.join(unknown)}; choose from {names}")
+    wanted = {w.lower() for w in given}
+    return [a for a in ARCHITECTURES if {a.letter.lower(), a.name.lower()} & wanted]
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m fused_ops",
+        description="Runs the four architectures (SPEC.md A-D) eager, compiled and fused; checks that the fused "
+                    "modules agree with the originals; prints the speed-ups and writes JSON and a PNG chart.")
+    parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda where there is a GPU, else cpu)")
+    parser.add_argument("--models", nargs="+", default=["A,B,C,D"], metavar="MODEL",
+                        help="letters A-D or class names, comma or space separated (default: all four)")
+    parser.add_argument("--size", choices=SIZES,
+                        help="input sizes: SPEC's, reduced (batch 1-2, spatial halved for B and D) or tiny "
+                             "(default: spec on a GPU, reduced on a CPU)")
+    parser.add_argument("--batch", type=positive_int, help="batch size of every input (default: the size's)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default: float32")
+    parser.add_argument("--train", action="store_true",
+                        help="time and check a training step (forward and backward) instead of an eval forward")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the originals")
+    parser.add_argument("--reps", type=positive_int,
+                        help=f"timed calls per variant, after 3 warm-up calls (default: {DEFAULT_REPS['cuda']} on a "
+                             f"GPU, {DEFAULT_REPS['cpu']} on a CPU)")
+    parser.add_argument("--out", default="fused_ops_results",
+                        help="directory for the JSON and the PNG (default: ./fused_ops_results)")
+    args = parser.parse_args(argv)
+
+    args.models = parse_models(parser, args.models)
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        parser.error(f"--device: not a device: {args.device!r} (cpu, cuda or cuda:N)")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: {device.type} is not supported (cpu, cuda or cuda:N)")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error(f"--device {args.device}: no CUDA device is available to this torch ({torch.__version__})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            parser.error(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA devices")
+        if not has_cuda_kernels():
+            parser.error("--device cuda: this build of fused_ops has no CUDA kernels (built for the CPU only)")
+    args.device = device
+    args.dtype = DTYPES[args.dtype]
+    args.size = args.size or ("spec" if device.type == "cuda" else "reduced")
+    args.reps = args.reps or DEFAULT_REPS[device.type]
+    return args
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None) -> float:
+    """max |actual - expected| / scale, in float64; scale defaults to max |expected|.
+    NaN where either has a NaN the other lacks."""
+    actual, expected = actual.double(), expected.double()
+    if actual.isnan().ne(expected.isnan()).any():
+        return float("nan")
+    diff = (actual - expected).nan_to_num(0.0).abs().max().item()
+    scale = expected.nan_to_num(0.0).abs().max().item() if scale is None else scale
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def relative_errors(actual: dict, expected: dict) -> dict[str, float]:
+    """relative_error of each of step_results' tensors. A parameter's gradient
+    is relative to the largest element of any parameter's gradient (normwise
+    over the model's gradient): a gradient that is zero up to rounding (a conv
+    bias's before a training batch norm) has no scale of its own."""
+    grads = [t for name, t in expected.items() if name.startswith("grad ")]
+    grad_scale = max(t.abs().max().item() for t in grads) if grads else None
+    return {name: relative_error(actual[name], t, grad_scale if name.startswith("grad ") else None)
+            for name, t in expected.items()}
+
+
+def step_results(model: torch.nn.Module, x: torch.Tensor, train: bool, grad: torch.Tensor | None) -> dict:
+    """The tensors the check compares, by name: the output of model(x); in
+    training (a step with output gradient `grad`), each parameter's gradient
+    and each buffer after the step too."""
+    if not train:
+        with torch.no_grad():
+            return {"output": model(x)}
+    names, params = zip(*model.named_parameters())
+    out = model(x)
+    grads = torch.autograd.grad(out, params, grad)
+    return ({"output": out.detach()} | {f"grad {n}": g for n, g in zip(names, grads)}
+            | {f"buffer {n}": b.clone() for n, b in model.named_buffers()})
+
+
+def check(original: torch.nn.Module, fused: torch.nn.Module, x: torch.Tensor, train: bool,
+          grad: torch.Tensor | None, tolerance: float) -> dict:
+    """The fused module against the original at x (the modules share nothing):
+    `errors`, relative_errors of fused against original, and `ok`. A tensor
+    passes within `tolerance`; or else, below float64, where the fused one is
+    within the tolerance of a float64 run of the original, or at most twice as
+    far from it as the original is. That is for results whose roundings in the
+    original are larger than the tolerance: a 16-bit eager module rounds every
+    op's result; architecture D's training output and its convolution's
+    gradients are small differences of large terms (a batch norm's output sums
+    to zero per channel). Then `fused_vs_float64` and `original_vs_float64`
+    hold those errors."""
+    unstepped = copy.deepcopy(original)  # for the float64 run, before the step updates running statistics
+    expected = step_results(original, x, train, grad)
+    actual = step_results(fused, x, train, grad)
+    errors = relative_errors(actual, expected)
+    result = dict(errors=errors, ok=all(e <= tolerance for e in errors.values()))  # NaN fails
+    if result["ok"] or x.dtype == torch.float64:
+        return result
+    exact = step_results(unstepped.double(), x.double(), train, None if grad is None else grad.double())
+    fused_err, original_err = relative_errors(actual, exact), relative_errors(expected, exact)
+    ok = all(e <= tolerance or fused_err[name] <= max(tolerance, 2 * original_err[name])
+             for name, e in errors.items())
+    return dict(errors=errors, ok=ok, fused_vs_float64=fused_err, original_vs_float64=original_err)
+
+
+def timed_call(model: torch.nn.Module, x: torch.Tensor, train: bool, grad: torch.Tensor | None):
+    """What is timed: model(x), or a training step (forward, and the gradients of every parameter)."""
+    if not train:
+        return lambda: model(x)
+    params = list(model.parameters())
+    return lambda: torch.autograd.grad(model(x), params, grad)
+
+
+def largest(errors: dict[str, float]) -> float:
+    """The largest of the errors, NaN counting as the largest."""
+    return max(errors.values(), key=lambda e: math.inf if math.isnan(e) else e)
+
+
+def run_architecture(arch, args) -> dict:
+    """Builds, checks and times one architecture: its row of the results."""
+    shape = arch.input_shape(args.size, args.batch)
+    tag = f"[{arch.letter}]"
+    progress(f"{tag} building {arch.name}{arch.args} and its fused drop-in; input {'x'.join(map(str, shape))}")
+    torch.manual_seed(SEED)
+    original = arch.build_original().to(args.device, args.dtype).train(args.train)
+    x = torch.rand(shape, device=args.device, dtype=args.dtype)
+    grad = None  # the output's gradient, in training
+    if args.train:
+        with torch.no_grad():
+            grad = torch.rand_like(original(x))
+    # a copy, made after that forward (which updates running statistics in training)
+    fused = arch.fused_from(copy.deepcopy(original))
+
+    tolerance = TOLERANCE[args.dtype]
+    checked = check(original, fused, x, args.train, grad, tolerance)
+    max_err = largest(checked["errors"])
+    verdict = "ok" if checked["ok"] else "FAILED"
+    beyond = [name for name, e in checked["errors"].items() if not e <= tolerance]
+    if beyond:
+        verdict += f"; beyond the tolerance: {', '.join(beyond)}"
+    if "fused_vs_float64" in checked:
+        verdict += (f" (against float64: fused {largest(checked['fused_vs_float64']):.2e}, "
+                    f"original {largest(checked['original_vs_float64']):.2e})")
+    progress(f"{tag} check: max relative error {max_err:.2e} over {len(checked['errors'])} tensor(s), "
+             f"tolerance {tolerance:.0e}: {verdict}")
+
+    variants = {"eager": original}
+    compile_s = None
+    if not args.no_compile:
+        progress(f"{tag} compiling the original (torch.compile; the first call compiles)")
+        variants["compile"] = torch.compile(original)
+        with torch.set_grad_enabled(args.train):
+            start = time.perf_counter()
+            timed_call(variants["compile"], x, args.train, grad)()
+            if args.device.type == "cuda":
+                torch.cuda.synchronize(args.device)
+            compile_s = time.perf_counter() - start
+        progress(f"{tag} compiled in {compile_s:.1f} s")
+    variants["fused"] = fused
+    times = {}
+    for variant, model in variants.items():
+        with torch.set_grad_enabled(args.train):
+            times[variant] = median_ms(timed_call(model, x, args.train, grad), args.device, reps=args.reps)
+        progress(f"{tag} {variant}: {times[variant]:.3f} ms")
+    return dict(model=arch.letter, name=arch.name, args=list(arch.args), input_shape=list(shape), **checked,
+                max_rel_err=max_err, tolerance=tolerance, eager_ms=times["eager"],
+                compile_ms=times.get("compile"), compile_s=compile_s, fused_ms=times["fused"],
+                speedup_vs_eager=times["eager"] / times["fused"],
+                speedup_vs_compile=times["compile"] / times["fused"] if "compile" in times else None)
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device_name(device)}, TF32 convolutions {'on' if torch.backends.cudnn.allow_tf32 else 'off'}"
+    return f"CPU, {torch.get_num_threads()} threads on {os.cpu_count()} cores"
+
+
+def print_table(result: dict) -> None:
+    """The results, one architecture a row: the check, times in ms and the fused module's speed-ups."""
+    print(f"fused_ops on {result['device']}: torch {result['torch']}, {result['dtype']}, {result['mode']}, "
+          f"{result['timing']}")
+    if result["size"] != "spec":
+        print(f"{result['size']} sizes: smaller inputs than SPEC's (the same models); SPEC's with --size spec")
+    print(f"{'model':<36}{'input':<19}{'max rel err':>12}{'check':>7}{'eager ms':>10}{'compile ms':>11}"
+          f"{'fused ms':>10}{'vs eager':>10}{'vs compile':>11}")
+    notes = []
+    for r in result["rows"]:
+        verdict = "ok" if r["ok"] else "FAIL"
+        if "fused_vs_float64" in r:
+            verdict += "*"
+            notes.append(f"* {r['model']}: beyond the tolerance ({r['tolerance']:.0e}) of the original; against a "
+                         f"float64 run, fused {largest(r['fused_vs_float64']):.1e}, original "
+                         f"{largest(r['original_vs_float64']):.1e} (passes: fused within the tolerance or 2x the original)")
+        compiled = "-" if r["compile_ms"] is None else f"{r['compile_ms']:.3f}"
+        vs_eager = f"{r['speedup_vs_eager']:.2f}x"
+        vs_compile = "-" if r["speedup_vs_compile"] is None else f"{r['speedup_vs_compile']:.2f}x"
+        print(f"{r['model'] + ' ' + r['name']:<36}{'x'.join(map(str, r['input_shape'])):<19}{r['max_rel_err']:>12.1e}"
+              f"{verdict:>7}{r['eager_ms']:>10.3f}{compiled:>11}{r['fused_ms']:>10.3f}{vs_eager:>10}{vs_compile:>11}")
+    print("max rel err: max |fused - original| / max |original| over the output"
+          + (", every parameter's gradient and buffer" if result["train"] else ""))
+    print("vs eager / vs compile: the speed-up of fused, eager (or compiled) time / fused time (> 1: fused is faster)")
+    for note in notes:
+        print(note)
+
+
+def write_chart(path: str, result: dict) -> bool:
+    """A bar chart of the speed-ups at path; False where matplotlib is missing."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return False
+    rows = result["rows"]
+    bars = [("speedup_vs_eager", "fused vs eager")]
+    if rows[0]["speedup_vs_compile"] is not None:
+        bars.append(("speedup_vs_compile", "fused vs torch.compile"))
+    fig = Figure(figsize=(2.2 + 1.6 * len(rows), 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    width = 0.8 / len(bars)
+    for i, (key, label) in enumerate(bars):
+        positions = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(rows))]
+        container = ax.bar(positions, [r[key] for r in rows], width, label=label)
+        ax.bar_label(container, fmt="%.2fx", fontsize=8)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(rows)), [f"{r['model']}\n{r['name']}" for r in rows], fontsize=7)
+    ax.set_ylabel("speed-up (time / fused time)")
+    ax.set_title(f"fused_ops speed-ups: {result['device']}\n{result['dtype']}, {result['mode']}, "
+                 f"{result['size']} sizes", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status: 0 when every check passed, 1 otherwise."""
+    args = parse_args(argv)
+    mode = "training step (forward + backward)" if args.train else "eval forward"
+    progress(f"{describe_device(args.device)}; {str(args.dtype).removeprefix('torch.')}; {mode}; "
+             f"{args.size} sizes; models {', '.join(a.letter for a in args.models)}")
+    rows = [run_architecture(arch, args) for arch in args.models]
+    timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
+    result = dict(device=describe_device(args.device), device_type=args.device.type, torch=torch.__version__,
+                  dtype=str(args.dtype).removeprefix("torch."), mode=mode, train=args.train, size=args.size,
+                  timing=f"{timing} medians of {args.reps} calls", ok=all(r["ok"] for r in rows), rows=rows)
+    print_table(result)
+
+    os.makedirs(args.out, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", device_name(args.device).lower()).strip("-")
+    stem = os.path.join(args.out, f"{slug}-{result['dtype']}-{'train' if args.train else 'eval'}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    written = [stem + ".json"]
+    if write_chart(stem + ".png", result):
+        written.append(stem + ".png")
+    else:
+        progress("matplotlib is not installed: no chart (pip install matplotlib)")
+    print("wrote " + ", ".join(written))
+    if not result["ok"]:
+        failed = ", ".join(f"{r['model']} ({r['max_rel_err']:.2e})" for r in rows if not r["ok"])
+        print(f"FAILED: the fused module differs from the original beyond the {str(args.dtype)} tolerance: {failed}")
+        return 1
+    return 0
