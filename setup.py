@@ -59,7 +59,10 @@ def sources(pattern: str) -> list[str]:
 
 def extension():
     # No -std flag: torch's build helpers pass the standard its own headers and ABI need.
-    cxx = ["-O3"]
+    # -fopenmp: at::parallel_for runs on torch's threads only in code compiled with OpenMP
+    # (without it the CPU kernels ran on one thread).
+    openmp = ["-fopenmp"] if sys.platform == "linux" else []
+    cxx = ["-O3", *openmp]
     srcs = sources("*.cpp") + sources("cpu/*.cpp")
     if build_with_cuda():
         nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
@@ -67,9 +70,10 @@ def extension():
             "fused_ops._C",
             srcs + sources("cuda/*.cu"),
             extra_compile_args={"cxx": cxx, "nvcc": nvcc},
-            extra_link_args=shared_libstdcxx(),
+            extra_link_args=[*openmp, *shared_libstdcxx()],
         )
-    return CppExtension("fused_ops._C", srcs, extra_compile_args={"cxx": cxx}, extra_link_args=shared_libstdcxx())
+    return CppExtension("fused_ops._C", srcs, extra_compile_args={"cxx": cxx},
+                        extra_link_args=[*openmp, *shared_libstdcxx()])
 
 
 setup(
