@@ -397,29 +397,5 @@ def _batch_norm_update_running_stats_fake(running_mean, running_var, num_batches
     return None
 
 
-def _batch_norm_gap_setup_context(ctx, inputs, output):
-    x, scale, weight, _, running_mean, _, _ = inputs
-    _, plane_dev, mean, rstd, var = output
-    ctx.mark_non_differentiable(plane_dev, mean, rstd, var)
-    ctx.batch_stats = running_mean is None
-    ctx.input_size = tuple(x.shape[2:])
-    ctx.scale = scale
-    # x only where grad_x goes through the batch statistics (with running
-    # statistics grad_x does not depend on it)
-    ctx.save_for_backward(x if ctx.batch_stats and x.requires_grad else None, weight, plane_dev, mean, rstd)
-
-
-def _batch_norm_gap_backward(ctx, grad_out, *_grads_of_statistics):
-    x, weight, plane_dev, mean, rstd = ctx.saved_tensors
-    grad_input = ctx.needs_input_grad[0]
-    grad_x, grad_weight, grad_bias = _ops.batch_norm_gap_backward(
-        grad_out, x, ctx.input_size, ctx.scale, weight, plane_dev, mean, rstd, ctx.batch_stats, grad_input)
-    return (grad_x if grad_input else None, None, grad_weight if ctx.needs_input_grad[2] else None,
-            grad_bias if ctx.needs_input_grad[3] else None, None, None, None)
-
-
-torch.library.register_autograd(
-    "fused_ops::batch_norm_gap",
-    _batch_norm_gap_backward,
-    setup_context=_batch_norm_gap_setup_context,
-)
+# batch_norm_gap's autograd is registered in C++ (csrc/autograd/batch_norm_gap.cpp):
+# its GPU time is below the host time of a Python autograd wrapper.
