@@ -216,6 +216,13 @@ class PickPositions {
     return table_.empty() ? compute_delta(pick) : table_[pick];
   }
 
+  // The plane position of output p's (D', H', W' row-major) pick numbered `pick`.
+  int64_t position(int64_t p, int64_t pick) const {
+    const int64_t ow = p % out_[2], oh = p / out_[2] % out_[1], od = p / out_[2] / out_[1];
+    return shift_ + od * window_step_[0] + oh * window_step_[1] + ow * window_step_[2] +
+           delta(pick);
+  }
+
   // Calls f(p, position) for every output p (D', H', W' row-major) of one
   // plane, in order, with its pick's plane position; `picks` is that plane's.
   template <typename index_t, typename F>

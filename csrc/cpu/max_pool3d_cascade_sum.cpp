@@ -49,8 +49,9 @@ void pick_cascades(const at::Tensor& x, const MaxPool3dCascade& g, index_t* pick
 // for channel c is e, scattered per (b, c) plane: each output's gradient goes
 // to its pick (PickPositions), zero elsewhere. With disjoint windows in both
 // stages each element is picked at most once: the plane is zero-filled, then
-// the gradients stored over it. Otherwise they are added, in output order, to
-// a plane of acc_t per thread, then written once per element.
+// the gradients stored over it. Otherwise they are added in PyTorch's order
+// (acc_t, a buffer per thread): per stage-1 window over the outputs in order,
+// as stage 2's backward; then per element over the stage-1 windows in order.
 template <typename scalar_t, typename index_t>
 void scatter_grad(const at::Tensor& grad_out, const index_t* picks, const MaxPool3dCascade& g,
                   at::Tensor& grad_x) {
@@ -58,12 +59,16 @@ void scatter_grad(const at::Tensor& grad_out, const index_t* picks, const MaxPoo
   const int64_t C = grad_x.size(1), P = g.outputs();
   const int D = grad_x.size(2), H = grad_x.size(3), W = grad_x.size(4);
   const int64_t plane = static_cast<int64_t>(D) * H * W;
+  const MaxPool3dGeometry& f = g.first;
+  const int64_t P1 = f.pooled_plane(), volume1 = f.kernel_volume();
   const scalar_t* go = grad_out.const_data_ptr<scalar_t>();  // contiguous
   scalar_t* gx = grad_x.mutable_data_ptr<scalar_t>();
   const PickPositions where({&g.first, &g.second}, D, H, W);
+  const PickPositions where1({&g.second}, f.d.out, f.h.out, f.w.out);  // in stage 1's output
   const bool disjoint = g.first.windows_disjoint() && g.second.windows_disjoint();
   at::parallel_for(0, grad_x.size(0) * C, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> sums(disjoint ? 0 : plane);
+    std::vector<acc_t> sums(disjoint ? 0 : plane), grad1(disjoint ? 0 : P1);
+    std::vector<int64_t> element1(disjoint ? 0 : P1);  // stage-1 window -> its pick in x
     for (int64_t n = begin; n < end; ++n) {
       const scalar_t* gb = go + n / C * P;
       const index_t* plane_picks = picks + n * P;
@@ -75,9 +80,17 @@ void scatter_grad(const at::Tensor& grad_out, const index_t* picks, const MaxPoo
           out[e] = static_cast<scalar_t>(acc_t(0) + static_cast<acc_t>(gb[p]));
         });
       } else {
+        std::fill(grad1.begin(), grad1.end(), acc_t(0));
+        std::fill(element1.begin(), element1.end(), int64_t{-1});
+        where.for_each(plane_picks, [&](int64_t p, int64_t e) {
+          const int64_t w1 = where1.position(p, static_cast<int64_t>(plane_picks[p]) / volume1);
+          grad1[w1] += static_cast<acc_t>(gb[p]);
+          element1[w1] = e;
+        });
         std::fill(sums.begin(), sums.end(), acc_t(0));
-        where.for_each(plane_picks,
-                       [&](int64_t p, int64_t e) { sums[e] += static_cast<acc_t>(gb[p]); });
+        for (int64_t w1 = 0; w1 < P1; ++w1) {
+          if (element1[w1] >= 0) sums[element1[w1]] += grad1[w1];
+        }
         for (int64_t e = 0; e < plane; ++e) out[e] = static_cast<scalar_t>(sums[e]);
       }
     }
