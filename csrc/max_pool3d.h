@@ -12,7 +12,9 @@
 #include <c10/macros/Macros.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
+#include <vector>
 
 #include "pool_geometry.h"
 
@@ -166,6 +168,105 @@ C10_HOST_DEVICE int pick_count(const MaxPool3dGeometry& g, const index_t* picks,
   }
   return count;
 }
+
+// Where the picks of a chain of max-pools lie in their input plane, for a
+// backward that scatters each output's gradient to its pick (host only). The
+// chain is one stage, or a cascade (stage 2 pooling stage 1's output, as in
+// max_pool3d_cascade_sum.h), whose pick numbers are the stages' scan offsets
+// as digits, the last stage's most significant: number = off2 * volume1 + off1.
+// Along one dimension, with strides s_j and paddings p_j of stages j = 1..n
+// (S_j = s_1 * ... * s_j, S_0 = 1), output o's window chain starts at input
+// position o * S_n - sum_j p_j * S_{j-1}, and offset k_j in stage j's window
+// moves k_j * S_{j-1} further: a pick's plane position (D, H, W) contiguous is
+// base(od, oh, ow) + delta(number), delta tabled once per kernel call.
+class PickPositions {
+ public:
+  PickPositions(std::initializer_list<const MaxPool3dGeometry*> stages, int depth, int height,
+                int width) {
+    TORCH_INTERNAL_ASSERT(stages.size() >= 1 && stages.size() <= kMaxStages);
+    const int64_t plane_stride[3] = {static_cast<int64_t>(height) * width, width, 1};
+    int64_t span[3] = {1, 1, 1};  // S_{j-1} per dimension
+    int64_t below = 1;            // the volume of the stages before j
+    for (const MaxPool3dGeometry* g : stages) {
+      const PoolDim* dims[3] = {&g->d, &g->h, &g->w};
+      Stage& st = stages_[num_stages_++];
+      st.kernel_h = g->h.kernel;
+      st.kernel_w = g->w.kernel;
+      st.below = below;
+      for (int i = 0; i < 3; ++i) {
+        st.step[i] = span[i] * plane_stride[i];
+        shift_ -= dims[i]->pad * st.step[i];
+        span[i] *= dims[i]->stride;
+      }
+      below *= g->kernel_volume();
+    }
+    const MaxPool3dGeometry& last = **(stages.end() - 1);
+    out_[0] = last.d.out;
+    out_[1] = last.h.out;
+    out_[2] = last.w.out;
+    for (int i = 0; i < 3; ++i) window_step_[i] = span[i] * plane_stride[i];
+    if (below <= kMaxTable) {
+      table_.resize(below);
+      for (int64_t n = 0; n < below; ++n) table_[n] = compute_delta(n);
+    }
+  }
+
+  // The plane position of pick number `pick` relative to its output's base.
+  int64_t delta(int64_t pick) const {
+    return table_.empty() ? compute_delta(pick) : table_[pick];
+  }
+
+  // The plane position of output p's (D', H', W' row-major) pick numbered `pick`.
+  int64_t position(int64_t p, int64_t pick) const {
+    const int64_t ow = p % out_[2], oh = p / out_[2] % out_[1], od = p / out_[2] / out_[1];
+    return shift_ + od * window_step_[0] + oh * window_step_[1] + ow * window_step_[2] +
+           delta(pick);
+  }
+
+  // Calls f(p, position) for every output p (D', H', W' row-major) of one
+  // plane, in order, with its pick's plane position; `picks` is that plane's.
+  template <typename index_t, typename F>
+  void for_each(const index_t* picks, F&& f) const {
+    int64_t p = 0;
+    for (int od = 0; od < out_[0]; ++od) {
+      for (int oh = 0; oh < out_[1]; ++oh) {
+        const int64_t row = shift_ + od * window_step_[0] + oh * window_step_[1];
+        for (int ow = 0; ow < out_[2]; ++ow, ++p) {
+          f(p, row + ow * window_step_[2] + delta(static_cast<int64_t>(picks[p])));
+        }
+      }
+    }
+  }
+
+ private:
+  static constexpr size_t kMaxStages = 2;
+  static constexpr int64_t kMaxTable = int64_t{1} << 16;
+
+  struct Stage {
+    int kernel_h = 1, kernel_w = 1;
+    int64_t below = 1;
+    int64_t step[3] = {0, 0, 0};
+  };
+
+  int64_t compute_delta(int64_t pick) const {
+    int64_t delta = 0;
+    for (int j = num_stages_ - 1; j >= 0; --j) {
+      const Stage& st = stages_[j];
+      const int64_t off = pick / st.below;
+      pick %= st.below;
+      delta += off / (st.kernel_h * st.kernel_w) * st.step[0] +
+               off / st.kernel_w % st.kernel_h * st.step[1] + off % st.kernel_w * st.step[2];
+    }
+    return delta;
+  }
+
+  Stage stages_[kMaxStages];
+  int num_stages_ = 0;
+  int out_[3] = {0, 0, 0};
+  int64_t window_step_[3] = {0, 0, 0};
+  int64_t shift_ = 0;
+  std::vector<int64_t> table_;
+};
 
 // A max-pool backward's source of picks: `indices`, the forward's saved picks,
 // or `x` to recompute them from; exactly one given, on grad's device. Returns

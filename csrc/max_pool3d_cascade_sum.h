@@ -22,7 +22,9 @@
 //
 // Backward: d out[b, 0, p] / d x[b, c, e] = [e is channel c's cascade pick for p], so
 //   grad_x[b, c, e] = sum of grad_out[b, 0, p] over the outputs p whose pick for c is e,
-// gathered per element (zero where no output picks it).
+// zero where no output picks it: the CUDA kernels gather it per element
+// (cascade_grad), the CPU kernel scatters each output's gradient to its pick
+// (max_pool3d.h, PickPositions).
 #pragma once
 
 #include <ATen/core/Tensor.h>

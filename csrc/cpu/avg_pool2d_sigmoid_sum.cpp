@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "../avg_pool2d_sigmoid_sum.h"
@@ -55,32 +56,66 @@ void forward_planes(const at::Tensor& x, const AvgPool2dGeometry& g, at::Tensor&
 }
 
 // grad_x[b, c, h, w] = grad_out[b] * sum of grad_factor over the windows containing (h, w).
+// Rows h within the same windows get equal values: a row is computed once
+// and copied to every following row of the same window range. A row in one
+// window row oh, with disjoint windows along w, is that window row's values
+// grad * (0 + grad_factor[oh, ow]) spread over their columns; other rows sum
+// the windows in (oh, ow) order, column ranges precomputed.
 template <typename scalar_t>
 void backward_planes(const at::Tensor& grad_out, const at::Tensor& grad_factor,
                      const AvgPool2dGeometry& g, at::Tensor& grad_x) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t B = grad_x.size(0), C = grad_x.size(1);
+  const int W = g.w.in;
   const scalar_t* gop = grad_out.const_data_ptr<scalar_t>();
   const int64_t go_stride = grad_out.stride(0);
   const acc_t* gfp = grad_factor.const_data_ptr<acc_t>();
   const auto gs = grad_factor.strides();
   scalar_t* gxp = grad_x.mutable_data_ptr<scalar_t>();
   const auto xs = grad_x.strides();
+  std::vector<int> ow_begin(W), ow_end(W);
+  for (int w = 0; w < W; ++w) {
+    ow_begin[w] = g.w.first_window(w);
+    ow_end[w] = g.w.last_window(w);
+  }
+  const bool w_disjoint = g.w.kernel <= g.w.stride;
   at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> row(W), window_row(g.w.out);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t b = n / C, c = n % C;
       const acc_t grad = static_cast<acc_t>(gop[b * go_stride]);
+      const scalar_t zero = static_cast<scalar_t>(grad * acc_t(0));  // outside every window
       const acc_t* gfn = gfp + b * gs[0] + c * gs[1];
       scalar_t* gxn = gxp + b * xs[0] + c * xs[1];
+      int row_oh0 = -1, row_oh1 = -1;  // the window range `row` holds
       for (int h = 0; h < g.h.in; ++h) {
         const int oh0 = g.h.first_window(h), oh1 = g.h.last_window(h);
-        for (int w = 0; w < g.w.in; ++w) {
-          const int ow0 = g.w.first_window(w), ow1 = g.w.last_window(w);
-          acc_t sum = 0;
-          for (int oh = oh0; oh < oh1; ++oh) {
-            for (int ow = ow0; ow < ow1; ++ow) sum += gfn[oh * gs[2] + ow * gs[3]];
+        if (oh0 != row_oh0 || oh1 != row_oh1) {
+          if (oh1 - oh0 == 1 && w_disjoint) {
+            const acc_t* gf_row = gfn + oh0 * gs[2];
+            for (int ow = 0; ow < g.w.out; ++ow) {
+              window_row[ow] = static_cast<scalar_t>(grad * (acc_t(0) + gf_row[ow * gs[3]]));
+            }
+            for (int w = 0; w < W; ++w) {
+              row[w] = ow_begin[w] < ow_end[w] ? window_row[ow_begin[w]] : zero;
+            }
+          } else {
+            for (int w = 0; w < W; ++w) {
+              acc_t sum = 0;
+              for (int oh = oh0; oh < oh1; ++oh) {
+                for (int ow = ow_begin[w]; ow < ow_end[w]; ++ow) sum += gfn[oh * gs[2] + ow * gs[3]];
+              }
+              row[w] = static_cast<scalar_t>(grad * sum);
+            }
           }
-          gxn[h * xs[2] + w * xs[3]] = static_cast<scalar_t>(grad * sum);
+          row_oh0 = oh0;
+          row_oh1 = oh1;
+        }
+        scalar_t* out = gxn + h * xs[2];
+        if (xs[3] == 1) {
+          std::copy(row.begin(), row.end(), out);
+        } else {
+          for (int w = 0; w < W; ++w) out[w * xs[3]] = row[w];
         }
       }
     }

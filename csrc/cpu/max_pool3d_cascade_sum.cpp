@@ -1,9 +1,12 @@
 // CPU kernels of max_pool3d_cascade_sum (the math: ../max_pool3d_cascade_sum.h).
-// Parallel over (batch, output position); any input strides, read in place.
+// Forward parallel over (batch, output position), backward over (batch,
+// channel) planes; any input strides, read in place.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "../dispatch.h"
 #include "../max_pool3d_cascade_sum.h"
@@ -43,30 +46,52 @@ void pick_cascades(const at::Tensor& x, const MaxPool3dCascade& g, index_t* pick
 }
 
 // grad_x[b, c, e] = sum of grad_out[b, 0, p] over the outputs p whose pick
-// for channel c is e (cascade_grad), written once per element.
+// for channel c is e, scattered per (b, c) plane: each output's gradient goes
+// to its pick (PickPositions), zero elsewhere. With disjoint windows in both
+// stages each element is picked at most once: the plane is zero-filled, then
+// the gradients stored over it. Otherwise they are added in PyTorch's order
+// (acc_t, a buffer per thread): per stage-1 window over the outputs in order,
+// as stage 2's backward; then per element over the stage-1 windows in order.
 template <typename scalar_t, typename index_t>
-void gather_grad(const at::Tensor& grad_out, const index_t* picks, const MaxPool3dCascade& g,
-                 at::Tensor& grad_x) {
+void scatter_grad(const at::Tensor& grad_out, const index_t* picks, const MaxPool3dCascade& g,
+                  at::Tensor& grad_x) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t C = grad_x.size(1), P = g.outputs();
   const int D = grad_x.size(2), H = grad_x.size(3), W = grad_x.size(4);
+  const int64_t plane = static_cast<int64_t>(D) * H * W;
+  const MaxPool3dGeometry& f = g.first;
+  const int64_t P1 = f.pooled_plane(), volume1 = f.kernel_volume();
   const scalar_t* go = grad_out.const_data_ptr<scalar_t>();  // contiguous
-  const MaxPool3dGeometry& s = g.second;
   scalar_t* gx = grad_x.mutable_data_ptr<scalar_t>();
-  at::parallel_for(0, grad_x.size(0) * C * D, 1, [&](int64_t begin, int64_t end) {
+  const PickPositions where({&g.first, &g.second}, D, H, W);
+  const PickPositions where1({&g.second}, f.d.out, f.h.out, f.w.out);  // in stage 1's output
+  const bool disjoint = g.first.windows_disjoint() && g.second.windows_disjoint();
+  at::parallel_for(0, grad_x.size(0) * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> sums(disjoint ? 0 : plane), grad1(disjoint ? 0 : P1);
+    std::vector<int64_t> element1(disjoint ? 0 : P1);  // stage-1 window -> its pick in x
     for (int64_t n = begin; n < end; ++n) {
-      const int64_t plane = n / D;
-      const int d = static_cast<int>(n % D);
-      const scalar_t* gb = go + plane / C * P;
-      auto grad_at = [&](int od, int oh, int ow) {
-        return static_cast<acc_t>(gb[(static_cast<int64_t>(od) * s.h.out + oh) * s.w.out + ow]);
-      };
-      const index_t* plane_picks = picks + plane * P;
-      scalar_t* row = gx + n * H * W;
-      for (int h = 0; h < H; ++h) {
-        for (int w = 0; w < W; ++w) {
-          *row++ = static_cast<scalar_t>(cascade_grad<acc_t>(g, plane_picks, d, h, w, grad_at));
+      const scalar_t* gb = go + n / C * P;
+      const index_t* plane_picks = picks + n * P;
+      scalar_t* out = gx + n * plane;
+      if (disjoint) {
+        std::fill(out, out + plane, scalar_t(0));
+        // 0 + g as the sum would make it (+0 for a gradient of -0)
+        where.for_each(plane_picks, [&](int64_t p, int64_t e) {
+          out[e] = static_cast<scalar_t>(acc_t(0) + static_cast<acc_t>(gb[p]));
+        });
+      } else {
+        std::fill(grad1.begin(), grad1.end(), acc_t(0));
+        std::fill(element1.begin(), element1.end(), int64_t{-1});
+        where.for_each(plane_picks, [&](int64_t p, int64_t e) {
+          const int64_t w1 = where1.position(p, static_cast<int64_t>(plane_picks[p]) / volume1);
+          grad1[w1] += static_cast<acc_t>(gb[p]);
+          element1[w1] = e;
+        });
+        std::fill(sums.begin(), sums.end(), acc_t(0));
+        for (int64_t w1 = 0; w1 < P1; ++w1) {
+          if (element1[w1] >= 0) sums[element1[w1]] += grad1[w1];
         }
+        for (int64_t e = 0; e < plane; ++e) out[e] = static_cast<scalar_t>(sums[e]);
       }
     }
   });
@@ -97,7 +122,7 @@ at::Tensor max_pool3d_cascade_sum_backward_cpu(
   FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "max_pool3d_cascade_sum_backward_cpu", [&] {
     dispatch_picks(args.picks, [&](auto* picks) {
       if (args.recompute) pick_cascades<scalar_t>(args.x, args.g, picks, static_cast<scalar_t*>(nullptr));
-      gather_grad<scalar_t>(args.grad_out, picks, args.g, args.grad_x);
+      scatter_grad<scalar_t>(args.grad_out, picks, args.g, args.grad_x);
     });
   });
   return args.grad_x;

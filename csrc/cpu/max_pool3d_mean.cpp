@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -47,10 +48,15 @@ void pick_windows(const at::Tensor& x, const MaxPool3dGeometry& g, double diviso
 }
 
 // grad_x[b, c, e] = divide(count(e) * grad_mean[b, c] / N): count(e) windows
-// pick e (max_pool3d.h, pick_count), N = D' * H' * W'.
+// pick e, N = D' * H' * W'. Scattered per plane: a window's gradient goes to
+// its pick (PickPositions), the rest of the plane is divide(0) (-0 for a
+// negative divisor, as PyTorch's). With disjoint windows each element is
+// picked at most once: the plane is filled, then the picks stored over it.
+// Overlapping windows count their picks per element first (a plane of ints
+// per thread) and write the plane from the counts, once per element.
 template <typename scalar_t, typename index_t>
-void gather_grad(const at::Tensor& grad_mean, const index_t* picks, const MaxPool3dGeometry& g,
-                 double divisor, at::Tensor& grad_x) {
+void scatter_grad(const at::Tensor& grad_mean, const index_t* picks, const MaxPool3dGeometry& g,
+                  double divisor, at::Tensor& grad_x) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t C = grad_x.size(1);
   const scalar_t* gm = grad_mean.const_data_ptr<scalar_t>();
@@ -59,18 +65,25 @@ void gather_grad(const at::Tensor& grad_mean, const index_t* picks, const MaxPoo
   const TrueDivide<scalar_t> divide(divisor);
   const int64_t pooled = g.pooled_plane();
   const int64_t plane = static_cast<int64_t>(g.d.in) * g.h.in * g.w.in;
+  const PickPositions where({&g}, g.d.in, g.h.in, g.w.in);
+  const bool disjoint = g.windows_disjoint();
+  const scalar_t zero = divide(acc_t(0));
   at::parallel_for(0, grad_x.size(0) * C, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int32_t> counts(disjoint ? 0 : plane);
     for (int64_t n = begin; n < end; ++n) {
       const acc_t window_grad =
           static_cast<acc_t>(gm[n / C * gs[0] + n % C * gs[1]]) / static_cast<acc_t>(pooled);
       const index_t* pn = picks + n * pooled;
       scalar_t* out = gx + n * plane;
-      for (int d = 0; d < g.d.in; ++d) {
-        for (int h = 0; h < g.h.in; ++h) {
-          for (int w = 0; w < g.w.in; ++w) {
-            const int count = pick_count(g, pn, d, h, w);
-            *out++ = divide(count == 0 ? acc_t(0) : count * window_grad);
-          }
+      if (disjoint) {
+        std::fill(out, out + plane, zero);
+        const scalar_t picked = divide(window_grad);
+        where.for_each(pn, [&](int64_t, int64_t e) { out[e] = picked; });
+      } else {
+        std::fill(counts.begin(), counts.end(), 0);
+        where.for_each(pn, [&](int64_t, int64_t e) { ++counts[e]; });
+        for (int64_t e = 0; e < plane; ++e) {
+          out[e] = counts[e] == 0 ? zero : divide(counts[e] * window_grad);
         }
       }
     }
@@ -110,7 +123,7 @@ at::Tensor max_pool3d_mean_backward_cpu(const at::Tensor& grad_mean,
   FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_mean.scalar_type(), "max_pool3d_mean_backward_cpu", [&] {
     dispatch_picks(args.picks, [&](auto* picks) {
       if (args.recompute) pick_windows<scalar_t>(args.x, g, divisor, picks, nullptr);
-      gather_grad<scalar_t>(grad_mean, picks, g, divisor, args.grad_x);
+      scatter_grad<scalar_t>(grad_mean, picks, g, divisor, args.grad_x);
     });
   });
   return args.grad_x;
