@@ -56,8 +56,7 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
     ctx->saved_data["batch_stats"] = batch_stats;
     ctx->saved_data["scale"] = scale;
     for (int i = 0; i < 3; ++i) ctx->saved_data["size" + std::to_string(i)] = x.sym_size(2 + i);
-    // Which of weight and bias are inputs (their gradients' edges follow x's).
-    ctx->saved_data["has_weight"] = weight.has_value();
+    // Whether bias is an input (its gradient's edge follows x's and weight's, when given).
     ctx->saved_data["has_bias"] = bias.has_value();
     // x only where grad_x goes through the batch statistics (with running
     // statistics grad_x does not depend on it).
@@ -68,7 +67,7 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const bool has_weight = ctx->saved_data["has_weight"].toBool();
+    const bool has_weight = saved[1].defined();  // saved whenever given
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     const bool grad_input = ctx->needs_input_grad(0);
     const bool grad_weight_needed = has_weight && ctx->needs_input_grad(1);

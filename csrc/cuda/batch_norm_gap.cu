@@ -277,7 +277,7 @@ struct ChannelGradArgs {
   int channels, plane_size;
   acc_t scale;
   bool batch_stats;
-  param_t* grad_weight;  // (C), written by the warp that sums channel c first
+  param_t* grad_weight;  // (C), written by the one call of channel(c, write = true) per channel
   param_t* grad_bias;
 
   __device__ acc_t grad(int64_t b, int c) const {
