@@ -42,6 +42,24 @@ TORCH_LIBRARY(fused_ops, m) {
       "SymInt[3] input_size, int[3] kernel1, int[3] stride1, int[3] padding1, int[3] kernel2, "
       "int[3] stride2, int[3] padding2) -> Tensor");
 
+  // Max-pools over y (N, Md, Mh, Mw, C, Q) in parity-class layout: each
+  // (position, channel)'s Q elements are one max-pool window in scan order
+  // (parity_max_pool3d.h). mean over positions of each window's max -> (N, C);
+  // with save_indices, also each window's pick q as uint8 (N, Md, Mh, Mw, C),
+  // else an empty tensor.
+  m.def("parity_max_pool3d_mean(Tensor y, bool save_indices) -> (Tensor, Tensor)");
+  // grad_y (N, Md, Mh, Mw, C, Q), contiguous, from the forward's saved picks.
+  m.def("parity_max_pool3d_mean_backward(Tensor grad_mean, Tensor picks, int parity_classes) -> Tensor");
+  // sum over channels, keepdim, of a second max-pool (kernel2 = stride, no
+  // padding) over the windows' maxima -> (N, 1, Md // k2d, Mh // k2h, Mw // k2w);
+  // with save_indices, also each output's pick per channel as uint8
+  // (stage-2 scan offset * Q + q) (N, D2, H2, W2, C), else an empty tensor.
+  m.def("parity_max_pool3d_cascade_sum(Tensor y, int[3] kernel2, bool save_indices) -> (Tensor, Tensor)");
+  // grad_y (N, *stage1_size, C, Q), contiguous, from the forward's saved picks.
+  m.def(
+      "parity_max_pool3d_cascade_sum_backward(Tensor grad_out, Tensor picks, SymInt[3] stage1_size, "
+      "int[3] kernel2, int parity_classes) -> Tensor");
+
   // adaptive_avg_pool3d(batch_norm(x * scale), 1) -> out (B, C, 1, 1, 1), as
   // nn.BatchNorm3d normalizes: with running_mean and running_var given, with
   // them; else with the batch's statistics (biased variance). Also, in the

@@ -7,8 +7,9 @@ Each has the original's constructor, parameters, buffers and state_dict keys
 import torch
 from torch import Tensor, nn
 
-from . import reference
-from .ops import avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean
+from . import reference, rewrites
+from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean,
+                  parity_max_pool3d_cascade_sum, parity_max_pool3d_mean)
 
 
 def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.Module:
@@ -49,8 +50,11 @@ def _check_fusable_max_pool(name: str, pool: nn.MaxPool3d, ceil_mode_ok: bool) -
 
 
 class Conv2dAvgPoolSigmoidSum(nn.Module):
-    """conv2d -> avg_pool2d -> sigmoid -> sum over (C, H, W), the tail fused into
-    one kernel (``fused_ops.avg_pool2d_sigmoid_sum``)."""
+    """conv2d -> avg_pool2d -> sigmoid -> sum over (C, H, W). Where the pool's
+    windows do not pad (``fused_ops.rewrites.conv2d_avg_pool``), the pool is
+    folded into the convolution, which runs over space-to-depth input, and
+    the sigmoid and sum follow; otherwise the tail is fused into one kernel
+    (``fused_ops.avg_pool2d_sigmoid_sum``)."""
 
     def __init__(self, in_channels, out_channels, kernel_size, pool_kernel_size):
         super().__init__()
@@ -68,6 +72,9 @@ class Conv2dAvgPoolSigmoidSum(nn.Module):
                 f"got {x.dim()}-D input of shape {tuple(x.shape)}"
             )
         pool = self.avg_pool
+        pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
+        if pooled is not None:
+            return torch.sigmoid(pooled).sum(dim=(1, 2, 3))
         return avg_pool2d_sigmoid_sum(
             self.conv(x),
             pool.kernel_size,
@@ -81,9 +88,13 @@ class Conv2dAvgPoolSigmoidSum(nn.Module):
 
 class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
     """conv3d -> / divisor -> max_pool3d -> global average pool -> + bias -> sum
-    over sum_dim; the division, the pool and the average fused into one kernel
-    (``fused_ops.max_pool3d_mean``), the bias and the sum applied to its
-    (B, C, 1, 1, 1) result as the original does. The constructor is the
+    over sum_dim. Where the pool's windows tile the convolution's output
+    (``fused_ops.rewrites.conv3d_max_pool_windows``), the divisor is folded
+    into the convolution, which computes the windows side by side, and
+    ``fused_ops.parity_max_pool3d_mean`` pools and averages them; otherwise
+    the division, the pool and the average are fused into one kernel over the
+    convolution's output (``fused_ops.max_pool3d_mean``). The bias and the sum
+    are applied to the (B, C, 1, 1, 1) result as the original does. The constructor is the
     original's (the same members, parameters drawn in the same order);
     ``global_avg_pool`` stays for its structure, the fused op computes it."""
 
@@ -97,14 +108,24 @@ class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
         _check_5d_input(name, x, self.conv.in_channels)
         pool = self.max_pool
         _check_fusable_max_pool(name, pool, ceil_mode_ok=True)
-        mean = max_pool3d_mean(self.conv(x), pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
+        windows = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor)
+        if windows is not None:
+            mean = parity_max_pool3d_mean(windows)
+        else:
+            mean = max_pool3d_mean(self.conv(x), pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
+                                   self.divisor)
         return torch.sum(mean[:, :, None, None, None] + self.bias, dim=self.sum_dim)
 
 
 class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSum):
     """conv_transpose3d -> max_pool3d -> max_pool3d -> sum over channels
-    (keepdim); the two pools and the sum fused into one kernel
-    (``fused_ops.max_pool3d_cascade_sum``). The constructor is the original's
+    (keepdim). Where the first pool's windows are the transposed
+    convolution's stride classes and the second pool's tile its output
+    (``fused_ops.rewrites.conv_transpose3d_max_pool_windows``), a convolution
+    computes the first pool's windows side by side and
+    ``fused_ops.parity_max_pool3d_cascade_sum`` pools and sums them; otherwise
+    the two pools and the sum are fused into one kernel over the transposed
+    convolution's output (``fused_ops.max_pool3d_cascade_sum``). The constructor is the original's
     (the same members, parameters drawn in the same order)."""
 
     @classmethod
@@ -118,6 +139,9 @@ class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSu
         first, second = self.max_pool1, self.max_pool2
         _check_fusable_max_pool(name, first, ceil_mode_ok=False)
         _check_fusable_max_pool(name, second, ceil_mode_ok=False)
+        windows = rewrites.conv_transpose3d_max_pool_windows(x, self.conv_transpose, first, second)
+        if windows is not None:
+            return parity_max_pool3d_cascade_sum(windows, second.kernel_size)
         return max_pool3d_cascade_sum(self.conv_transpose(x), first.kernel_size, second.kernel_size,
                                       stride1=first.stride, padding1=first.padding, stride2=second.stride,
                                       padding2=second.padding)
@@ -127,7 +151,13 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
     """conv_transpose3d -> * scale_factor -> batch_norm3d -> global average
     pool; the scale, the batch norm and the pool fused into one op
     (``fused_ops.batch_norm_gap``), which updates the running statistics as
-    nn.BatchNorm3d does, on the device. The constructor is the original's (the
+    nn.BatchNorm3d does, on the device. Normalizing with running statistics
+    (eval mode), only the spatial mean of the transposed convolution's output
+    is needed: it is computed from the input's spatial sums where the
+    transposed convolution does not pad
+    (``fused_ops.rewrites.conv_transpose3d_spatial_mean``). With batch
+    statistics a stride-1 transposed convolution runs as a convolution
+    (``fused_ops.rewrites.conv_transpose3d_stride1``). The constructor is the original's (the
     same members, parameters and buffers, drawn in the same order);
     ``batch_norm`` holds the parameters, buffers and settings the fused op
     reads (affine, track_running_stats, momentum, eps), ``global_avg_pool``
@@ -147,7 +177,16 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
         # nn.BatchNorm3d's rules: the running statistics are normalized with
         # in eval mode and updated in training mode with track_running_stats.
         running = not bn.training or bn.track_running_stats
-        return batch_norm_gap(self.conv_transpose(x), self.scale_factor, bn.weight, bn.bias,
+        batch_stats = bn.training or bn.running_mean is None
+        y = None
+        if not batch_stats:
+            mean = rewrites.conv_transpose3d_spatial_mean(x, self.conv_transpose)
+            y = None if mean is None else mean[:, :, None, None, None]
+        if y is None:
+            y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose)
+        if y is None:
+            y = self.conv_transpose(x)
+        return batch_norm_gap(y, self.scale_factor, bn.weight, bn.bias,
                               bn.running_mean if running else None, bn.running_var if running else None,
                               bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
                               training=bn.training, momentum=bn.momentum, eps=bn.eps)

@@ -1,0 +1,247 @@
+"""Exact rewrites of the architectures' convolutions (the same functions in real
+arithmetic, computed by faster convolutions), used by ``fused_ops.nn``.
+
+Parity-class convolutions (architectures A, B and D's training step). A
+max-pool of kernel = stride P after a convolution reads each output element
+once; computing its windows side by side, output channel (o, q) for element q
+of the window at position m, is a convolution of stride P (after a
+convolution) or 1 (after a stride-P transposed convolution) whose kernel holds
+the original taps, rearranged, and zeros. Its channels-last output is the
+parity-class layout of ``fused_ops.parity_max_pool3d_mean`` and
+``parity_max_pool3d_cascade_sum`` (csrc/parity_max_pool3d.h). A transposed
+convolution of stride 1 is the case P = 1 (a convolution with the kernel
+flipped). Each 3-D convolution runs as a 2-D one over depth-stacked input
+(batch (n, md), channels (depth tap, input channel)), which cuDNN runs much
+faster than its 3-D kernels (bench/models.py).
+
+Along one dimension, output element P * m + q of the original is
+sum over taps u in [0, K') of w'[q, u] * x[stride * m + start + u], where
+  convolution (kernel k, padding p), then pool P:  stride P, start -p, K' = k + P - 1,
+      w'[q, u] = w[u - q];
+  transposed convolution (kernel k, stride P, padding p):  stride 1, start e0, K' = e1 - e0 + 1,
+      w'[q, u] = w[q + p - P (e0 + u)],
+with w[t] = 0 outside [0, k) and [e0, e1] the input offsets any q reaches.
+
+Architecture C: ``AvgPool2d(P, stride S) o Conv2d`` is one convolution of
+stride S whose kernel is the original convolved with the P x P box (divided
+by P^2 or the divisor override); it runs as a convolution over the
+space-to-depth input (S x S blocks as channels): a kernel of ceil(K / S) taps
+over I * S * S channels.
+
+Architecture D in eval mode: the spatial mean of a transposed convolution
+without padding is linear in the input's spatial sums: every input element
+meets every tap inside the output, so
+  mean_out y[n, o] = bias[o] + (sum_i (sum_t w[i, o, t]) * sum_p x[n, i, p]) / |out|.
+
+Each function returns None where its rewrite does not hold for the
+configuration; the module then runs the original formulation.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def _triple(v) -> tuple[int, int, int]:
+    return tuple(v) * (3 // len(v)) if isinstance(v, (tuple, list)) else (v,) * 3
+
+
+def _pair(v) -> tuple[int, int]:
+    return tuple(v) * (2 // len(v)) if isinstance(v, (tuple, list)) else (v, v)
+
+
+@dataclass(frozen=True)
+class _Axis:
+    """One dimension of a parity-class convolution (module docstring)."""
+    classes: int  # P
+    stride: int
+    start: int  # input offset of tap 0 at m = 0 (negative: zero padding)
+    taps: tuple[tuple[int, ...], ...]  # [q][u]: the original tap, or -1
+
+    @property
+    def kernel(self) -> int:
+        return len(self.taps[0])
+
+    def input_span(self, positions: int) -> tuple[int, int]:
+        """The input range [first, last] that `positions` outputs read."""
+        return self.start, self.stride * (positions - 1) + self.start + self.kernel - 1
+
+
+def _conv_pool_axis(kernel: int, padding: int, classes: int) -> _Axis:
+    taps = tuple([tuple([u - q if 0 <= u - q < kernel else -1 for u in range(kernel + classes - 1)])
+                  for q in range(classes)])
+    return _Axis(classes, classes, -padding, taps)
+
+
+def _transposed_axis(kernel: int, stride: int, padding: int) -> _Axis:
+    first = min([-((kernel - 1 - q - padding) // stride) for q in range(stride)])  # ceil((q + p - k + 1) / s)
+    last = max([(q + padding) // stride for q in range(stride)])
+    taps = tuple([tuple([q + padding - stride * e if 0 <= q + padding - stride * e < kernel else -1
+                         for e in range(first, last + 1)]) for q in range(stride)])
+    return _Axis(stride, 1, first, taps)
+
+
+def _gather_index(axes: tuple[_Axis, _Axis, _Axis], kernel: tuple[int, int, int]) -> Tensor:
+    """(Q, K'd, K'h, K'w) indices into an original kernel flattened to k_d k_h k_w taps plus a zero last."""
+    volume = math.prod(kernel)
+    d, h, w = axes
+    return torch.tensor([[[[(td * kernel[1] + th) * kernel[2] + tw if min(td, th, tw) >= 0 else volume
+                            for tw in w.taps[qw]] for th in h.taps[qh]] for td in d.taps[qd]]
+                         for qd in range(d.classes) for qh in range(h.classes) for qw in range(w.classes)])
+
+
+def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positions: tuple[int, int, int]) -> Tensor:
+    """The parity-class convolution: (N, Md, Mh, Mw, O, Q) for `positions` = (Md, Mh, Mw).
+
+    weight: (O, I, k_d, k_h, k_w), the original's taps as a convolution's."""
+    out_channels, in_channels, *kernel = weight.shape
+    index = _gather_index(axes, tuple(kernel)).to(weight.device)
+    taps = torch.cat([weight.reshape(out_channels, in_channels, -1), weight.new_zeros(out_channels, in_channels, 1)], 2)
+    classes = index.shape[0]
+    # (O, I, Q, K'd, K'h, K'w) -> 2-D kernel (O Q, K'd I, K'h, K'w): channel (o, q), input channel (tap a, i)
+    combined = taps[:, :, index].permute(0, 2, 3, 1, 4, 5).reshape(
+        out_channels * classes, axes[0].kernel * in_channels, axes[1].kernel, axes[2].kernel)
+    # Pad (or crop) x to the input span the outputs read, so that they start at 0.
+    pad = []
+    for dim, (axis, count) in reversed(list(enumerate(zip(axes, positions)))):
+        first, last = axis.input_span(count)
+        pad += [-first, last - (x.shape[2 + dim] - 1)]
+    if any(pad):
+        x = F.pad(x, pad)
+    n, depth, stride = x.shape[0], positions[0], axes[0].stride
+    # depth-stacked, channels last: (N Md, H', W', K'd I), one copy (stacking strided
+    # views of x; not Tensor.unfold, whose backward torch.compile gets wrong on the CPU)
+    channels_last = x.permute(0, 2, 3, 4, 1)
+    stacked = torch.stack([channels_last[:, a:a + stride * (depth - 1) + 1:stride] for a in range(axes[0].kernel)],
+                          dim=4).reshape(n * depth, x.shape[3], x.shape[4], -1).permute(0, 3, 1, 2)
+    y = F.conv2d(stacked, combined.contiguous(memory_format=torch.channels_last),
+                 None if bias is None else bias.repeat_interleave(classes), stride=(axes[1].stride, axes[2].stride))
+    return y.permute(0, 2, 3, 1).reshape(n, *positions, out_channels, classes)
+
+
+def _is_plain_conv(conv: nn.Module, x: Tensor) -> bool:
+    """An ungrouped, undilated, zero-padded convolution, and an input it takes (else the
+    original formulation runs, and raises where the input is wrong)."""
+    return (conv.groups == 1 and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
+            and max(conv.dilation) == 1 and x.dim() == conv.weight.dim() and x.dtype.is_floating_point
+            and x.shape[1] == conv.in_channels)
+
+
+def _is_window_pool(pool: nn.MaxPool3d) -> bool:
+    """A max-pool whose windows tile its input: kernel = stride, no padding, no dilation."""
+    stride = pool.stride if pool.stride is not None else pool.kernel_size
+    return (_triple(pool.kernel_size) == _triple(stride) and _triple(pool.padding) == (0, 0, 0)
+            and _triple(pool.dilation) == (1, 1, 1) and not pool.return_indices)
+
+
+def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor: float = 1.0) -> Tensor | None:
+    """The windows of ``pool(conv(x) / divisor)`` side by side, (N, D', H', W', O, Q), or None
+    where the rewrite does not hold (a strided, dilated or grouped convolution, a pool whose
+    windows overlap or leave gaps or pad, ceil_mode adding windows, more than 256 classes)."""
+    if not (_is_plain_conv(conv, x) and _triple(conv.stride) == (1, 1, 1) and _is_window_pool(pool)):
+        return None
+    classes, kernel, padding = _triple(pool.kernel_size), _triple(conv.kernel_size), _triple(conv.padding)
+    conv_size = [x.shape[2 + d] + 2 * padding[d] - kernel[d] + 1 for d in range(3)]
+    positions = tuple([s // p for s, p in zip(conv_size, classes)])
+    if min(positions) < 1 or math.prod(classes) > 256:
+        return None
+    if pool.ceil_mode and any([-(-(s - p) // p) + 1 != m for s, p, m in zip(conv_size, classes, positions)]):
+        return None
+    axes = tuple([_conv_pool_axis(kernel[d], padding[d], classes[d]) for d in range(3)])
+    bias = None if conv.bias is None else conv.bias / divisor
+    return _parity_conv3d(x, conv.weight / divisor, bias, axes, positions)
+
+
+def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d,
+                                      pool2: nn.MaxPool3d) -> Tensor | None:
+    """The windows of ``pool1(conv(x))`` side by side, (N, Md, Mh, Mw, O, Q), at the
+    positions ``pool2`` (kernel = stride) reads, or None where the rewrite does not hold
+    (pool1's kernel and stride not the convolution's stride, a dilated or grouped
+    convolution, a pool2 that overlaps or pads, no output, Q times pool2's volume over 256)."""
+    stride = _triple(conv.stride)
+    if not (_is_plain_conv(conv, x) and _is_window_pool(pool1) and _is_window_pool(pool2)
+            and _triple(pool1.kernel_size) == stride and not pool1.ceil_mode and not pool2.ceil_mode):
+        return None
+    kernel, padding, extra = _triple(conv.kernel_size), _triple(conv.padding), _triple(conv.output_padding)
+    kernel2 = _triple(pool2.kernel_size)
+    out_size = [(x.shape[2 + d] - 1) * stride[d] - 2 * padding[d] + kernel[d] + extra[d] for d in range(3)]
+    positions = tuple([o // s // k2 * k2 for o, s, k2 in zip(out_size, stride, kernel2)])
+    if min(positions) < 1 or math.prod(stride) * math.prod(kernel2) > 256:
+        return None
+    axes = tuple([_transposed_axis(kernel[d], stride[d], padding[d]) for d in range(3)])
+    return _parity_conv3d(x, conv.weight.transpose(0, 1), conv.bias, axes, positions)
+
+
+def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:
+    """``conv(x)`` for a stride-1 transposed convolution, as a convolution with the kernel
+    flipped, (N, O, D', H', W') channels last; None for other configurations."""
+    if not (_is_plain_conv(conv, x) and _triple(conv.stride) == (1, 1, 1) and _triple(conv.output_padding) == (0, 0, 0)):
+        return None
+    kernel, padding = _triple(conv.kernel_size), _triple(conv.padding)
+    out_size = tuple([x.shape[2 + d] - 1 - 2 * padding[d] + kernel[d] for d in range(3)])
+    if min(out_size) < 1:
+        return None
+    axes = tuple([_transposed_axis(kernel[d], 1, padding[d]) for d in range(3)])
+    y = _parity_conv3d(x, conv.weight.transpose(0, 1), conv.bias, axes, out_size)
+    return y.squeeze(5).permute(0, 4, 1, 2, 3)
+
+
+def conv_transpose3d_spatial_mean(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:
+    """The spatial mean of ``conv(x)``, (N, O), from x's spatial sums (module docstring),
+    or None where the transposed convolution pads, dilates or groups."""
+    if not (_is_plain_conv(conv, x) and _triple(conv.padding) == (0, 0, 0)):
+        return None
+    stride, kernel, extra = _triple(conv.stride), _triple(conv.kernel_size), _triple(conv.output_padding)
+    out_volume = math.prod([(x.shape[2 + d] - 1) * stride[d] + kernel[d] + extra[d] for d in range(3)])
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    sums = x.sum(dim=(2, 3, 4), dtype=acc)  # (N, I)
+    weight_sums = conv.weight.to(acc).sum(dim=(2, 3, 4))  # (I, O)
+    # elementwise products and a sum rather than a matmul: never TF32
+    mean = (sums[:, :, None] * weight_sums[None]).sum(1) / out_volume
+    if conv.bias is not None:
+        mean = mean + conv.bias.to(acc)
+    return mean.to(x.dtype)
+
+
+def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:
+    """``pool(conv(x))`` as one convolution over the space-to-depth input, (N, O, H', W')
+    channels last, or None where the rewrite does not hold (a strided, dilated or grouped
+    convolution, a padding pool, ceil_mode adding windows)."""
+    if not (_is_plain_conv(conv, x) and _pair(conv.stride) == (1, 1)):
+        return None
+    box = _pair(pool.kernel_size)
+    stride = _pair(pool.stride if pool.stride is not None else pool.kernel_size)
+    if _pair(pool.padding) != (0, 0):
+        return None
+    kernel, padding = _pair(conv.kernel_size), _pair(conv.padding)
+    folded = [kernel[d] + box[d] - 1 for d in range(2)]
+    padded = [x.shape[2 + d] + 2 * padding[d] for d in range(2)]
+    out = [(padded[d] - folded[d]) // stride[d] + 1 for d in range(2)]
+    conv_size = [padded[d] - kernel[d] + 1 for d in range(2)]
+    if min(out) < 1 or (pool.ceil_mode and any([-(-(c - b) // s) + 1 != o for c, b, s, o in
+                                                zip(conv_size, box, stride, out)])):
+        return None
+    divisor = pool.divisor_override or box[0] * box[1]
+    weight = conv.weight
+    o, i = weight.shape[:2]
+    # The kernel convolved with the box, in float64 (exact sums; a float64 convolution is never TF32).
+    ones = torch.ones(1, 1, *box, dtype=torch.float64, device=weight.device)
+    kernel_folded = F.conv2d(weight.double().reshape(o * i, 1, *kernel), ones, padding=(box[0] - 1, box[1] - 1)) / divisor
+    taps = [-(-folded[d] // stride[d]) for d in range(2)]
+    kernel_folded = F.pad(kernel_folded, (0, taps[1] * stride[1] - folded[1], 0, taps[0] * stride[0] - folded[0]))
+    # (O, I, Th, Sh, Tw, Sw) -> (O, (I, Sh, Sw), Th, Tw): the space-to-depth input's channels
+    s2d_kernel = kernel_folded.reshape(o, i, taps[0], stride[0], taps[1], stride[1]).permute(0, 1, 3, 5, 2, 4).reshape(
+        o, i * stride[0] * stride[1], *taps).to(weight.dtype)
+    # Pad (or crop) x to the blocks the outputs read, then blocks of S x S as channels, channels last.
+    blocks = [out[d] - 1 + taps[d] for d in range(2)]
+    pad = (padding[1], blocks[1] * stride[1] - padded[1] + padding[1],
+           padding[0], blocks[0] * stride[0] - padded[0] + padding[0])
+    if any(pad):
+        x = F.pad(x, pad)
+    n = x.shape[0]
+    s2d = x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 2, 4, 1, 3, 5).reshape(
+        n, blocks[0], blocks[1], -1).permute(0, 3, 1, 2)
+    bias = None if conv.bias is None else conv.bias * (box[0] * box[1] / divisor)  # the box's average of a constant
+    return F.conv2d(s2d, s2d_kernel.contiguous(memory_format=torch.channels_last), bias)
