@@ -2,8 +2,9 @@
 #   make run    install, build, run `python -m fused_ops`: the four architectures eager, compiled and
 #               fused, checked and timed; table, JSON and chart in fused_ops_results/ (ARGS="..." for options)
 #   make test   install, build, compile-check the CUDA sources, build the C++ library + ctest, run pytest
-# and the per-tail benchmark:
-#   make bench  install, build, run the CUDA tests and time every fused op (on a GPU), table + JSON
+# and the benchmark:
+#   make bench  install, build, run the CUDA tests, time every fused op and the four whole models (on a GPU),
+#               tables + JSON
 PYTHON ?= python3
 TORCH_PREFIX = $$($(PYTHON) -c "import torch; print(torch.utils.cmake_prefix_path)")
 

@@ -1,9 +1,11 @@
 """The one benchmark call: builds fused_ops, runs the whole test suite (the CUDA
 tests included where there is a GPU), times every fused op against the eager
-PyTorch tail and torch.compile of it, writes JSON under bench/results/ (and
-under $OUT when that is set), and prints a short table last.
+PyTorch tail and torch.compile of it, then the four whole models (bench/models.py:
+eval forward and training step, eager, compiled and fused, peak memory), writes
+JSON under bench/results/ (and under $OUT when that is set), and prints short
+tables last.
 
-    python bench/run.py [--skip-build] [--skip-tests] [--no-compile] [--device cuda]
+    python bench/run.py [--skip-build] [--skip-tests] [--only tails|models] [--no-compile] [--device cuda]
 """
 import argparse
 import json
@@ -37,44 +39,27 @@ def run_tests(log_dir: str) -> str:
     return (summary[-1] if summary else f"pytest exited {result.returncode} with no summary").strip("= ")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--skip-build", action="store_true")
-    parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--batch", type=int, default=None,
-                        help="batch size (default: the SPEC's on a GPU, 2 on a CPU)")
-    args = parser.parse_args()
-
-    if not args.skip_build:
-        build()
-    tests = "not run" if args.skip_tests else run_tests(os.environ.get("OUT", os.path.join(ROOT, "bench", "results")))
-
+def time_tails(device: str, batch: int | None, compile_tail: bool, tests: str) -> dict:
+    """Every tail's variants at its architecture's default size (batch: 2 on a CPU unless given): the result."""
     import torch
 
     from timing import copy_bandwidth_gbs, device_name
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     copy_gbs = copy_bandwidth_gbs(device, (2 << 30) if device == "cuda" else (64 << 20))
     rows = []
     for module in BENCHMARKS:
         bench = __import__(module)
-        batch = args.batch or (bench.DEFAULT_SHAPE[0] if device == "cuda" else 2)
-        rows += bench.run(device, (batch, *bench.DEFAULT_SHAPE[1:]), compile_tail=not args.no_compile)
+        shape = (batch or (bench.DEFAULT_SHAPE[0] if device == "cuda" else 2), *bench.DEFAULT_SHAPE[1:])
+        rows += bench.run(device, shape, compile_tail=compile_tail)
+    return dict(device=device_name(device), torch=torch.__version__, copy_bandwidth_gbs=copy_gbs, tests=tests,
+                rows=rows)
 
-    name = device_name(device)
-    result = dict(device=name, torch=torch.__version__, copy_bandwidth_gbs=copy_gbs, tests=tests, rows=rows)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", name).strip("-").lower()
-    paths = [os.path.join(ROOT, "bench", "results", f"tails-{slug}.json")]
-    if os.environ.get("OUT"):
-        paths.append(os.path.join(os.environ["OUT"], f"tails-{slug}.json"))
-    for path in paths:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
 
-    print(f"\n{name}, torch {torch.__version__}, copy bandwidth {copy_gbs:.0f} GB/s (read+write); tests: {tests}")
+def print_tails_table(result: dict) -> None:
+    """Per tail and variant: times, the share of the copy bandwidth, the speed-ups over eager."""
+    rows, copy_gbs = result["rows"], result["copy_bandwidth_gbs"]
+    print(f"\n{result['device']}, torch {result['torch']}, copy bandwidth {copy_gbs:.0f} GB/s (read+write); "
+          f"tests: {result['tests']}")
     header = (f"{'op':<24}{'variant':<9}{'fwd ms':>8}{'bwd ms':>8}{'fwd %copy':>10}{'bwd %copy':>10}{'fwd x':>7}"
               f"{'bwd x':>7}{'eval fwd ms':>12}")
     print(header)
@@ -91,7 +76,47 @@ def main():
         if "train_forward_ms" in r:
             print(f"{'':<24}train forward (saves {r['saved_bytes'] / 2**20:.1f} MiB) {r['train_forward_ms']:.3f} ms; "
                   f"backward op alone {r['backward_op_ms']:.3f} ms")
-    if "failed" in tests or "error" in tests:
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-build", action="store_true")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--only", choices=("tails", "models"),
+                        help="time only the tails, or only the whole models (default: both)")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--batch", type=int, default=None,
+                        help="batch size of the tails (default: the SPEC's on a GPU, 2 on a CPU)")
+    args = parser.parse_args()
+
+    if not args.skip_build:
+        build()
+    tests = "not run" if args.skip_tests else run_tests(os.environ.get("OUT", os.path.join(ROOT, "bench", "results")))
+
+    import torch
+
+    import models
+    from timing import device_slug
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tails = None if args.only == "models" else time_tails(device, args.batch, not args.no_compile, tests)
+    whole_models = None if args.only == "tails" else models.run(["--device", device]
+                                                                + (["--no-compile"] if args.no_compile else []))
+    out_dirs = [models.RESULTS] + ([os.environ["OUT"]] if os.environ.get("OUT") else [])
+    for out_dir in out_dirs:
+        if tails:
+            os.makedirs(out_dir, exist_ok=True)
+            with open(os.path.join(out_dir, f"tails-{device_slug(tails['device'])}.json"), "w") as f:
+                json.dump(tails, f, indent=1)
+        if whole_models:
+            models.write(whole_models, out_dir)
+
+    if tails:
+        print_tails_table(tails)
+    if whole_models:
+        models.print_table(whole_models)
+    if "failed" in tests or "error" in tests or (whole_models and not whole_models["ok"]):
         sys.exit(1)
 
 

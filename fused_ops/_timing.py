@@ -1,5 +1,7 @@
-"""Timing helpers: CUDA-event medians on a GPU, wall-clock medians on a CPU
-(used by ``python -m fused_ops`` and by the benchmarks under bench/)."""
+"""Timing helpers: CUDA-event medians on a GPU, wall-clock medians on a CPU,
+and the device's name for results and their file names (used by
+``python -m fused_ops`` and by the benchmarks under bench/)."""
+import re
 import statistics
 import time
 
@@ -37,3 +39,8 @@ def device_name(device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return "cpu"
+
+
+def device_slug(name: str) -> str:
+    """A device_name as a file-name part: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")

@@ -6,10 +6,12 @@ default constructor arguments, seeded) and the fused drop-in
 (``fused_ops.nn.<Name>.from_module``) around a deep copy of it: the same
 weights, and buffers of its own, so that each starts a training step from the
 same running statistics. It compares the two, then times the original eager,
-torch.compile of the original, and the fused module: a forward in eval mode
-without autograd, or with --train a training step (train mode, forward and
-backward to every parameter; the input needs no gradient). It prints a table,
-and writes JSON and a PNG chart of the speed-ups to --out.
+torch.compile of the original, and the fused module, and measures the memory
+one call of each takes on a GPU: a forward in eval mode without autograd, or
+with --mode train (--train) a training step (train mode, forward and backward to
+every parameter; the input needs no gradient), or with --mode both the one then
+the other. It prints a table, and writes JSON and a PNG chart of the speed-ups
+to --out, per mode.
 """
 import argparse
 import copy
@@ -23,7 +25,7 @@ import time
 import torch
 
 from . import has_cuda_kernels
-from ._timing import device_name, median_ms
+from ._timing import device_name, device_slug, median_ms
 from .architectures import ARCHITECTURES, SIZES
 
 SEED = 0
@@ -65,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m fused_ops",
         description="Runs the four architectures (SPEC.md A-D) eager, compiled and fused; checks that the fused "
-                    "modules agree with the originals; prints the speed-ups and writes JSON and a PNG chart.")
+                    "modules agree with the originals; prints the speed-ups and peak memory, and writes JSON and a "
+                    "PNG chart.")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda where there is a GPU, else cpu)")
     parser.add_argument("--models", nargs="+", default=["A,B,C,D"], metavar="MODEL",
                         help="letters A-D or class names, comma or space separated (default: all four)")
@@ -74,8 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(default: spec on a GPU, reduced on a CPU)")
     parser.add_argument("--batch", type=positive_int, help="batch size of every input (default: the size's)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="default: float32")
-    parser.add_argument("--train", action="store_true",
-                        help="time and check a training step (forward and backward) instead of an eval forward")
+    parser.add_argument("--mode", choices=("eval", "train", "both"), default="eval",
+                        help="what is checked and timed: an eval forward, a training step (forward and backward), "
+                             "or both, one after the other (default: eval)")
+    parser.add_argument("--train", dest="mode", action="store_const", const="train", help="the same as --mode train")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the originals")
     parser.add_argument("--reps", type=positive_int,
                         help=f"timed calls per variant, after 3 warm-up calls (default: {DEFAULT_REPS['cuda']} on a "
@@ -175,28 +180,41 @@ def timed_call(model: torch.nn.Module, x: torch.Tensor, train: bool, grad: torch
     return lambda: torch.autograd.grad(model(x), params, grad)
 
 
+def peak_extra_mib(call, device: torch.device) -> float | None:
+    """The most memory one call() allocates on a GPU beyond what was allocated
+    before it (the model and input among that), in MiB, from the CUDA caching
+    allocator's statistics; None on a CPU, which keeps no such statistics."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    call()
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+
+
 def largest(errors: dict[str, float]) -> float:
     """The largest of the errors, NaN counting as the largest."""
     return max(errors.values(), key=lambda e: math.inf if math.isnan(e) else e)
 
 
-def run_architecture(arch, args) -> dict:
-    """Builds, checks and times one architecture: its row of the results."""
+def run_architecture(arch, args, train: bool) -> dict:
+    """Builds, checks and times one architecture (a training step, or an eval forward): its row of the results."""
     shape = arch.input_shape(args.size, args.batch)
     tag = f"[{arch.letter}]"
     progress(f"{tag} building {arch.name}{arch.args} and its fused drop-in; input {'x'.join(map(str, shape))}")
     torch.manual_seed(SEED)
-    original = arch.build_original().to(args.device, args.dtype).train(args.train)
+    original = arch.build_original().to(args.device, args.dtype).train(train)
     x = torch.rand(shape, device=args.device, dtype=args.dtype)
     grad = None  # the output's gradient, in training
-    if args.train:
+    if train:
         with torch.no_grad():
             grad = torch.rand_like(original(x))
     # a copy, made after that forward (which updates running statistics in training)
     fused = arch.fused_from(copy.deepcopy(original))
 
     tolerance = TOLERANCE[args.dtype]
-    checked = check(original, fused, x, args.train, grad, tolerance)
+    checked = check(original, fused, x, train, grad, tolerance)
     max_err = largest(checked["errors"])
     verdict = "ok" if checked["ok"] else "FAILED"
     beyond = [name for name, e in checked["errors"].items() if not e <= tolerance]
@@ -213,24 +231,28 @@ def run_architecture(arch, args) -> dict:
     if not args.no_compile:
         progress(f"{tag} compiling the original (torch.compile; the first call compiles)")
         variants["compile"] = torch.compile(original)
-        with torch.set_grad_enabled(args.train):
+        with torch.set_grad_enabled(train):
             start = time.perf_counter()
-            timed_call(variants["compile"], x, args.train, grad)()
+            timed_call(variants["compile"], x, train, grad)()
             if args.device.type == "cuda":
                 torch.cuda.synchronize(args.device)
             compile_s = time.perf_counter() - start
         progress(f"{tag} compiled in {compile_s:.1f} s")
     variants["fused"] = fused
-    times = {}
+    times, peaks = {}, {}
     for variant, model in variants.items():
-        with torch.set_grad_enabled(args.train):
-            times[variant] = median_ms(timed_call(model, x, args.train, grad), args.device, reps=args.reps)
-        progress(f"{tag} {variant}: {times[variant]:.3f} ms")
+        call = timed_call(model, x, train, grad)
+        with torch.set_grad_enabled(train):
+            times[variant] = median_ms(call, args.device, reps=args.reps)
+            peaks[variant] = peak_extra_mib(call, args.device)
+        peak = "" if peaks[variant] is None else f", peak {peaks[variant]:.0f} MiB over what was allocated before"
+        progress(f"{tag} {variant}: {times[variant]:.3f} ms{peak}")
     return dict(model=arch.letter, name=arch.name, args=list(arch.args), input_shape=list(shape), **checked,
                 max_rel_err=max_err, tolerance=tolerance, eager_ms=times["eager"],
                 compile_ms=times.get("compile"), compile_s=compile_s, fused_ms=times["fused"],
                 speedup_vs_eager=times["eager"] / times["fused"],
-                speedup_vs_compile=times["compile"] / times["fused"] if "compile" in times else None)
+                speedup_vs_compile=times["compile"] / times["fused"] if "compile" in times else None,
+                eager_peak_mib=peaks["eager"], compile_peak_mib=peaks.get("compile"), fused_peak_mib=peaks["fused"])
 
 
 def describe_device(device: torch.device) -> str:
@@ -239,32 +261,47 @@ def describe_device(device: torch.device) -> str:
     return f"CPU, {torch.get_num_threads()} threads on {os.cpu_count()} cores"
 
 
+TIMES_HEADER = (f"{'eager ms':>10}{'compile ms':>11}{'fused ms':>10}{'vs eager':>10}{'vs compile':>11}"
+                f"{'peak MiB e/c/f':>18}")
+TIMES_NOTES = ("vs eager / vs compile: the speed-up of fused, eager (or compiled) time / fused time (> 1: fused is faster)",
+               "peak MiB e/c/f: eager/compile/fused, the most memory one call allocated beyond what was allocated "
+               "before it (CUDA allocator statistics; - on a CPU)")
+
+
+def format_times(r: dict) -> str:
+    """A row's times, the fused module's speed-ups and peak memory, in TIMES_HEADER's columns."""
+    compiled = "-" if r["compile_ms"] is None else f"{r['compile_ms']:.3f}"
+    vs_eager = f"{r['speedup_vs_eager']:.2f}x"
+    vs_compile = "-" if r["speedup_vs_compile"] is None else f"{r['speedup_vs_compile']:.2f}x"
+    peaks = [r[f"{variant}_peak_mib"] for variant in ("eager", "compile", "fused")]
+    peak = "-" if peaks == [None] * 3 else "/".join("-" if p is None else f"{p:.0f}" for p in peaks)
+    return f"{r['eager_ms']:>10.3f}{compiled:>11}{r['fused_ms']:>10.3f}{vs_eager:>10}{vs_compile:>11}{peak:>18}"
+
+
+def check_column(r: dict) -> str:
+    """A row's check: ok or FAIL, marked * where it took a float64 run to decide."""
+    return ("ok" if r["ok"] else "FAIL") + ("*" if "fused_vs_float64" in r else "")
+
+
 def print_table(result: dict) -> None:
-    """The results, one architecture a row: the check, times in ms and the fused module's speed-ups."""
+    """The results, one architecture a row: the check, times in ms, the fused module's speed-ups, peak memory."""
     print(f"fused_ops on {result['device']}: torch {result['torch']}, {result['dtype']}, {result['mode']}, "
           f"{result['timing']}")
     if result["size"] != "spec":
         print(f"{result['size']} sizes: smaller inputs than SPEC's (the same models); SPEC's with --size spec")
-    print(f"{'model':<36}{'input':<19}{'max rel err':>12}{'check':>7}{'eager ms':>10}{'compile ms':>11}"
-          f"{'fused ms':>10}{'vs eager':>10}{'vs compile':>11}")
-    notes = []
+    print(f"{'model':<36}{'input':<19}{'max rel err':>12}{'check':>7}{TIMES_HEADER}")
     for r in result["rows"]:
-        verdict = "ok" if r["ok"] else "FAIL"
-        if "fused_vs_float64" in r:
-            verdict += "*"
-            notes.append(f"* {r['model']}: beyond the tolerance ({r['tolerance']:.0e}) of the original; against a "
-                         f"float64 run, fused {largest(r['fused_vs_float64']):.1e}, original "
-                         f"{largest(r['original_vs_float64']):.1e} (passes: fused within the tolerance or 2x the original)")
-        compiled = "-" if r["compile_ms"] is None else f"{r['compile_ms']:.3f}"
-        vs_eager = f"{r['speedup_vs_eager']:.2f}x"
-        vs_compile = "-" if r["speedup_vs_compile"] is None else f"{r['speedup_vs_compile']:.2f}x"
         print(f"{r['model'] + ' ' + r['name']:<36}{'x'.join(map(str, r['input_shape'])):<19}{r['max_rel_err']:>12.1e}"
-              f"{verdict:>7}{r['eager_ms']:>10.3f}{compiled:>11}{r['fused_ms']:>10.3f}{vs_eager:>10}{vs_compile:>11}")
+              f"{check_column(r):>7}{format_times(r)}")
     print("max rel err: max |fused - original| / max |original| over the output"
           + (", every parameter's gradient and buffer" if result["train"] else ""))
-    print("vs eager / vs compile: the speed-up of fused, eager (or compiled) time / fused time (> 1: fused is faster)")
-    for note in notes:
+    for note in TIMES_NOTES:
         print(note)
+    for r in result["rows"]:
+        if "fused_vs_float64" in r:
+            print(f"* {r['model']}: beyond the tolerance ({r['tolerance']:.0e}) of the original; against a float64 "
+                  f"run, fused {largest(r['fused_vs_float64']):.1e}, original {largest(r['original_vs_float64']):.1e} "
+                  f"(passes: fused within the tolerance or 2x the original)")
 
 
 def write_chart(path: str, result: dict) -> bool:
@@ -294,32 +331,44 @@ def write_chart(path: str, result: dict) -> bool:
     return True
 
 
+def run_mode(args, train: bool) -> dict:
+    """Builds, checks and times every architecture of args in one mode (a training step, or an eval forward): the
+    result, as the table shows it and the JSON holds it."""
+    mode = "training step (forward + backward)" if train else "eval forward"
+    progress(f"{describe_device(args.device)}; {str(args.dtype).removeprefix('torch.')}; {mode}; "
+             f"{args.size} sizes; models {', '.join(a.letter for a in args.models)}")
+    rows = [run_architecture(arch, args, train) for arch in args.models]
+    timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
+    return dict(device=describe_device(args.device), device_type=args.device.type, torch=torch.__version__,
+                dtype=str(args.dtype).removeprefix("torch."), mode=mode, train=train, size=args.size,
+                timing=f"{timing} medians of {args.reps} calls", ok=all(r["ok"] for r in rows), rows=rows)
+
+
+def write_result(result: dict, stem: str) -> list[str]:
+    """result as stem.json and its chart as stem.png (where matplotlib is installed): the paths written."""
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    if write_chart(stem + ".png", result):
+        return [stem + ".json", stem + ".png"]
+    progress("matplotlib is not installed: no chart (pip install matplotlib)")
+    return [stem + ".json"]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit status: 0 when every check passed, 1 otherwise."""
     args = parse_args(argv)
-    mode = "training step (forward + backward)" if args.train else "eval forward"
-    progress(f"{describe_device(args.device)}; {str(args.dtype).removeprefix('torch.')}; {mode}; "
-             f"{args.size} sizes; models {', '.join(a.letter for a in args.models)}")
-    rows = [run_architecture(arch, args) for arch in args.models]
-    timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
-    result = dict(device=describe_device(args.device), device_type=args.device.type, torch=torch.__version__,
-                  dtype=str(args.dtype).removeprefix("torch."), mode=mode, train=args.train, size=args.size,
-                  timing=f"{timing} medians of {args.reps} calls", ok=all(r["ok"] for r in rows), rows=rows)
-    print_table(result)
-
     os.makedirs(args.out, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", device_name(args.device).lower()).strip("-")
-    stem = os.path.join(args.out, f"{slug}-{result['dtype']}-{'train' if args.train else 'eval'}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=1)
-    written = [stem + ".json"]
-    if write_chart(stem + ".png", result):
-        written.append(stem + ".png")
-    else:
-        progress("matplotlib is not installed: no chart (pip install matplotlib)")
-    print("wrote " + ", ".join(written))
-    if not result["ok"]:
-        failed = ", ".join(f"{r['model']} ({r['max_rel_err']:.2e})" for r in rows if not r["ok"])
-        print(f"FAILED: the fused module differs from the original beyond the {str(args.dtype)} tolerance: {failed}")
-        return 1
-    return 0
+    status = 0
+    for i, mode in enumerate(("eval", "train") if args.mode == "both" else (args.mode,)):
+        result = run_mode(args, train=mode == "train")
+        if i:
+            print()
+        print_table(result)
+        stem = os.path.join(args.out, f"{device_slug(device_name(args.device))}-{result['dtype']}-{mode}")
+        print("wrote " + ", ".join(write_result(result, stem)))
+        if not result["ok"]:
+            failed = ", ".join(f"{r['model']} ({r['max_rel_err']:.2e})" for r in result["rows"] if not r["ok"])
+            print(f"FAILED: the fused module differs from the original beyond the {str(args.dtype)} tolerance "
+                  f"({result['mode']}): {failed}")
+            status = 1
+    return status

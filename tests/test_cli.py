@@ -1,5 +1,6 @@
 """python -m fused_ops (fused_ops.cli): end to end at tiny sizes, its check
-failing on a wrong fused result, its errors, its JSON and chart."""
+failing on a wrong fused result, its errors, its JSON and chart, both modes in
+one call."""
 import importlib.util
 import json
 import os
@@ -14,6 +15,10 @@ from fused_ops import nn as fnn
 
 TINY = ["--size", "tiny", "--no-compile", "--reps", "1", "--device", "cpu"]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+# the keys of a row that the README and the JSON under docs/ use
+ROW_KEYS = {"model", "name", "args", "input_shape", "errors", "ok", "max_rel_err", "tolerance", "eager_ms",
+            "compile_ms", "compile_s", "fused_ms", "speedup_vs_eager", "speedup_vs_compile"}
+PEAK_KEYS = {"eager_peak_mib", "compile_peak_mib", "fused_peak_mib"}
 
 
 def run_cli(out_dir, *argv):
@@ -30,11 +35,17 @@ def test_eval_forward_of_all_four(tmp_path, capsys, device):
     assert [r["model"] for r in result["rows"]] == ["A", "B", "C", "D"]
     assert result["device_type"] == device and result["dtype"] == "float32" and not result["train"]
     for r in result["rows"]:
+        assert set(r) == ROW_KEYS | PEAK_KEYS
         assert r["ok"] and list(r["errors"]) == ["output"] and r["max_rel_err"] <= r["tolerance"] == 1e-4
         assert r["eager_ms"] > 0 and r["fused_ms"] > 0 and r["compile_ms"] is None
         assert r["speedup_vs_eager"] == pytest.approx(r["eager_ms"] / r["fused_ms"])
+        assert r["compile_peak_mib"] is None
+        if device == "cpu":  # no allocator statistics
+            assert r["eager_peak_mib"] is None and r["fused_peak_mib"] is None
+        else:  # at least the output
+            assert r["eager_peak_mib"] > 0 and r["fused_peak_mib"] > 0
     table = capsys.readouterr().out
-    assert "C Conv2dAvgPoolSigmoidSum" in table and "tiny sizes" in table
+    assert "C Conv2dAvgPoolSigmoidSum" in table and "tiny sizes" in table and "peak MiB e/c/f" in table
     assert any(p.suffix == ".png" for p in tmp_path.iterdir()) == HAS_MATPLOTLIB
 
 
@@ -56,6 +67,20 @@ def test_compile_timed_too(tmp_path):
     (row,) = json.loads((tmp_path / "cpu-float64-eval.json").read_text())["rows"]
     assert row["compile_ms"] > 0 and row["compile_s"] > 0
     assert row["speedup_vs_compile"] == pytest.approx(row["compile_ms"] / row["fused_ms"])
+    assert row["compile_peak_mib"] is None  # on the CPU
+
+
+def test_both_modes_in_one_call(tmp_path, capsys):
+    status = cli.main([*TINY, "--mode", "both", "--models", "C", "--out", str(tmp_path)])
+    assert status == 0
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["cpu-float32-eval.json", "cpu-float32-train.json"]
+    results = [json.loads((tmp_path / f"cpu-float32-{mode}.json").read_text()) for mode in ("eval", "train")]
+    assert [r["train"] for r in results] == [False, True]
+    for result in results:
+        (row,) = result["rows"]
+        assert set(row) >= ROW_KEYS | PEAK_KEYS and row["ok"]
+    table = capsys.readouterr().out
+    assert "float32, eval forward" in table and "float32, training step (forward + backward)" in table
 
 
 def test_wrong_output_fails(tmp_path, capsys, monkeypatch):
@@ -115,6 +140,11 @@ def test_bad_arguments_one_line_error(argv, message, capsys):
 def test_models_by_letter_or_name():
     args = cli.parse_args(["--models", "d,a", "conv2davgpoolsigmoidsum"])
     assert [a.letter for a in args.models] == ["A", "C", "D"]
+
+
+@pytest.mark.parametrize("argv, mode", [([], "eval"), (["--train"], "train"), (["--mode", "both"], "both")])
+def test_mode_options(argv, mode):
+    assert cli.parse_args(argv).mode == mode
 
 
 def test_python_m_fused_ops(tmp_path):
