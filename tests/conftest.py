@@ -21,6 +21,17 @@ def device(request):
     return request.param
 
 
+@pytest.fixture(autouse=True)
+def full_float32_convolutions():
+    """Convolutions in full float32 (TF32 off, the other cuDNN settings kept), so
+    that float32 results compare at float32's tolerances; the TF32 tests turn it
+    on themselves (test_rewrites.py)."""
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=False):
+        yield
+
+
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request):
     return request.param

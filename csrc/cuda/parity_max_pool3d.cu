@@ -9,8 +9,9 @@
 // block, then per (n, c) over blocks by sum_rows_kernel (a fixed order:
 // deterministic); the cascade adds each stage-2 window's channels in the block.
 //
-// Backwards: grad_y is written once, in vectors, by a grid-stride loop over
-// (n, position, channel): each window's pick gets the gradient, the rest 0.
+// Backwards: grad_y is written once by a grid-stride loop over its vectors,
+// consecutive threads on consecutive vectors: each window's pick gets the
+// gradient, the rest 0.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -172,7 +173,9 @@ __global__ void __launch_bounds__(kThreads) parity_cascade_kernel(
   }
 }
 
-// grad_y[n, m, c, :] = one-hot(pick) * grad_mean[n, c] / M.
+// grad_y[n, m, c, :] = one-hot(pick) * grad_mean[n, c] / M. Item = one
+// vector of VEC elements of grad_y (vector v of window (n, m, c)), so that a
+// warp's stores are one contiguous run of whole sectors.
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads) parity_mean_backward_kernel(
     const scalar_t* __restrict__ grad_mean, int64_t gs0, int64_t gs1, const uint8_t* __restrict__ picks,
@@ -180,23 +183,21 @@ __global__ void __launch_bounds__(kThreads) parity_mean_backward_kernel(
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  ItemCursor<3> at(item, stride, {M, C});  // (n, m, c)
+  ItemCursor<4> at(item, stride, {M, C, vecs});  // (n, m, c, v)
   for (; item < items; item += stride, at.next()) {
-    const int pick = picks[item];
+    const int q = static_cast<int>(picks[(at.leading() * M + at[1]) * C + at[2]]) - at[3] * VEC;
     const auto g = static_cast<scalar_t>(static_cast<acc_t>(grad_mean[at.leading() * gs0 + at[2] * gs1]) /
                                          static_cast<acc_t>(M));
-    scalar_t* window = grad_y + item * vecs * VEC;
-    for (int v = 0; v < vecs; ++v) {
-      Vector<scalar_t, VEC> o;
+    Vector<scalar_t, VEC> o;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) o.v[e] = v * VEC + e == pick ? g : scalar_t(0);
-      *reinterpret_cast<Vector<scalar_t, VEC>*>(window + v * VEC) = o;
-    }
+    for (int e = 0; e < VEC; ++e) o.v[e] = e == q ? g : scalar_t(0);
+    *reinterpret_cast<Vector<scalar_t, VEC>*>(grad_y + item * VEC) = o;
   }
 }
 
 // grad_y[n, m, c, :] = one-hot(q) * grad_out[n, cell] where (n, cell, c)'s
-// pick is (off, q) and m is position off of cell's window; else 0.
+// pick is (off, q) and m is position off of cell's window; else 0. Item =
+// one vector of grad_y, as in parity_mean_backward_kernel.
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads) parity_cascade_backward_kernel(
     const scalar_t* __restrict__ grad_out, const uint8_t* __restrict__ picks, ParityLayout l,
@@ -205,9 +206,9 @@ __global__ void __launch_bounds__(kThreads) parity_cascade_backward_kernel(
   int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int k[3] = {static_cast<int>(s.kernel[0]), static_cast<int>(s.kernel[1]), static_cast<int>(s.kernel[2])};
   const int Q = vecs * VEC;
-  ItemCursor<5> at(item, stride,
+  ItemCursor<6> at(item, stride,
                    {static_cast<int>(l.stage1[0]), static_cast<int>(l.stage1[1]), static_cast<int>(l.stage1[2]),
-                    static_cast<int>(l.channels)});  // (n, md, mh, mw, c)
+                    static_cast<int>(l.channels), vecs});  // (n, md, mh, mw, c, v)
   for (; item < items; item += stride, at.next()) {
     const int od = at[1] / k[0], oh = at[2] / k[1], ow = at[3] / k[2];
     int q = -1;
@@ -215,16 +216,13 @@ __global__ void __launch_bounds__(kThreads) parity_cascade_backward_kernel(
     if (od < s.out[0] && oh < s.out[1] && ow < s.out[2]) {
       const int64_t cell = (at.leading() * s.out[0] + od) * s.out[1] * s.out[2] + oh * s.out[2] + ow;
       const int off = ((at[1] - od * k[0]) * k[1] + at[2] - oh * k[1]) * k[2] + at[3] - ow * k[2];
-      q = static_cast<int>(picks[cell * l.channels + at[4]]) - off * Q;
+      q = static_cast<int>(picks[cell * l.channels + at[4]]) - off * Q - at[5] * VEC;
       g = grad_out[cell];
     }
-    scalar_t* window = grad_y + item * Q;
-    for (int v = 0; v < vecs; ++v) {
-      Vector<scalar_t, VEC> o;
+    Vector<scalar_t, VEC> o;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) o.v[e] = v * VEC + e == q ? g : scalar_t(0);
-      *reinterpret_cast<Vector<scalar_t, VEC>*>(window + v * VEC) = o;
-    }
+    for (int e = 0; e < VEC; ++e) o.v[e] = e == q ? g : scalar_t(0);
+    *reinterpret_cast<Vector<scalar_t, VEC>*>(grad_y + item * VEC) = o;
   }
 }
 
@@ -281,13 +279,13 @@ at::Tensor parity_max_pool3d_mean_backward_cuda(const at::Tensor& grad_mean, con
   auto args = parity_mean_backward_setup(grad_mean, picks_in, parity_classes);
   const ParityLayout& l = args.layout;
   check_int_sizes("parity_max_pool3d_mean_backward", l);
-  const int64_t items = l.batch * l.positions() * l.channels;
-  if (items == 0) return args.grad_y;
+  if (args.grad_y.numel() == 0) return args.grad_y;
   const c10::cuda::CUDAGuard guard(grad_mean.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_mean.scalar_type(), "parity_max_pool3d_mean_backward_cuda", [&] {
     dispatch_window_vector<scalar_t>(args.grad_y.const_data_ptr(), l.classes, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
+      const int64_t items = args.grad_y.numel() / VEC;
       const auto kernel = parity_mean_backward_kernel<scalar_t, VEC>;
       kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kThreads), kThreads, 0, stream>>>(
           grad_mean.const_data_ptr<scalar_t>(), grad_mean.stride(0), grad_mean.stride(1),
@@ -345,14 +343,14 @@ at::Tensor parity_max_pool3d_cascade_sum_backward_cuda(const at::Tensor& grad_ou
   auto args = parity_cascade_backward_setup(grad_out, picks_in, stage1_size, kernel2, parity_classes);
   const ParityLayout& l = args.layout;
   check_int_sizes(what, l);
-  const int64_t items = l.batch * l.positions() * l.channels;
-  if (items == 0) return args.grad_y;
+  if (args.grad_y.numel() == 0) return args.grad_y;
   const c10::cuda::CUDAGuard guard(grad_out.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor go = grad_out.contiguous();
   FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "parity_max_pool3d_cascade_sum_backward_cuda", [&] {
     dispatch_window_vector<scalar_t>(args.grad_y.const_data_ptr(), l.classes, [&](auto vec) {
       constexpr int VEC = decltype(vec)::value;
+      const int64_t items = args.grad_y.numel() / VEC;
       const auto kernel = parity_cascade_backward_kernel<scalar_t, VEC>;
       kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kThreads), kThreads, 0, stream>>>(
           go.const_data_ptr<scalar_t>(), args.picks.const_data_ptr<uint8_t>(), l, args.stage2,

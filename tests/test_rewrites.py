@@ -1,0 +1,211 @@
+"""fused_ops.rewrites (the exact rewrites of the architectures' convolutions)
+against the plain formulations in float64, their fallbacks, and the drop-in
+modules with TF32 convolutions on a GPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import build_pair, check_matches_original, requires_cuda
+from fused_ops import rewrites
+from fused_ops.architectures import ARCHITECTURES
+
+
+def interleave(y, classes):
+    """(N, Md, Mh, Mw, C, Q) windows side by side -> the pooled tensor (N, C, Md Pd, Mh Ph, Mw Pw)."""
+    n, md, mh, mw, c, _ = y.shape
+    pd, ph, pw = classes
+    return y.reshape(n, md, mh, mw, c, pd, ph, pw).permute(0, 4, 1, 5, 2, 6, 3, 7).reshape(n, c, md * pd, mh * ph,
+                                                                                          mw * pw)
+
+
+def assert_same_function(rewritten, plain, inputs):
+    """Values and the gradients of every input (tensors requiring grad) equal to float64 rounding."""
+    torch.testing.assert_close(rewritten, plain, rtol=1e-10, atol=1e-12)
+    grad = torch.rand_like(plain)
+    for a, b in zip(torch.autograd.grad(rewritten, inputs, grad), torch.autograd.grad(plain, inputs, grad)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def double_input(shape, device):
+    return torch.rand(shape, dtype=torch.float64, device=device, requires_grad=True)
+
+
+# (Conv3d args, MaxPool3d args, input shape, divisor)
+CONV_POOL = [
+    (dict(in_channels=3, out_channels=4, kernel_size=3), dict(kernel_size=2), (2, 3, 7, 9, 8), 2.0),
+    (dict(in_channels=2, out_channels=3, kernel_size=(3, 2, 1), padding=(1, 0, 2)), dict(kernel_size=(2, 3, 1)),
+     (1, 2, 6, 7, 5), -0.5),
+    (dict(in_channels=1, out_channels=2, kernel_size=1, bias=False), dict(kernel_size=3, ceil_mode=True),
+     (2, 1, 6, 9, 3), 1.0),
+]
+
+
+@pytest.mark.parametrize("conv_args,pool_args,shape,divisor", CONV_POOL)
+def test_conv3d_max_pool_windows(conv_args, pool_args, shape, divisor, device):
+    conv = nn.Conv3d(**conv_args).double().to(device)
+    pool = nn.MaxPool3d(**pool_args)
+    x = double_input(shape, device)
+    windows = rewrites.conv3d_max_pool_windows(x, conv, pool, divisor)
+    assert windows is not None
+    classes = pool.kernel_size if isinstance(pool.kernel_size, tuple) else (pool.kernel_size,) * 3
+    y = conv(x) / divisor
+    plain = y[:, :, :windows.shape[1] * classes[0], :windows.shape[2] * classes[1], :windows.shape[3] * classes[2]]
+    assert_same_function(interleave(windows, classes), plain, [x, *conv.parameters()])
+
+
+# (ConvTranspose3d args, first pool kernel, second pool kernel, input shape)
+TRANSPOSED_POOL = [
+    (dict(in_channels=3, out_channels=4, kernel_size=5, stride=2, padding=2), 2, 3, (2, 3, 6, 7, 8)),
+    (dict(in_channels=2, out_channels=3, kernel_size=3, stride=2, padding=1, output_padding=1), 2, 2, (1, 2, 4, 5, 6)),
+    (dict(in_channels=2, out_channels=2, kernel_size=(4, 3, 2), stride=(2, 3, 1), padding=(0, 1, 0)), (2, 3, 1),
+     (1, 2, 3), (2, 2, 5, 4, 6)),
+    (dict(in_channels=1, out_channels=2, kernel_size=2, stride=3, bias=False), 3, 2, (1, 1, 3, 4, 4)),
+]
+
+
+@pytest.mark.parametrize("conv_args,kernel1,kernel2,shape", TRANSPOSED_POOL)
+def test_conv_transpose3d_max_pool_windows(conv_args, kernel1, kernel2, shape, device):
+    conv = nn.ConvTranspose3d(**conv_args).double().to(device)
+    x = double_input(shape, device)
+    windows = rewrites.conv_transpose3d_max_pool_windows(x, conv, nn.MaxPool3d(kernel1), nn.MaxPool3d(kernel2))
+    assert windows is not None
+    classes = kernel1 if isinstance(kernel1, tuple) else (kernel1,) * 3
+    plain = conv(x)[:, :, :windows.shape[1] * classes[0], :windows.shape[2] * classes[1],
+                    :windows.shape[3] * classes[2]]
+    assert_same_function(interleave(windows, classes), plain, [x, *conv.parameters()])
+
+
+@pytest.mark.parametrize("conv_args,shape", [
+    (dict(in_channels=3, out_channels=4, kernel_size=5), (2, 3, 3, 4, 2)),
+    (dict(in_channels=2, out_channels=3, kernel_size=(3, 2, 4), padding=(1, 0, 2)), (1, 2, 4, 5, 6)),
+    (dict(in_channels=2, out_channels=2, kernel_size=2, bias=False), (2, 2, 3, 3, 3)),
+])
+def test_conv_transpose3d_stride1(conv_args, shape, device):
+    conv = nn.ConvTranspose3d(**conv_args).double().to(device)
+    x = double_input(shape, device)
+    y = rewrites.conv_transpose3d_stride1(x, conv)
+    assert y is not None and y.is_contiguous()
+    assert_same_function(y, conv(x), [x, *conv.parameters()])
+
+
+@pytest.mark.parametrize("conv_args,shape", [
+    (dict(in_channels=3, out_channels=4, kernel_size=5), (2, 3, 3, 4, 2)),
+    (dict(in_channels=2, out_channels=3, kernel_size=(3, 2, 4), stride=(1, 2, 3), output_padding=(0, 1, 2)),
+     (1, 2, 4, 5, 6)),
+    (dict(in_channels=2, out_channels=2, kernel_size=2, bias=False), (2, 2, 3, 3, 3)),
+])
+def test_conv_transpose3d_spatial_mean(conv_args, shape, device):
+    conv = nn.ConvTranspose3d(**conv_args).double().to(device)
+    x = double_input(shape, device)
+    mean = rewrites.conv_transpose3d_spatial_mean(x, conv)
+    assert_same_function(mean, conv(x).mean(dim=(2, 3, 4)), [x, *conv.parameters()])
+
+
+@pytest.mark.parametrize("conv_args,pool_args,shape", [
+    (dict(in_channels=3, out_channels=4, kernel_size=3), dict(kernel_size=4), (2, 3, 19, 23)),
+    (dict(in_channels=2, out_channels=3, kernel_size=(3, 2), padding=(1, 0)), dict(kernel_size=(2, 3), stride=(1, 2)),
+     (1, 2, 12, 17)),
+    (dict(in_channels=2, out_channels=2, kernel_size=2), dict(kernel_size=3, divisor_override=5), (2, 2, 11, 10)),
+    (dict(in_channels=1, out_channels=2, kernel_size=1, bias=False), dict(kernel_size=3, stride=2, ceil_mode=True),
+     (1, 1, 9, 11)),
+])
+def test_conv2d_avg_pool(conv_args, pool_args, shape, device):
+    conv = nn.Conv2d(**conv_args).double().to(device)
+    pool = nn.AvgPool2d(**pool_args)
+    x = double_input(shape, device)
+    y = rewrites.conv2d_avg_pool(x, conv, pool)
+    assert y is not None
+    assert_same_function(y, pool(conv(x)), [x, *conv.parameters()])
+
+
+# Configurations where a rewrite does not hold: the function returns None and the
+# drop-in module runs the plain formulation (check_drop_in: it matches the original).
+FALLBACKS = [
+    ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, 2.0, 2, (4, 1, 1, 1), 1), (2, 3, 12, 13, 11),
+     lambda m, x: rewrites.conv3d_max_pool_windows(x, m.conv, m.max_pool, m.divisor),
+     lambda m: setattr(m.conv, "stride", (2, 2, 2))),
+    ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, 2.0, 2, (4, 1, 1, 1), 1), (2, 3, 9, 9, 8),
+     lambda m, x: rewrites.conv3d_max_pool_windows(x, m.conv, m.max_pool, m.divisor),
+     lambda m: setattr(m, "max_pool", nn.MaxPool3d(2, stride=1))),
+    ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, 2.0, 2, (4, 1, 1, 1), 1), (2, 3, 9, 9, 8),
+     lambda m, x: rewrites.conv3d_max_pool_windows(x, m.conv, m.max_pool, m.divisor),
+     lambda m: setattr(m, "max_pool", nn.MaxPool3d(2, ceil_mode=True))),  # 7 -> 4 windows, the last partial
+    ("ConvTranspose3dMaxPoolMaxPoolSum", (3, 4, 3, 1, 1), (2, 3, 7, 7, 7),  # stride 1: no parity classes of 2
+     lambda m, x: rewrites.conv_transpose3d_max_pool_windows(x, m.conv_transpose, m.max_pool1, m.max_pool2), None),
+    ("ConvTranspose3dMaxPoolMaxPoolSum", (3, 4, 5, 2, 2), (2, 3, 7, 7, 7),
+     lambda m, x: rewrites.conv_transpose3d_max_pool_windows(x, m.conv_transpose, m.max_pool1, m.max_pool2),
+     lambda m: setattr(m, "max_pool2", nn.MaxPool3d(3, stride=2))),
+    ("Conv2dAvgPoolSigmoidSum", (3, 5, 3, 4), (2, 3, 19, 23),
+     lambda m, x: rewrites.conv2d_avg_pool(x, m.conv, m.avg_pool),
+     lambda m: setattr(m, "avg_pool", nn.AvgPool2d(4, padding=1))),
+    ("Conv2dAvgPoolSigmoidSum", (3, 5, 3, 4), (2, 3, 19, 23),
+     lambda m, x: rewrites.conv2d_avg_pool(x, m.conv, m.avg_pool),
+     lambda m: setattr(m.conv, "stride", (2, 2))),
+    ("ConvTranspose3dScaleBatchNormGAP", (3, 4, 3, 2.0), (2, 3, 4, 5, 3),
+     lambda m, x: rewrites.conv_transpose3d_stride1(x, m.conv_transpose),
+     lambda m: setattr(m.conv_transpose, "stride", (2, 2, 2))),
+    ("ConvTranspose3dScaleBatchNormGAP", (3, 4, 3, 2.0), (2, 3, 4, 5, 3),
+     lambda m, x: rewrites.conv_transpose3d_spatial_mean(x, m.conv_transpose),
+     lambda m: setattr(m.conv_transpose, "padding", (1, 1, 1))),
+]
+
+
+@pytest.mark.parametrize("name,args,shape,rewrite,change", FALLBACKS)
+@pytest.mark.parametrize("train", [True, False])
+def test_fallback(name, args, shape, rewrite, change, train, device):
+    original, fused = build_pair(name, args)
+    for module in (original, fused):
+        if change is not None:
+            change(module)
+        module.to(device, torch.float64).train(train)
+    x = torch.rand(shape, dtype=torch.float64, device=device)
+    assert rewrite(fused, x) is None
+    # normwise for D: a conv bias's gradient through a training batch norm cancels to ~0
+    check_matches_original(original, fused, x, torch.float64, normwise=name == "ConvTranspose3dScaleBatchNormGAP")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.letter)
+def test_spec_configurations_are_rewritten(arch):
+    """Each architecture's SPEC configuration takes its rewrite (not a fallback)."""
+    model = arch.build_original().double()
+    x = torch.rand(arch.input_shape("tiny"), dtype=torch.float64)
+    rewritten = {
+        "A": lambda: rewrites.conv3d_max_pool_windows(x, model.conv, model.max_pool, model.divisor),
+        "B": lambda: rewrites.conv_transpose3d_max_pool_windows(x, model.conv_transpose, model.max_pool1,
+                                                                model.max_pool2),
+        "C": lambda: rewrites.conv2d_avg_pool(x, model.conv, model.avg_pool),
+        "D": lambda: (rewrites.conv_transpose3d_stride1(x, model.conv_transpose),
+                      rewrites.conv_transpose3d_spatial_mean(x, model.conv_transpose)),
+    }[arch.letter]()
+    assert all(r is not None for r in (rewritten if isinstance(rewritten, tuple) else (rewritten,)))
+
+
+@requires_cuda
+@pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.letter)
+@pytest.mark.parametrize("train", [True, False])
+def test_tf32_within_tf32_tolerance(arch, train):
+    """With TF32 convolutions, each drop-in in float32 is within TF32's
+    tolerance (fused_ops.cli.TF32_TOLERANCE) of the original in float64, output
+    and every parameter's gradient; with TF32 off the conftest's float32 checks apply."""
+    from fused_ops.cli import TF32_TOLERANCE
+    shape = arch.input_shape("reduced")
+    original, fused = build_pair(arch.name, arch.args)
+    original.to("cuda", torch.float64).train(train)
+    fused.to("cuda", torch.float32).train(train)
+    x = torch.rand(shape, device="cuda", dtype=torch.float64)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+        out = fused(x.float())
+        grad = torch.rand_like(out)
+        grads = torch.autograd.grad(out, list(fused.parameters()), grad)
+    ref = original(x)
+    ref_grads = torch.autograd.grad(ref, list(original.parameters()), grad.double())
+    for name, a, b in [("output", out, ref), *zip([n for n, _ in fused.named_parameters()], grads, ref_grads)]:
+        err = ((a.double() - b).abs().max() / b.abs().max()).item()
+        assert err <= TF32_TOLERANCE, f"{arch.letter} {name}: {err:.2e}"
+    if not train:
+        return
+    # and TF32 did act: some result differs from a full float32 run
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        out32 = fused(x.float())
+    assert not torch.equal(out32, out) or arch.letter == "D"
