@@ -127,11 +127,14 @@ def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positio
     if any([first < 0 or last >= x.shape[2 + d] for d, (first, last) in enumerate(spans)]):
         padded, inner = x.new_zeros(shape), padded
         padded[:, to[0], to[1], to[2]] = inner
-    # depth-stacked: (N Md, H', W', K'd I), one copy (not Tensor.unfold, whose backward
-    # torch.compile gets wrong on the CPU)
-    depth, stride = positions[0], axes[0].stride
-    stacked = torch.stack([padded[:, a:a + stride * (depth - 1) + 1:stride] for a in range(axes[0].kernel)],
-                          dim=4).reshape(n * depth, shape[2], shape[3], -1).permute(0, 3, 1, 2)
+    # depth-stacked: (N Md, H', W', K'd I), one copy, tap by tap into slices (not
+    # Tensor.unfold, whose backward torch.compile 2.13 gets wrong on the CPU, nor
+    # torch.stack, which torch.compile 2.11 cannot lower into a CPU convolution)
+    depth, stride, taps = positions[0], axes[0].stride, axes[0].kernel
+    stacked = x.new_empty(n, depth, shape[2], shape[3], taps, in_channels)
+    for a in range(taps):
+        stacked[:, :, :, :, a] = padded[:, a:a + stride * (depth - 1) + 1:stride]
+    stacked = stacked.reshape(n * depth, shape[2], shape[3], -1).permute(0, 3, 1, 2)
     y = F.conv2d(stacked, combined.contiguous(memory_format=torch.channels_last),
                  None if bias is None else bias.repeat_interleave(classes), stride=(axes[1].stride, axes[2].stride))
     return y.permute(0, 2, 3, 1).reshape(n, *positions, out_channels, classes)
