@@ -88,8 +88,8 @@ class Conv2dAvgPoolSigmoidSum(nn.Module):
 
 class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
     """conv3d -> / divisor -> max_pool3d -> global average pool -> + bias -> sum
-    over sum_dim. Where the pool's windows tile the convolution's output
-    (``fused_ops.rewrites.conv3d_max_pool_windows``), the divisor is folded
+    over sum_dim. On a GPU, where the pool's windows tile the convolution's
+    output (``fused_ops.rewrites.conv3d_max_pool_windows``), the divisor is folded
     into the convolution, which computes the windows side by side, and
     ``fused_ops.parity_max_pool3d_mean`` pools and averages them; otherwise
     the division, the pool and the average are fused into one kernel over the
@@ -108,7 +108,7 @@ class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
         _check_5d_input(name, x, self.conv.in_channels)
         pool = self.max_pool
         _check_fusable_max_pool(name, pool, ceil_mode_ok=True)
-        windows = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor)
+        windows = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor) if x.is_cuda else None
         if windows is not None:
             mean = parity_max_pool3d_mean(windows)
         else:
@@ -119,7 +119,7 @@ class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
 
 class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSum):
     """conv_transpose3d -> max_pool3d -> max_pool3d -> sum over channels
-    (keepdim). Where the first pool's windows are the transposed
+    (keepdim). On a GPU, where the first pool's windows are the transposed
     convolution's stride classes and the second pool's tile its output
     (``fused_ops.rewrites.conv_transpose3d_max_pool_windows``), a convolution
     computes the first pool's windows side by side and
@@ -139,7 +139,8 @@ class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSu
         first, second = self.max_pool1, self.max_pool2
         _check_fusable_max_pool(name, first, ceil_mode_ok=False)
         _check_fusable_max_pool(name, second, ceil_mode_ok=False)
-        windows = rewrites.conv_transpose3d_max_pool_windows(x, self.conv_transpose, first, second)
+        windows = (rewrites.conv_transpose3d_max_pool_windows(x, self.conv_transpose, first, second)
+                   if x.is_cuda else None)
         if windows is not None:
             return parity_max_pool3d_cascade_sum(windows, second.kernel_size)
         return max_pool3d_cascade_sum(self.conv_transpose(x), first.kernel_size, second.kernel_size,
@@ -156,7 +157,7 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
     is needed: it is computed from the input's spatial sums where the
     transposed convolution does not pad
     (``fused_ops.rewrites.conv_transpose3d_spatial_mean``). With batch
-    statistics a stride-1 transposed convolution runs as a convolution
+    statistics on a GPU, a stride-1 transposed convolution runs as a convolution
     (``fused_ops.rewrites.conv_transpose3d_stride1``). The constructor is the original's (the
     same members, parameters and buffers, drawn in the same order);
     ``batch_norm`` holds the parameters, buffers and settings the fused op
@@ -182,7 +183,7 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
         if not batch_stats:
             mean = rewrites.conv_transpose3d_spatial_mean(x, self.conv_transpose)
             y = None if mean is None else mean[:, :, None, None, None]
-        if y is None:
+        if y is None and x.is_cuda:
             y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose)
         if y is None:
             y = self.conv_transpose(x)

@@ -34,7 +34,10 @@ meets every tap inside the output, so
   mean_out y[n, o] = bias[o] + (sum_i (sum_t w[i, o, t]) * sum_p x[n, i, p]) / |out|.
 
 Each function returns None where its rewrite does not hold for the
-configuration; the module then runs the original formulation.
+configuration; the module then runs the original formulation. The modules
+run the depth-stacked convolutions (A, B, D's training step) on CUDA inputs
+only: they were measured faster there (README), and torch.compile 2.11
+cannot lower them on the CPU.
 """
 import math
 from dataclasses import dataclass
