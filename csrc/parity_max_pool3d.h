@@ -86,18 +86,15 @@ inline at::Tensor saved_picks(const at::Tensor& y, bool save, at::IntArrayRef sh
 }
 
 // Checks the backward's gradient (floating point, of `shape`) and the saved
-// picks (uint8 of `picks_shape`, on the gradient's device).
+// picks (uint8, on the gradient's device).
 inline void check_parity_backward(const char* what, const at::Tensor& grad, at::IntArrayRef shape,
-                                  const at::Tensor& picks, at::IntArrayRef picks_shape) {
+                                  const at::Tensor& picks) {
   TORCH_CHECK_TYPE(at::isFloatingType(grad.scalar_type()), what,
                    ": the gradient must be a floating-point tensor, got ", grad.scalar_type());
   TORCH_CHECK_VALUE(grad.sizes() == shape, what, ": expected a gradient of shape ", shape, ", got ",
                     grad.sizes());
   TORCH_CHECK_TYPE(picks.scalar_type() == at::kByte, what, ": picks must be uint8, got ",
                    picks.scalar_type());
-  TORCH_CHECK_VALUE(picks.sizes() == picks_shape, what, ": expected picks of shape ", picks_shape,
-                    ", got ", picks.sizes(),
-                    " (the forward saves them when run with save_indices=True)");
   TORCH_CHECK_VALUE(picks.device() == grad.device(), what,
                     ": the gradient and picks must be on the same device, got ", grad.device(),
                     " and ", picks.device());
@@ -118,7 +115,7 @@ inline ParityMeanBackward parity_mean_backward_setup(const at::Tensor& grad_mean
   TORCH_CHECK_VALUE(classes >= 1 && classes <= kMaxSavedKernelVolume, what,
                     ": parity_classes must be in [1, ", kMaxSavedKernelVolume, "], got ", classes);
   const ParityLayout l{picks.size(0), {picks.size(1), picks.size(2), picks.size(3)}, picks.size(4), classes};
-  check_parity_backward(what, grad_mean, {l.batch, l.channels}, picks, picks.sizes());
+  check_parity_backward(what, grad_mean, {l.batch, l.channels}, picks);
   at::Tensor grad_y = at::empty({l.batch, l.stage1[0], l.stage1[1], l.stage1[2], l.channels, classes},
                                 grad_mean.options());
   return {l, picks.contiguous(), grad_y};
@@ -144,8 +141,11 @@ inline ParityCascadeBackward parity_cascade_backward_setup(const at::Tensor& gra
   TORCH_CHECK_VALUE(classes >= 1, what, ": parity_classes must be positive, got ", classes);
   const ParityLayout l{picks.size(0), {stage1_size[0], stage1_size[1], stage1_size[2]}, picks.size(4), classes};
   const auto s = cascade_stage2(what, l.stage1, classes, kernel2);
-  check_parity_backward(what, grad_out, {l.batch, 1, s.out[0], s.out[1], s.out[2]}, picks,
-                        {l.batch, s.out[0], s.out[1], s.out[2], l.channels});
+  check_parity_backward(what, grad_out, {l.batch, 1, s.out[0], s.out[1], s.out[2]}, picks);
+  const std::array<int64_t, 5> picks_shape{l.batch, s.out[0], s.out[1], s.out[2], l.channels};
+  TORCH_CHECK_VALUE(picks.sizes() == c10::IntArrayRef(picks_shape), what, ": expected picks of shape ",
+                    c10::IntArrayRef(picks_shape), " for stage1_size ", stage1_size, " and kernel2 ", kernel2,
+                    ", got ", picks.sizes());
   at::Tensor grad_y = at::empty({l.batch, l.stage1[0], l.stage1[1], l.stage1[2], l.channels, classes},
                                 grad_out.options());
   return {l, s, picks.contiguous(), grad_y};

@@ -46,13 +46,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .ops import _expand, _pool_triples, _pooled_size
+
 
 def _triple(v) -> tuple[int, int, int]:
-    return tuple(v) * (3 // len(v)) if isinstance(v, (tuple, list)) else (v,) * 3
+    return tuple(_expand(v, 3, "size"))
 
 
 def _pair(v) -> tuple[int, int]:
-    return tuple(v) * (2 // len(v)) if isinstance(v, (tuple, list)) else (v, v)
+    return tuple(_expand(v, 2, "size"))
 
 
 @dataclass(frozen=True)
@@ -153,9 +155,8 @@ def _is_plain_conv(conv: nn.Module, x: Tensor) -> bool:
 
 def _is_window_pool(pool: nn.MaxPool3d) -> bool:
     """A max-pool whose windows tile its input: kernel = stride, no padding, no dilation."""
-    stride = pool.stride if pool.stride is not None else pool.kernel_size
-    return (_triple(pool.kernel_size) == _triple(stride) and _triple(pool.padding) == (0, 0, 0)
-            and _triple(pool.dilation) == (1, 1, 1) and not pool.return_indices)
+    kernel, stride, padding = _pool_triples(pool.kernel_size, pool.stride, pool.padding)
+    return kernel == stride and padding == [0, 0, 0] and _triple(pool.dilation) == (1, 1, 1) and not pool.return_indices
 
 
 def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor: float = 1.0) -> Tensor | None:
@@ -166,10 +167,10 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divi
         return None
     classes, kernel, padding = _triple(pool.kernel_size), _triple(conv.kernel_size), _triple(conv.padding)
     conv_size = [x.shape[2 + d] + 2 * padding[d] - kernel[d] + 1 for d in range(3)]
-    positions = tuple([s // p for s, p in zip(conv_size, classes)])
-    if min(positions) < 1 or math.prod(classes) > 256:
-        return None
-    if pool.ceil_mode and any([-(-(s - p) // p) + 1 != m for s, p, m in zip(conv_size, classes, positions)]):
+    positions = tuple([_pooled_size(s, p, p, 0, pool.ceil_mode) for s, p in zip(conv_size, classes)])
+    # every window whole (ceil_mode may add a partial last one)
+    if min(positions) < 1 or any([m * p > s for s, p, m in zip(conv_size, classes, positions)]) \
+            or math.prod(classes) > 256:
         return None
     axes = tuple([_conv_pool_axis(kernel[d], padding[d], classes[d]) for d in range(3)])
     bias = None if conv.bias is None else conv.bias / divisor
@@ -269,8 +270,8 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     padded = [x.shape[2 + d] + 2 * padding[d] for d in range(2)]
     out = [(padded[d] - folded[d]) // stride[d] + 1 for d in range(2)]
     conv_size = [padded[d] - kernel[d] + 1 for d in range(2)]
-    if min(out) < 1 or (pool.ceil_mode and any([-(-(c - b) // s) + 1 != o for c, b, s, o in
-                                                zip(conv_size, box, stride, out)])):
+    # the folded convolution's windows are the pool's (ceil_mode may add a partial last one)
+    if min(out) < 1 or out != [_pooled_size(c, b, s, 0, pool.ceil_mode) for c, b, s in zip(conv_size, box, stride)]:
         return None
     divisor = pool.divisor_override or box[0] * box[1]
     weight = conv.weight

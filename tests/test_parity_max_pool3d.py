@@ -161,41 +161,40 @@ def test_interleave_helper():
 # --------------------------------------------------------------------------
 
 
-def check_mean(y, P, dtype, seed=0):
-    """Forward and grad_y of parity_max_pool3d_mean against float64 PyTorch on the CPU."""
+def check_against_eager(fused, eager, y, dtype, seed, what):
+    """Forward and grad_y of fused(y) against eager(v), v = y in float64 on the CPU
+    (same shape, y's dtype and device); returns the forward and grad_y."""
     poison_cuda_allocator()
     y = y.detach().requires_grad_()
-    out = parity_max_pool3d_mean(y)
+    out = fused(y)
     v = y.detach().cpu().double().requires_grad_()
-    ref = eager_mean(v, P)
-    assert out.shape == (y.shape[0], y.shape[4]) and out.dtype == y.dtype and out.device == y.device
-    assert_close_to_reference(out, ref, dtype, f"forward {tuple(y.shape)} P={P}")
+    ref = eager(v)
+    assert out.shape == ref.shape and out.dtype == y.dtype and out.device == y.device
+    assert_close_to_reference(out, ref, dtype, f"forward {what}")
     g = torch.Generator().manual_seed(seed)
     grad = (torch.rand(ref.shape, generator=g, dtype=torch.float64) + 0.5).to(dtype)
     (grad_y,) = torch.autograd.grad(out, y, grad.to(y.device))
     (grad_v,) = torch.autograd.grad(ref, v, grad.double())
     assert grad_y.shape == y.shape and grad_y.dtype == y.dtype and grad_y.device == y.device
-    assert_close_to_reference(grad_y, grad_v, dtype, f"grad_y {tuple(y.shape)} P={P}")
+    assert_close_to_reference(grad_y, grad_v, dtype, f"grad_y {what}")
+    return out, grad_y
+
+
+def check_mean(y, P, dtype, seed=0):
+    """Forward and grad_y of parity_max_pool3d_mean against float64 PyTorch on the CPU."""
+    out, grad_y = check_against_eager(parity_max_pool3d_mean, lambda v: eager_mean(v, P), y, dtype, seed,
+                                      f"{tuple(y.shape)} P={P}")
+    assert out.shape == (y.shape[0], y.shape[4])
     return out, grad_y
 
 
 def check_cascade(y, P, kernel2, dtype, seed=0):
     """Forward and grad_y of parity_max_pool3d_cascade_sum against float64 PyTorch on the CPU."""
-    poison_cuda_allocator()
-    y = y.detach().requires_grad_()
-    out = parity_max_pool3d_cascade_sum(y, kernel2)
-    v = y.detach().cpu().double().requires_grad_()
-    ref = eager_cascade(v, P, kernel2)
+    out, grad_y = check_against_eager(lambda t: parity_max_pool3d_cascade_sum(t, kernel2),
+                                      lambda v: eager_cascade(v, P, kernel2), y, dtype, seed,
+                                      f"{tuple(y.shape)} P={P} kernel2={kernel2}")
     k = triple(kernel2)
-    assert ref.shape == (y.shape[0], 1, *(m // kd for m, kd in zip(y.shape[1:4], k)))
-    assert out.shape == ref.shape and out.dtype == y.dtype and out.device == y.device
-    assert_close_to_reference(out, ref, dtype, f"forward {tuple(y.shape)} P={P} kernel2={kernel2}")
-    g = torch.Generator().manual_seed(seed)
-    grad = (torch.rand(ref.shape, generator=g, dtype=torch.float64) + 0.5).to(dtype)
-    (grad_y,) = torch.autograd.grad(out, y, grad.to(y.device))
-    (grad_v,) = torch.autograd.grad(ref, v, grad.double())
-    assert grad_y.shape == y.shape and grad_y.dtype == y.dtype and grad_y.device == y.device
-    assert_close_to_reference(grad_y, grad_v, dtype, f"grad_y {tuple(y.shape)} P={P} kernel2={kernel2}")
+    assert out.shape == (y.shape[0], 1, *(m // kd for m, kd in zip(y.shape[1:4], k)))
     return out, grad_y
 
 
