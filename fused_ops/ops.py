@@ -56,9 +56,32 @@ def _check_5d_floating(x: Tensor, what: str) -> None:
     torch._check(x.dtype.is_floating_point, lambda: f"{what}: input must be a floating-point tensor, got {x.dtype}")
 
 
+def _register_autograd(op: str, backward, setup_context) -> None:
+    """register_autograd of `op`, whose first output is its one differentiable
+    one. The engine calls a backward with None for that output's gradient
+    where the graph after it gave none (ops are not asked to materialize
+    zeros, see _non_differentiable); no input gets a gradient then."""
+
+    def backward_of_defined(ctx, grad, *grads_of_non_differentiable):
+        if grad is None:
+            return (None,) * len(ctx.needs_input_grad)
+        return backward(ctx, grad, *grads_of_non_differentiable)
+
+    torch.library.register_autograd(op, backward_of_defined, setup_context=setup_context)
+
+
+def _non_differentiable(ctx, *outputs: Tensor) -> None:
+    """Marks outputs that carry no gradient, and keeps autograd from filling
+    zero gradients for them before each backward (by default it materializes
+    one per output: for the avg-pool's saved factor, a 296 MB fill at
+    architecture C's size)."""
+    ctx.mark_non_differentiable(*outputs)
+    ctx.set_materialize_grads(False)
+
+
 def _save_picks_or_input(ctx, indices, x):
     """Saves the forward's picks for the backward, or x to recompute them from when it saved none."""
-    ctx.mark_non_differentiable(indices)
+    _non_differentiable(ctx, indices)
     saved = indices.dim() == 5
     ctx.save_for_backward(indices if saved else None, None if saved else x)
 
@@ -126,7 +149,7 @@ def _avg_pool2d_sigmoid_sum_backward_fake(grad_out, grad_factor, input_hw, kerne
 def _avg_pool2d_sigmoid_sum_setup_context(ctx, inputs, output):
     x, kernel_size, stride, padding = inputs[:4]
     _, grad_factor = output
-    ctx.mark_non_differentiable(grad_factor)
+    _non_differentiable(ctx, grad_factor)
     ctx.save_for_backward(grad_factor)
     ctx.input_hw = tuple(x.shape[2:])
     ctx.pool = (kernel_size, stride, padding)
@@ -146,7 +169,7 @@ def _avg_pool2d_sigmoid_sum_backward(ctx, grad_out, _grad_of_grad_factor):
     return grad_x, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd(
+_register_autograd(
     "fused_ops::avg_pool2d_sigmoid_sum",
     _avg_pool2d_sigmoid_sum_backward,
     setup_context=_avg_pool2d_sigmoid_sum_setup_context,
@@ -220,7 +243,7 @@ def _max_pool3d_mean_backward(ctx, grad_mean, _grad_of_indices):
     return grad_x, None, None, None, None, None, None
 
 
-torch.library.register_autograd(
+_register_autograd(
     "fused_ops::max_pool3d_mean",
     _max_pool3d_mean_backward,
     setup_context=_max_pool3d_mean_setup_context,
@@ -308,7 +331,7 @@ def _max_pool3d_cascade_sum_backward(ctx, grad_out, _grad_of_indices):
     return grad_x, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd(
+_register_autograd(
     "fused_ops::max_pool3d_cascade_sum",
     _max_pool3d_cascade_sum_backward,
     setup_context=_max_pool3d_cascade_sum_setup_context,
@@ -363,7 +386,7 @@ def _parity_max_pool3d_mean_backward_fake(grad_mean, picks, parity_classes):
 
 def _parity_picks(ctx, output) -> None:
     picks = output[1]
-    ctx.mark_non_differentiable(picks)
+    _non_differentiable(ctx, picks)
     ctx.save_for_backward(picks)
 
 
@@ -385,7 +408,7 @@ def _parity_max_pool3d_mean_backward(ctx, grad_mean, _grad_of_picks):
     return _ops.parity_max_pool3d_mean_backward(grad_mean, picks, ctx.parity_classes), None
 
 
-torch.library.register_autograd(
+_register_autograd(
     "fused_ops::parity_max_pool3d_mean",
     _parity_max_pool3d_mean_backward,
     setup_context=_parity_max_pool3d_mean_setup_context,
@@ -445,7 +468,7 @@ def _parity_max_pool3d_cascade_sum_backward(ctx, grad_out, _grad_of_picks):
     return grad_y, None, None
 
 
-torch.library.register_autograd(
+_register_autograd(
     "fused_ops::parity_max_pool3d_cascade_sum",
     _parity_max_pool3d_cascade_sum_backward,
     setup_context=_parity_max_pool3d_cascade_sum_setup_context,

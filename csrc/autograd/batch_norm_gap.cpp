@@ -52,6 +52,10 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
     auto [out, plane_dev, mean, rstd, var] =
         call_batch_norm_gap(x, scale, weight, bias, running_mean, running_var, eps);
     ctx->mark_non_differentiable({plane_dev, mean, rstd, var});
+    // No zero gradients filled for them before each backward (four small
+    // launches otherwise): grads[0], out's, is the only one backward reads,
+    // and it is undefined where the graph after out gave it none.
+    ctx->set_materialize_grads(false);
     const bool batch_stats = !running_mean.has_value();
     ctx->saved_data["batch_stats"] = batch_stats;
     ctx->saved_data["scale"] = scale;
@@ -66,6 +70,7 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    if (!grads[0].defined()) return variable_list(7);  // no gradient for any input
     const auto saved = ctx->get_saved_variables();
     const bool has_weight = saved[1].defined();  // saved whenever given
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
