@@ -10,9 +10,10 @@
 //    neighbouring rows and no barrier stalls a block. Lanes run along w: a
 //    segment's output columns are K1 K2 adjacent lanes each, so a warp reads
 //    a contiguous run of up to 32 elements of each row. Per channel a lane
-//    loads its column of the output's box, (K1 K2)^2 scalars, all before
-//    using any (unclipped: every box lies inside x), keeps their pick (in the
-//    order of the pick numbers, WindowPick::update), then the box's lanes
+//    loads its column of the output's box, (K1 K2)^2 scalars (unclipped:
+//    every box lies inside x), the next channel's while it compares these,
+//    keeps their pick (in the order of the pick numbers, WindowPick::update),
+//    then the box's lanes
 //    merge their picks in log2(K1 K2) shuffles (WindowPick::merge). Only the
 //    boxes are read: nothing of x outside them, nothing of the first pool's
 //    output size is stored.
@@ -25,7 +26,8 @@
 // grad_out[p] if the pick of p is e, else 0.
 //  - aligned_tiled_gather_kernel, tiled cascades of at most 32 output
 //    columns: flat chunks of whole 512-byte blocks, built in shared memory
-//    from the picks of the rows they touch (see the kernel).
+//    from the picks of the rows they touch and their outputs' gradients,
+//    loaded together (see the kernel).
 //  - tiled_gather_kernel, other tiled cascades: items (b, c, d, band of
 //    kGatherRows rows), warps alone; lane = column w (w += 32 across the
 //    row), so the stores of a row are coalesced; a lane loads the picks and
@@ -43,6 +45,8 @@
 #include <limits>
 #include <optional>
 
+#include <ATen/cuda/detail/IntegerDivider.cuh>
+
 #include "../dispatch.h"
 #include "../max_pool3d_cascade_sum.h"
 #include "plane_rows.cuh"
@@ -50,22 +54,28 @@
 namespace fused_ops {
 namespace {
 
+using at::cuda::detail::IntDivider;
+
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // Channels per forward item, whose picked values one partial sum adds.
 constexpr int kChannelsPerItem = 8;
 // The blocks per multiprocessor the register allocation of the warp kernels
 // must allow (nvcc 13 otherwise aims at full occupancy and interleaves the
-// loads of a box with the compares).
+// loads of a box with the compares). tiled_pick_kernel holds two channels'
+// boxes (K1 2, K2 3: 128 registers; at 3 blocks it spills).
 constexpr int kTiledPickMinBlocks = 2;
 constexpr int kGatherMinBlocks = 2;
 // The same for the thread-per-item kernels of any cascade.
 constexpr int kAnyCascadeMinBlocks = 2;
 // Rows of one depth per tiled_gather_kernel item.
 constexpr int kGatherRows = 12;
-// 512-byte blocks per aligned_tiled_gather_kernel item, and its blocks per multiprocessor.
+// 512-byte blocks per aligned_tiled_gather_kernel item, and its blocks per
+// multiprocessor: 64 registers, 32 warps per multiprocessor (with 84, 16;
+// that and a gradient load waiting on its pick's held it at 0.42 ms on the
+// H200 against 0.28 now).
 constexpr int kChunkBlocks = 8;
-constexpr int kAlignedGatherMinBlocks = 2;
+constexpr int kAlignedGatherMinBlocks = 4;
 // Rows per lane whose picks aligned_tiled_gather_kernel loads before testing any.
 constexpr int kGatherPasses = 6;
 
@@ -108,15 +118,23 @@ __global__ void __launch_bounds__(kThreads, kTiledPickMinBlocks)
                           (od * kBox * xs.d + oh * kBox * xs.h + (in_output ? ow * kBox + kw : 0) * xs.w);
     const int64_t out_index = (static_cast<int64_t>(od) * s.h.out + oh) * s.w.out + ow;
     const int c0 = group * kChannelsPerItem, c1 = ::min(c0 + kChannelsPerItem, channels);
+    // The lane's column of the box as K2 slabs of K1 depth rows (one per
+    // stage-2 depth offset: the pick numbers' order takes them in turn), each
+    // reloaded with the next channel's as soon as it is used, so that loads
+    // are in flight while the picks are compared.
+    scalar_t v[K2][K1][kBox];
+    auto load_slab = [&](int c, int d2) {
+      const scalar_t* xc = box + c * xs.c;
+#pragma unroll
+      for (int d1 = 0; d1 < K1; ++d1) {
+#pragma unroll
+        for (int kh = 0; kh < kBox; ++kh) v[d2][d1][kh] = xc[(d2 * K1 + d1) * xs.d + kh * xs.h];
+      }
+    };
+#pragma unroll
+    for (int d2 = 0; d2 < K2; ++d2) load_slab(c0, d2);
     acc_t total = 0;
     for (int c = c0; c < c1; ++c) {
-      const scalar_t* xc = box + c * xs.c;
-      scalar_t v[kBox][kBox];
-#pragma unroll
-      for (int kd = 0; kd < kBox; ++kd) {
-#pragma unroll
-        for (int kh = 0; kh < kBox; ++kh) v[kd][kh] = xc[kd * xs.d + kh * xs.h];
-      }
       // The lane's column in the order of the pick numbers: stage-2 (d, h)
       // offsets, then stage-1 (d, h) offsets.
       WindowPick<acc_t> pick;
@@ -129,10 +147,11 @@ __global__ void __launch_bounds__(kThreads, kTiledPickMinBlocks)
 #pragma unroll
             for (int h1 = 0; h1 < K1; ++h1) {
               const int key = (d2 * K2 + h2) * K2 * kVolume1 + (d1 * K1 + h1) * K1 + key_w;
-              pick.update(static_cast<acc_t>(v[d2 * K1 + d1][h2 * K1 + h1]), key);
+              pick.update(static_cast<acc_t>(v[d2][d1][h2 * K1 + h1]), key);
             }
           }
         }
+        if (c + 1 < c1) load_slab(c + 1, d2);
       }
       // The box's lanes: lane kw takes lanes kw + 1, kw + 2..3, kw + 4..7, ...
 #pragma unroll
@@ -263,6 +282,34 @@ __global__ void __launch_bounds__(kThreads, kGatherMinBlocks)
   }
 }
 
+// The divisors of aligned_tiled_gather_kernel, as multiply-shift dividers:
+// a row index of contiguous (B, C, D, H, W) by H, D and C; a pick number by
+// the stage-1 kernel volume, the pick's stage-2 w offset by kernel2's width
+// and its stage-1 offset by kernel1's.
+struct GatherDividers {
+  IntDivider<unsigned> h, d, c, volume1, kernel2_w, kernel1_w;
+};
+
+// A row of a contiguous (B, C, D, H, W) tensor: its index and (b, c, d, h).
+struct RowPosition {
+  int row, h, d, c, b;
+
+  __device__ RowPosition(int r, const GatherDividers& div) : row(r) {
+    const auto hq = div.h.divmod(r), dq = div.d.divmod(hq.div), cq = div.c.divmod(dq.div);
+    h = hq.mod, d = dq.mod, c = cq.mod, b = cq.div;
+  }
+  // Moves k rows on.
+  __device__ void advance(int k, const GatherDividers& div) {
+    row += k;
+    for (h += k; h >= static_cast<int>(div.h.divisor); h -= div.h.divisor) {
+      if (++d == static_cast<int>(div.d.divisor)) {
+        d = 0;
+        if (++c == static_cast<int>(div.c.divisor)) c = 0, ++b;
+      }
+    }
+  }
+};
+
 // grad_x of a tiled cascade whose output rows fit a warp, written in runs
 // that begin and end on 512-byte blocks (HBM takes writes at full speed only
 // when each such block is written whole by one warp; rows of x are rarely
@@ -271,19 +318,21 @@ __global__ void __launch_bounds__(kThreads, kGatherMinBlocks)
 // each output's gradient where its pick falls inside the chunk, and stores
 // the image, lane l the 16 bytes at 16 * l of each block. Picks: for every
 // row of x the chunk touches and every output column, lane (row, ow) reads
-// the pick of output (od, oh, ow) of the row's box, and it lies in this row
-// iff its d and h offsets are the row's (pick == row key + w key of its
-// w offset).
+// the pick of output (od, oh, ow) of the row's box and that output's
+// gradient, kGatherPasses rows' worth before testing any; the pick lies in
+// this row iff its d and h offsets are the row's (pick - its w part == the
+// row's key).
 template <typename scalar_t, typename index_t>
 __global__ void __launch_bounds__(kThreads, kAlignedGatherMinBlocks)
-    aligned_tiled_gather_kernel(const scalar_t* __restrict__ grad_out, int channels,
-                                const index_t* __restrict__ picks, MaxPool3dCascade g, TiledCascade t,
-                                int64_t items, int64_t numel, scalar_t* __restrict__ grad_x) {
+    aligned_tiled_gather_kernel(const scalar_t* __restrict__ grad_out, const index_t* __restrict__ picks,
+                                MaxPool3dCascade g, TiledCascade t, GatherDividers div, int64_t items,
+                                int64_t numel, scalar_t* __restrict__ grad_x) {
   constexpr int EPL = 16 / sizeof(scalar_t);
   constexpr int kChunk = 32 * EPL * kChunkBlocks;
   using pack_t = Vector<scalar_t, EPL>;
   const MaxPool3dGeometry& s = g.second;
   const int D = g.first.d.in, H = g.first.h.in, W = g.first.w.in;
+  const int channels = div.c.divisor;
   // Per depth, then per height: {offset of its outputs' row (d: in planes of
   // H'' W'' outputs, h: of W''), -1 in no box; its part of the pick number}.
   extern __shared__ __align__(16) unsigned char smem_bytes[];
@@ -302,7 +351,8 @@ __global__ void __launch_bounds__(kThreads, kAlignedGatherMinBlocks)
   }
   __syncthreads();
 
-  const int64_t outputs = g.outputs();
+  const int outputs = static_cast<int>(g.outputs());
+  const int volume1 = div.volume1.divisor;
   const int lane = threadIdx.x;  // blockDim.x == 32
   // Lane (r, ow): output column ow of every rows_per_pass-th row.
   const int rows_per_pass = 32 / s.w.out;
@@ -315,33 +365,36 @@ __global__ void __launch_bounds__(kThreads, kAlignedGatherMinBlocks)
     const int n = static_cast<int>(min(static_cast<int64_t>(kChunk), numel - c0));
     for (int k = lane; k < kChunk / EPL; k += 32) reinterpret_cast<pack_t*>(image)[k] = pack_t{};
     __syncwarp();
-    const int row1 = static_cast<int>((c0 + n - 1) / W);
-    int row = static_cast<int>(c0 / W) + r;
-    int plane = row / (D * H), d = row / H - plane * D, h = row - row / H * H;
-    while (reads && row <= row1) {
-      // kGatherPasses rows' picks loaded before any is tested.
-      int pick[kGatherPasses], key[kGatherPasses], at[kGatherPasses], output[kGatherPasses], batch[kGatherPasses];
+    const int row0 = static_cast<int>(c0 / W), row1 = static_cast<int>((c0 + n - 1) / W);
+    const int row0_at = static_cast<int>(static_cast<int64_t>(row0) * W - c0);  // row0's start in the chunk
+    RowPosition at(row0 + r, div);
+    while (reads && at.row <= row1) {
+      // The output of the row's box in column ow, -1 where it has none.
+      auto output_of = [&](const RowPosition& p) {
+        const int2 di = depth_info[p.d], hi = height_info[p.h];
+        return p.row <= row1 && di.x >= 0 && hi.x >= 0 ? di.x + hi.x + ow : -1;
+      };
+      const RowPosition first = at;
+      index_t pick[kGatherPasses];
+      scalar_t grad[kGatherPasses];
 #pragma unroll
       for (int p = 0; p < kGatherPasses; ++p) {
-        const int2 di = depth_info[d], hi = height_info[h];
-        const bool in_box = row <= row1 && di.x >= 0 && hi.x >= 0;
-        output[p] = di.x + hi.x + ow;
-        batch[p] = plane / channels;
-        pick[p] = in_box ? static_cast<int>(picks[static_cast<int64_t>(plane) * outputs + output[p]]) : -1;
-        key[p] = di.y + hi.y;
-        at[p] = static_cast<int>(static_cast<int64_t>(row) * W - c0) + ow * t.w.box;
-        row += rows_per_pass;
-        for (h += rows_per_pass; h >= H; h -= H) {
-          if (++d == D) d = 0, ++plane;
-        }
+        const int o = output_of(at);
+        pick[p] = o >= 0 ? picks[static_cast<int64_t>(at.b * channels + at.c) * outputs + o] : index_t(0);
+        grad[p] = o >= 0 ? grad_out[static_cast<int64_t>(at.b) * outputs + o] : scalar_t(0);
+        at.advance(rows_per_pass, div);
       }
+      at = first;
 #pragma unroll
       for (int p = 0; p < kGatherPasses; ++p) {
-        // The pick's w offset in the box: stage-2 offset * kernel1 + stage-1 offset.
-        const int pick2 = pick[p] / t.w.weight2, pick1 = pick[p] - pick2 * t.w.weight2;
-        const int kw = pick2 % t.w.kernel2 * t.w.kernel1 + pick1 % t.w.kernel1;
-        const int e = at[p] + kw;
-        if (pick[p] >= 0 && pick[p] == key[p] + t.w.key(kw) && e >= 0 && e < n) image[e] = grad_out[batch[p] * outputs + output[p]];
+        // The pick's stage-2 and stage-1 w offsets in the box.
+        const int number = static_cast<int>(pick[p]);
+        const auto stage = div.volume1.divmod(number);
+        const int w2 = div.kernel2_w.mod(stage.div), w1 = div.kernel1_w.mod(stage.mod);
+        const int key = depth_info[at.d].y + height_info[at.h].y;
+        const int e = row0_at + (at.row - row0) * W + ow * t.w.box + w2 * t.w.kernel1 + w1;
+        if (output_of(at) >= 0 && number - (w2 * volume1 + w1) == key && e >= 0 && e < n) image[e] = grad[p];
+        at.advance(rows_per_pass, div);
       }
     }
     __syncwarp();
@@ -447,8 +500,12 @@ void launch_gather_kernel(const at::Tensor& grad_out, const index_t* picks,
     const size_t smem = ((g.first.d.in + g.first.h.in) * sizeof(int2) + 15) / 16 * 16 + kWarps * kChunk * sizeof(scalar_t);
     const int64_t items = (grad_x.numel() + kChunk - 1) / kChunk;
     auto kernel = aligned_tiled_gather_kernel<scalar_t, index_t>;
+    auto divider = [](int64_t d) { return IntDivider<unsigned>(static_cast<unsigned>(d)); };
+    const GatherDividers div{divider(g.first.h.in), divider(g.first.d.in), divider(channels),
+                             divider(g.first.kernel_volume()), divider(g.second.w.kernel),
+                             divider(g.first.w.kernel)};
     kernel<<<grid_stride_blocks(kernel, kThreads, smem, items, kWarps), dim3(32, kWarps), smem, stream>>>(
-        grad_out.const_data_ptr<scalar_t>(), channels, picks, g, tiled_cascade(g), items, grad_x.numel(),
+        grad_out.const_data_ptr<scalar_t>(), picks, g, tiled_cascade(g), div, items, grad_x.numel(),
         grad_x.mutable_data_ptr<scalar_t>());
   } else if (g.tiled()) {
     const int bands = (g.first.h.in + kGatherRows - 1) / kGatherRows;
