@@ -61,6 +61,26 @@ template <typename scalar_t>
 constexpr int kStoresInFlight = sizeof(scalar_t) >= 4 ? 2 : 1;
 constexpr int kFactorsAhead = 4;
 
+// The aligned-runs backward's memory accesses: its grad_x stores are
+// streaming (evict-first), its factor loads ask L2 to fetch 256-byte blocks
+// (fewer, larger DRAM reads among the writes). On an H200 at 382 columns:
+// 1.50 ms with neither, 1.47 with the stores, 1.445 with both.
+template <typename pack_t>
+__device__ __forceinline__ void store_streaming(pack_t* p, const pack_t& v) {
+  static_assert(sizeof(pack_t) == sizeof(int4));
+  __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
+}
+template <typename T>
+__device__ __forceinline__ T load_factor(const T* p) {
+  T v;
+  if constexpr (sizeof(T) == 4) {
+    asm("ld.global.nc.L2::256B.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  } else {
+    asm("ld.global.nc.L2::256B.f64 %0, [%1];" : "=d"(v) : "l"(p));
+  }
+  return v;
+}
+
 // Vector `v` of a row (VEC contiguous elements, or one at col_stride).
 template <typename scalar_t, int VEC>
 __device__ __forceinline__ Vector<scalar_t, VEC> row_vector(const scalar_t* row, int v, int64_t col_stride) {
@@ -359,7 +379,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
 #pragma unroll
     for (int k = 0; k < kFactorsAhead; ++k) {
       const int q = lane + 32 * k;
-      ahead[k] = group.window_rows > 0 && q < gw.out ? group.factors[q] : acc_t(0);
+      ahead[k] = group.window_rows > 0 && q < gw.out ? load_factor(group.factors + q) : acc_t(0);
     }
   };
   const int64_t warp = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
@@ -378,7 +398,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
         }
       }
       for (int q = lane + 32 * kFactorsAhead; q < gw.out; q += 32) {
-        values[q] = static_cast<scalar_t>(cur.grad * cur.factors[q]);
+        values[q] = static_cast<scalar_t>(cur.grad * load_factor(cur.factors + q));
       }
     }
     __syncwarp();
@@ -396,7 +416,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
     for (int e = 0; e < EPL; ++e) {
       const int col = o_head + e - own_end;
       const int q = col >= 0 && o_head + e < hi && next.window_rows > 0 ? table.at(window, col) / kSize : gw.out;
-      head[e] = q < gw.out ? next.factors[q] : acc_t(0);
+      head[e] = q < gw.out ? load_factor(next.factors + q) : acc_t(0);
     }
     at.next();
     const RowGroup<acc_t> following = a.group(at.leading(), at[1], at[2]);
@@ -435,7 +455,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
 #pragma unroll
       for (int u = 0; u < kStoresInFlight<scalar_t>; ++u) {
         if (store_at[u] + EPL <= hi) {
-          *reinterpret_cast<pack_t*>(gx + store_at[u]) = value[u];
+          store_streaming(reinterpret_cast<pack_t*>(gx + store_at[u]), value[u]);
         } else {
 #pragma unroll
           for (int e = 0; e < EPL; ++e) {
