@@ -384,6 +384,8 @@ __global__ void __launch_bounds__(kThreads, kAlignedGatherMinBlocks)
         grad[p] = o >= 0 ? grad_out[static_cast<int64_t>(at.b) * outputs + o] : scalar_t(0);
         at.advance(rows_per_pass, div);
       }
+      // The same rows again: their outputs and keys are recomputed (shared
+      // memory reads) rather than held, which keeps the kernel at 64 registers.
       at = first;
 #pragma unroll
       for (int p = 0; p < kGatherPasses; ++p) {
