@@ -149,7 +149,9 @@ def test_cuda_aligned_runs_backward():
     aligned to such blocks (rows of exactly one block, the first case, the
     row-group one): runs starting and ending mid-row, rows and windows with
     gaps, odd rows of 16-byte packs, row lengths of every shift class of
-    16-byte packs, an odd element count, more items than resident warps."""
+    16-byte packs, an odd element count, more items than resident warps, and
+    planes whose factor rows take several of its shared-memory loads (long
+    factor rows: the last load of a plane holds fewer rows)."""
     for shape, dtype, pool in [
         ((2, 3, 9, 128), torch.float32, dict(kernel_size=4)),
         ((1, 2, 13, 131), torch.float32, dict(kernel_size=(3, 2), stride=(4, 3), padding=(1, 1), ceil_mode=True)),
@@ -159,6 +161,8 @@ def test_cuda_aligned_runs_backward():
         ((2, 2, 5, 259), torch.bfloat16, dict(kernel_size=(2, 3), ceil_mode=True)),
         ((2, 3, 6, 65), torch.float64, dict(kernel_size=(2, 3), stride=3, divisor_override=5)),
         ((17, 128, 66, 130), torch.float32, dict(kernel_size=4)),
+        ((1, 2, 301, 1000), torch.float32, dict(kernel_size=1)),
+        ((2, 1, 50, 700), torch.float64, dict(kernel_size=(1, 2))),
     ]:
         check_forward_backward(make_input(shape, dtype, "cuda"), pool, dtype)
 

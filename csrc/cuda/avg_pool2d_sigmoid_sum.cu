@@ -1,8 +1,9 @@
 // CUDA kernels of avg_pool2d_sigmoid_sum (the math: ../avg_pool2d_sigmoid_sum.h).
 //
-// Both kernels are grid-stride loops of warps, each warp working alone on
-// its own items, so that the warps resident at any time work on neighbouring
-// rows of the tensor (few pages in use at once) and no barrier stalls a block.
+// The forward and the general backward are grid-stride loops of warps, each
+// warp working alone on its own items, so that the warps resident at any time
+// work on neighbouring rows of the tensor (few pages in use at once) and no
+// barrier stalls a block.
 //
 // Forward: an item is (batch, plane, pooled row, tile of pooled columns). The
 // warp sums the window rows of every input column of the tile (vector loads,
@@ -16,6 +17,9 @@
 // vectors, each lane's vectors computed from the saved factor of the windows
 // holding them (a shared table gives, per column, the first pooled column
 // whose window holds it and how many do) and stored to every row of the group.
+// Where rows are not whole 512-byte blocks (382 floats, say), the aligned-runs
+// backward writes contiguous grad_x instead, in runs of whole blocks, with the
+// factors bulk-copied into shared memory (its doc comment).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -27,6 +31,7 @@
 #include "../avg_pool2d_sigmoid_sum.h"
 #include "../dispatch.h"
 #include "block_reduce.cuh"
+#include "bulk_copy.cuh"
 #include "plane_rows.cuh"
 
 namespace fused_ops {
@@ -51,34 +56,23 @@ constexpr int kBackwardTileCols = 4096;
 // is written whole by one warp (H200, 4.78 GB of stores: 1.11 ms so, against
 // 1.21 ms for runs ending on 128-byte lines and 1.50 ms for 16-byte ones).
 constexpr int kStoreBlockBytes = 512;
-// The most shared memory a block of the aligned-runs backward may take (at
-// least two blocks per multiprocessor); 16-byte stores per lane in flight in
-// it (4 measured no faster; 2-byte types: 1, which fits the registers); factors per lane that it loads into registers
-// one row group ahead (rows of up to 32 times as many windows fill without
-// waiting on a load; longer ones load the rest as they fill).
-constexpr size_t kAlignedRunsSmemBytes = 96 * 1024;
+// The aligned-runs backward: one block of kAlignedWarps warps per
+// multiprocessor, taking up to kAlignedRunsSmemBytes of shared memory (the
+// device's limit if lower), most of it for factor rows (larger bulk reads:
+// 64-register warps, 32 of them, leave no room for a second block); 16-byte
+// stores per lane in flight (4 measured no faster; 2-byte types: 1, which
+// fits the registers).
+constexpr int kAlignedWarps = 32;
+constexpr size_t kAlignedRunsSmemBytes = 224 * 1024;
 template <typename scalar_t>
 constexpr int kStoresInFlight = sizeof(scalar_t) >= 4 ? 2 : 1;
-constexpr int kFactorsAhead = 4;
 
-// The aligned-runs backward's memory accesses: its grad_x stores are
-// streaming (evict-first), its factor loads ask L2 to fetch 256-byte blocks
-// (fewer, larger DRAM reads among the writes). On an H200 at 382 columns:
-// 1.50 ms with neither, 1.47 with the stores, 1.445 with both.
+// The aligned-runs backward's grad_x stores are streaming (evict-first): on an
+// H200 at 382 columns 1.47 against 1.50 ms with plain stores.
 template <typename pack_t>
 __device__ __forceinline__ void store_streaming(pack_t* p, const pack_t& v) {
   static_assert(sizeof(pack_t) == sizeof(int4));
   __stcs(reinterpret_cast<int4*>(p), *reinterpret_cast<const int4*>(&v));
-}
-template <typename T>
-__device__ __forceinline__ T load_factor(const T* p) {
-  T v;
-  if constexpr (sizeof(T) == 4) {
-    asm("ld.global.nc.L2::256B.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  } else {
-    asm("ld.global.nc.L2::256B.f64 %0, [%1];" : "=d"(v) : "l"(p));
-  }
-  return v;
 }
 
 // Vector `v` of a row (VEC contiguous elements, or one at col_stride).
@@ -304,7 +298,8 @@ struct ShiftedRow {
 
   __host__ __device__ explicit ShiftedRow(int cols) : W(cols), unit_log2(0) {
     while ((cols >> unit_log2) % 2 == 0 && (2 << unit_log2) <= EPL) ++unit_log2;
-    copy_bytes = (W + 2 * EPL - 1) / EPL * EPL * static_cast<int>(sizeof(T));
+    // (whole 16-byte units, so that what follows the copies stays aligned)
+    copy_bytes = ((W + 2 * EPL - 1) / EPL * EPL * static_cast<int>(sizeof(T)) + 15) / 16 * 16;
   }
   __host__ __device__ int copies() const { return EPL >> unit_log2; }
   __host__ __device__ int bytes() const { return copies() * copy_bytes; }
@@ -327,23 +322,27 @@ struct ShiftedRow {
 };
 
 // grad_x as the non-overlapping backward kernel computes it, for a contiguous
-// grad_x whose rows span at least one store block. Warps take row groups in a
-// grid-stride loop (the warps at work write neighbouring groups) and write each
-// group from the first block boundary at or after its start to the first at or
-// after the next group's start (its own elements but the head, then the next
-// group's head, less than a block), so every block is written whole by one
-// warp, lane l the 16 bytes at 16 * l of each. The block's column table gives
-// each column's window (W.out where it has none), as a byte offset into a
-// row of values: the warp's holds grad * factor of each window of its group,
-// then a 0. The rows of a group in its window read that row, the others the
-// block's row of zeros. The factors of the
-// warp's next group are loaded into registers a group ahead, and the next
-// group's head (at most one pack per lane) from global memory as the run
-// starts, so that no load is waited on.
+// grad_x whose rows span at least one store block. Row groups are numbered
+// plane by plane (group g = (b * C + c) * row_groups + j), and block i takes
+// the groups [G * i / n, G * (i + 1) / n) of G, n blocks: equal shares, each
+// written front to back, in units of `unit_groups` groups. A unit's factor
+// rows (rows follow groups: one per group in a window) and the next group's
+// are bulk-copied into shared memory two units ahead, a large read among the
+// writes instead of one per group (H200, 382 columns: 1.335 ms against 1.426
+// with warps in a grid-stride loop loading their groups' rows). The warps
+// take the unit's groups in turn and write each from the first block boundary
+// at or after its start to the first at or after the next group's start (its
+// own elements but the head, then the next group's head, less than a block),
+// so every block is written whole by one warp, lane l the 16 bytes at 16 * l
+// of each.
+// The block's column table gives each column's window (W.out where it has
+// none), as a byte offset into a row of values: the warp's holds grad *
+// factor of each window of its group, then a 0. The rows of a group in its
+// window read that row, the others the block's row of zeros.
 template <typename scalar_t>
-__global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
+__global__ void __launch_bounds__(32 * kAlignedWarps, 1)
     backward_aligned_runs_kernel(AlignedRunsArgs<scalar_t> a, scalar_t* __restrict__ grad_x,
-                                 int64_t groups) {
+                                 int64_t groups, int unit_groups, int factor_buffer_bytes) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int EPL = 16 / sizeof(scalar_t);  // elements per lane and store
   constexpr int kBlock = kStoreBlockBytes / sizeof(scalar_t);
@@ -351,121 +350,156 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
   static_assert(kStep == kBlock);
   using pack_t = Vector<scalar_t, EPL>;
   const PoolDim& gw = a.g.w;
-  const int W = gw.in;
+  const int W = gw.in, OW = gw.out, OH = a.g.h.out;
   const ShiftedRow<int, EPL> table(W);
-  extern __shared__ __align__(16) unsigned char smem[];
   constexpr int kSize = sizeof(scalar_t);
-  unsigned char* const window = smem;
+  // Shared memory: two barriers, the column table, the zero row, a value row
+  // per warp, two factor buffers.
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint64_t* const loaded = reinterpret_cast<uint64_t*>(smem);
+  unsigned char* const window = smem + 16;
   const int row_bytes = a.value_row_elements() * kSize;
   // The rows as byte offsets in smem.
-  const int zero_row = table.bytes();
+  const int zero_row = 16 + table.bytes();
   const int value_row = zero_row + (threadIdx.y + 1) * row_bytes;
   scalar_t* const values = reinterpret_cast<scalar_t*>(smem + value_row);
+  acc_t* const buffers = reinterpret_cast<acc_t*>(smem + zero_row + (kAlignedWarps + 1) * row_bytes);
+  const int buffer_elements = factor_buffer_bytes / sizeof(acc_t);
   const int tid = threadIdx.y * 32 + threadIdx.x;
   for (int w = tid; w < W; w += 32 * blockDim.y) {
     const int q = gw.first_window(w);
     table.store(window, w, (q < gw.last_window(w) ? q : gw.out) * kSize);
   }
   for (int i = tid; i < row_bytes / 16; i += 32 * blockDim.y) {
-    reinterpret_cast<int4*>(smem + table.bytes())[i] = int4{0, 0, 0, 0};
+    reinterpret_cast<int4*>(smem + zero_row)[i] = int4{0, 0, 0, 0};
   }
   if (threadIdx.x == 0) values[gw.out] = scalar_t(0);
+  if (tid == 0) {
+    barrier_init(&loaded[0]);
+    barrier_init(&loaded[1]);
+  }
   __syncthreads();
 
-  const int lane = threadIdx.x;
-  // Factor q = lane + 32 k of a group's row, k < kFactorsAhead (0 past the row).
-  acc_t ahead[kFactorsAhead];
-  auto load_ahead = [&](const RowGroup<acc_t>& group) {
-#pragma unroll
-    for (int k = 0; k < kFactorsAhead; ++k) {
-      const int q = lane + 32 * k;
-      ahead[k] = group.window_rows > 0 && q < gw.out ? load_factor(group.factors + q) : acc_t(0);
+  // Factor row of group g (of the group after it if g is in no window): the
+  // rows of a run of groups are consecutive, at most one per group.
+  auto factor_row = [&](int64_t g) {
+    const int64_t plane = g / a.row_groups;
+    return plane * OH + min(static_cast<int>(g - plane * a.row_groups), OH);
+  };
+  const int64_t total_rows = a.batch * a.channels * OH;
+  const int64_t first = groups * blockIdx.x / gridDim.x, last = groups * (blockIdx.x + 1) / gridDim.x;
+  // Unit k: groups [g0, g1), factor rows [r0, r1) (the next group's row too).
+  struct Unit {
+    int64_t g0, g1, r0, r1;
+  };
+  auto unit = [&](int k) {
+    Unit t;
+    t.g0 = first + static_cast<int64_t>(k) * unit_groups;
+    t.g1 = min(t.g0 + unit_groups, last);
+    t.r0 = factor_row(t.g0);
+    t.r1 = min(factor_row(t.g1) + 1, total_rows);
+    return t;
+  };
+  const int units = static_cast<int>((last - first + unit_groups - 1) / unit_groups);
+  auto issue = [&](int k) {  // warp 0: unit k's factor rows into buffer k % 2
+    if (k < units) {
+      const Unit t = unit(k);
+      bulk_load_async(buffers + (k & 1) * buffer_elements, a.grad_factor + t.r0 * OW,
+                      static_cast<int>(t.r1 - t.r0) * OW, &loaded[k & 1]);
     }
   };
-  const int64_t warp = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.y;
-  ItemCursor<3> at(warp, warps, {a.channels, a.row_groups});
-  RowGroup<acc_t> cur = a.group(at.leading(), at[1], at[2]);
-  load_ahead(cur);
-  auto block_up = [](int64_t o) { return (o + kBlock - 1) / kBlock * kBlock; };
-  for (int64_t g = warp; g < groups; g += warps) {
-    const RowGroup<acc_t> next = a.group_after(at.leading(), at[1], at[2]);
-    if (cur.window_rows > 0) {
-#pragma unroll
-      for (int k = 0; k < kFactorsAhead; ++k) {
-        if (lane + 32 * k < gw.out) {
-          values[lane + 32 * k] = static_cast<scalar_t>(cur.grad * ahead[k]);
-        }
-      }
-      for (int q = lane + 32 * kFactorsAhead; q < gw.out; q += 32) {
-        values[q] = static_cast<scalar_t>(cur.grad * load_factor(cur.factors + q));
-      }
-    }
-    __syncwarp();
-    // This warp's run, as offsets from the group's start: [lo, hi); the
-    // group's own elements end at own_end, the next group's head follows.
-    const int own_end = cur.rows * W;
-    const int lo = static_cast<int>(block_up(cur.start) - cur.start);
-    const int hi = static_cast<int>((g + 1 < groups ? block_up(next.start) : a.numel) - cur.start);
-    // The lane's pack that reaches past own_end (if below hi): the factors of
-    // the head's elements in it (0 outside the windows), used at the run's end.
-    const int o0 = lo + EPL * lane;
-    const int o_head = o0 + max(own_end - EPL + 1 - o0 + kStep - 1, 0) / kStep * kStep;
-    acc_t head[EPL];
-#pragma unroll
-    for (int e = 0; e < EPL; ++e) {
-      const int col = o_head + e - own_end;
-      const int q = col >= 0 && o_head + e < hi && next.window_rows > 0 ? table.at(window, col) / kSize : gw.out;
-      head[e] = q < gw.out ? load_factor(next.factors + q) : acc_t(0);
-    }
-    at.next();
-    const RowGroup<acc_t> following = a.group(at.leading(), at[1], at[2]);
-    load_ahead(following);
+  if (threadIdx.y == 0) {
+    issue(0);
+    issue(1);
+  }
 
-    int o = o0, i = 0, w = o;
-    while (w >= W) w -= W, ++i;
-    scalar_t* gx = grad_x + cur.start;
-    while (o < hi) {
-      pack_t value[kStoresInFlight<scalar_t>];
-      int store_at[kStoresInFlight<scalar_t>];
+  const int lane = threadIdx.x;
+  auto block_up = [](int64_t o) { return (o + kBlock - 1) / kBlock * kBlock; };
+  for (int k = 0; k < units; ++k) {
+    const Unit t = unit(k);
+    const acc_t* const factors = bulk_load_destination(buffers + (k & 1) * buffer_elements, a.grad_factor + t.r0 * OW);
+    barrier_wait(&loaded[k & 1], (k >> 1) & 1);
+    // The warp's first group of the unit as (plane, j), then stepping kAlignedWarps.
+    int64_t plane = (t.g0 + threadIdx.y) / a.row_groups;
+    int j = static_cast<int>(t.g0 + threadIdx.y - plane * a.row_groups);
+    for (int64_t g = t.g0 + threadIdx.y; g < t.g1; g += kAlignedWarps) {
+      const int64_t b = plane / a.channels;
+      const int c = static_cast<int>(plane - b * a.channels);
+      const RowGroup<acc_t> cur = a.group(b, c, j);
+      const RowGroup<acc_t> next = a.group_after(b, c, j);
+      // Rows of cur and next (in shared memory if below r1).
+      const int64_t row = plane * OH + min(j, OH);
+      const int64_t next_row = j + 1 < a.row_groups ? row + (j + 1 <= OH) : (plane + 1) * OH;
+      if (cur.window_rows > 0) {
+        const acc_t* const f = factors + (row - t.r0) * OW;
+        for (int q = lane; q < OW; q += 32) values[q] = static_cast<scalar_t>(cur.grad * f[q]);
+      }
+      __syncwarp();
+      // This warp's run, as offsets from the group's start: [lo, hi); the
+      // group's own elements end at own_end, the next group's head follows.
+      const int own_end = cur.rows * W;
+      const int lo = static_cast<int>(block_up(cur.start) - cur.start);
+      const int hi = static_cast<int>((next.rows > 0 ? block_up(next.start) : a.numel) - cur.start);
+      // The lane's pack that reaches past own_end (if below hi): the factors of
+      // the head's elements in it (0 outside the windows), used at the run's end.
+      const int o0 = lo + EPL * lane;
+      const int o_head = o0 + max(own_end - EPL + 1 - o0 + kStep - 1, 0) / kStep * kStep;
+      const acc_t* const next_factors = next_row < t.r1 ? factors + (next_row - t.r0) * OW : next.factors;
+      acc_t head[EPL];
 #pragma unroll
-      for (int u = 0; u < kStoresInFlight<scalar_t>; ++u) {
-        store_at[u] = o;
-        // Row i's values (the window's rows: the value row, then the zero row);
-        // a pack running on into row i + 1 of the group reads that row's
-        // windows from the table's extension.
-        const int row = i < cur.window_rows ? value_row : zero_row;
-        const int row_after = i + 1 < cur.window_rows ? value_row : zero_row;
-        const Vector<int, EPL> offset = table.pack(window, w);
-        auto value_at = [&](int r, int off) { return *reinterpret_cast<const scalar_t*>(smem + r + off); };
-        if (o + EPL <= own_end && (w <= W - EPL || row == row_after)) {
+      for (int e = 0; e < EPL; ++e) {
+        const int col = o_head + e - own_end;
+        const int q = col >= 0 && o_head + e < hi && next.window_rows > 0 ? table.at(window, col) / kSize : gw.out;
+        head[e] = q < gw.out ? next_factors[q] : acc_t(0);
+      }
+      int o = o0, i = 0, w = o;
+      while (w >= W) w -= W, ++i;
+      scalar_t* gx = grad_x + cur.start;
+      while (o < hi) {
+        pack_t value[kStoresInFlight<scalar_t>];
+        int store_at[kStoresInFlight<scalar_t>];
 #pragma unroll
-          for (int e = 0; e < EPL; ++e) value[u].v[e] = value_at(row, offset.v[e]);
-        } else {  // across a row end between a window row and a zero row, or into the head
+        for (int u = 0; u < kStoresInFlight<scalar_t>; ++u) {
+          store_at[u] = o;
+          // Row i's values (the window's rows: the value row, then the zero row);
+          // a pack running on into row i + 1 of the group reads that row's
+          // windows from the table's extension.
+          const int row = i < cur.window_rows ? value_row : zero_row;
+          const int row_after = i + 1 < cur.window_rows ? value_row : zero_row;
+          const Vector<int, EPL> offset = table.pack(window, w);
+          auto value_at = [&](int r, int off) { return *reinterpret_cast<const scalar_t*>(smem + r + off); };
+          if (o + EPL <= own_end && (w <= W - EPL || row == row_after)) {
 #pragma unroll
-          for (int e = 0; e < EPL; ++e) {
-            value[u].v[e] = o + e >= own_end ? static_cast<scalar_t>(next.grad * head[e])
-                                             : value_at(w + e < W ? row : row_after, offset.v[e]);
+            for (int e = 0; e < EPL; ++e) value[u].v[e] = value_at(row, offset.v[e]);
+          } else {  // across a row end between a window row and a zero row, or into the head
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) {
+              value[u].v[e] = o + e >= own_end ? static_cast<scalar_t>(next.grad * head[e])
+                                               : value_at(w + e < W ? row : row_after, offset.v[e]);
+            }
+          }
+          o += kStep;
+          w += kStep;
+          if (w >= W) w -= W, ++i;  // kStep < W: at most one row end per step
+        }
+#pragma unroll
+        for (int u = 0; u < kStoresInFlight<scalar_t>; ++u) {
+          if (store_at[u] + EPL <= hi) {
+            store_streaming(reinterpret_cast<pack_t*>(gx + store_at[u]), value[u]);
+          } else {
+#pragma unroll
+            for (int e = 0; e < EPL; ++e) {
+              if (store_at[u] + e < hi) gx[store_at[u] + e] = value[u].v[e];
+            }
           }
         }
-        o += kStep;
-        w += kStep;
-        if (w >= W) w -= W, ++i;  // kStep < W: at most one row end per step
       }
-#pragma unroll
-      for (int u = 0; u < kStoresInFlight<scalar_t>; ++u) {
-        if (store_at[u] + EPL <= hi) {
-          store_streaming(reinterpret_cast<pack_t*>(gx + store_at[u]), value[u]);
-        } else {
-#pragma unroll
-          for (int e = 0; e < EPL; ++e) {
-            if (store_at[u] + e < hi) gx[store_at[u] + e] = value[u].v[e];
-          }
-        }
-      }
+      __syncwarp();
+      j += kAlignedWarps;
+      while (j >= a.row_groups) j -= a.row_groups, ++plane;
     }
-    __syncwarp();
-    cur = following;
+    __syncthreads();  // buffer k % 2 is read: load unit k + 2 into it
+    if (threadIdx.y == 0) issue(k + 2);
   }
 }
 
@@ -544,25 +578,41 @@ at::Tensor avg_pool2d_sigmoid_sum_backward_cuda(const at::Tensor& grad_out,
     // Contiguous grad_x whose rows span a store block but not whole blocks
     // (whole-block rows the row-group kernel writes aligned already, and
     // faster: 1.48 against 1.61 ms at 384 columns; at 382 1.87 against 1.61),
-    // with its column table and value rows within kAlignedRunsSmemBytes:
-    // the aligned-runs kernel.
+    // on a device with the bulk copy engine, with room in shared memory for
+    // two factor rows per buffer: the aligned-runs kernel.
     const AlignedRunsArgs<scalar_t> a{grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0),
                                       args.grad_factor.const_data_ptr<acc_t>(), gl, g,
                                       static_cast<int>(grad_x.size(1)), row_groups, grad_x.size(0),
                                       grad_x.numel()};
-    const size_t smem = ShiftedRow<int, 16 / sizeof(scalar_t)>(xl.cols).bytes() +
-                        (kWarps + 1) * a.value_row_elements() * sizeof(scalar_t);
     const size_t row_bytes = xl.cols * sizeof(scalar_t);
-    if (!overlap && grad_x.is_contiguous() && row_bytes > kStoreBlockBytes && row_bytes % kStoreBlockBytes != 0 &&
-        smem <= kAlignedRunsSmemBytes &&
-        reinterpret_cast<uintptr_t>(grad_x.const_data_ptr()) % kStoreBlockBytes == 0) {
-      const int64_t groups = grad_x.size(0) * xl.planes_per_batch * row_groups;
+    const bool aligned_runs = !overlap && grad_x.is_contiguous() && row_bytes > kStoreBlockBytes &&
+                              row_bytes % kStoreBlockBytes != 0 &&
+                              reinterpret_cast<uintptr_t>(grad_x.const_data_ptr()) % kStoreBlockBytes == 0;
+    if (aligned_runs) {
+      // Shared memory: the table and value rows, then two factor buffers of
+      // unit_groups + 1 rows and 16 bytes each, as large as the device allows.
       const auto kernel = backward_aligned_runs_kernel<scalar_t>;
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      kernel<<<grid_stride_blocks(kernel, 32 * kWarps, smem, groups, kWarps), dim3(32, kWarps), smem, stream>>>(
-          a, grad_x.mutable_data_ptr<scalar_t>(), groups);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
+      int device = 0, optin = 0;
+      C10_CUDA_CHECK(cudaGetDevice(&device));
+      C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+      const int64_t budget = std::min<int64_t>(kAlignedRunsSmemBytes, optin);
+      const int64_t fixed = 16 + ShiftedRow<int, 16 / sizeof(scalar_t)>(xl.cols).bytes() +
+                            (kAlignedWarps + 1) * a.value_row_elements() * sizeof(scalar_t);
+      const int64_t factor_row_bytes = g.w.out * sizeof(acc_t);
+      const int64_t unit_groups = ((budget - fixed) / 2 / 16 * 16 - 16) / factor_row_bytes - 1;
+      if (unit_groups >= 1 && runs_bulk_copy(kernel)) {
+        const int buffer_bytes = static_cast<int>((budget - fixed) / 2 / 16 * 16);
+        const size_t smem = fixed + 2 * buffer_bytes;
+        const int64_t groups = grad_x.size(0) * xl.planes_per_batch * row_groups;
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+        const unsigned blocks = grid_stride_blocks(kernel, 32 * kAlignedWarps, smem, groups, 1);
+        kernel<<<blocks, dim3(32, kAlignedWarps), smem, stream>>>(
+            a, grad_x.mutable_data_ptr<scalar_t>(), groups,
+            static_cast<int>(std::min<int64_t>(unit_groups, groups)), buffer_bytes);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
     }
     // The tile width is a multiple of every vector width, so tiles stay aligned.
     const int vec = vector_width<scalar_t>(xl, grad_x.const_data_ptr());
