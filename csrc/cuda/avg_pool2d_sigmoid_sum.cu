@@ -579,13 +579,15 @@ at::Tensor avg_pool2d_sigmoid_sum_backward_cuda(const at::Tensor& grad_out,
     // (whole-block rows the row-group kernel writes aligned already, and
     // faster: 1.48 against 1.61 ms at 384 columns; at 382 1.87 against 1.61),
     // on a device with the bulk copy engine, with room in shared memory for
-    // two factor rows per buffer: the aligned-runs kernel.
+    // two factor rows per buffer: the aligned-runs kernel (grad_factor's rows
+    // follow its row groups, one after another).
     const AlignedRunsArgs<scalar_t> a{grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0),
                                       args.grad_factor.const_data_ptr<acc_t>(), gl, g,
                                       static_cast<int>(grad_x.size(1)), row_groups, grad_x.size(0),
                                       grad_x.numel()};
     const size_t row_bytes = xl.cols * sizeof(scalar_t);
-    const bool aligned_runs = !overlap && grad_x.is_contiguous() && row_bytes > kStoreBlockBytes &&
+    const bool aligned_runs = !overlap && grad_x.is_contiguous() && args.grad_factor.is_contiguous() &&
+                              row_bytes > kStoreBlockBytes &&
                               row_bytes % kStoreBlockBytes != 0 &&
                               reinterpret_cast<uintptr_t>(grad_x.const_data_ptr()) % kStoreBlockBytes == 0;
     if (aligned_runs) {
