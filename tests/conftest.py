@@ -150,6 +150,19 @@ def make_input(shape, dtype, device, seed=0, requires_grad=False):
     return x.requires_grad_(requires_grad)
 
 
+def exact_pair(x, fused, ref):
+    """(fused(x), ref(x)) and their gradients w.r.t. x, for one integer-valued grad_out
+    (x's dtype and device), so that pooling gradients that only route it are exact."""
+    a = x.detach().clone().requires_grad_()
+    b = x.detach().clone().requires_grad_()
+    out, expected = fused(a), ref(b)
+    g = torch.Generator().manual_seed(3)
+    grad = torch.randint(1, 4, expected.shape, generator=g).to(dtype=x.dtype, device=x.device)
+    out.backward(grad)
+    expected.backward(grad)
+    return out, expected, a.grad, b.grad
+
+
 LAYOUTS_5D = ["channels_last_3d", "transposed", "sliced", "misaligned", "expanded"]
 
 

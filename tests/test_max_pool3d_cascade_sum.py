@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, in_layout_5d, make_input, poison_cuda_allocator,
-                      requires_cuda)
+from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, exact_pair, in_layout_5d, make_input,
+                      poison_cuda_allocator, requires_cuda)
 from fused_ops import max_pool3d_cascade_sum
 
 OP = torch.ops.fused_ops.max_pool3d_cascade_sum.default
@@ -113,18 +113,6 @@ def test_layouts(layout, pools, device, dtype):
     assert grad_x.is_contiguous()
 
 
-def exact_pair(x, first, second):
-    """(fused, eager) forward and grad_x for integer grad_out (x's dtype and device)."""
-    a = x.detach().clone().requires_grad_()
-    b = x.detach().clone().requires_grad_()
-    out, ref = fused(a, first, second), eager(b, first, second)
-    g = torch.Generator().manual_seed(3)
-    grad = torch.randint(1, 4, ref.shape, generator=g).to(dtype=x.dtype, device=x.device)
-    out.backward(grad)
-    ref.backward(grad)
-    return out, ref, a.grad, b.grad
-
-
 TIE_CASES = [
     ((2, 3, 13, 14, 15), dict(kernel_size=2), dict(kernel_size=3)),
     ((1, 3, 12, 12, 13), dict(kernel_size=3), dict(kernel_size=2)),
@@ -141,7 +129,7 @@ def test_ties_match_pytorch_exactly(shape, first, second, device, dtype):
     x = torch.randint(-2, 3, shape, generator=g).to(dtype=dtype, device=device)
     x[:, :1, 2:8, 1:7, :] = 1.0  # a constant region over whole windows of both stages
     x[-1, -1] = 0.0  # a constant channel
-    out, ref, grad_x, grad_ref = exact_pair(x, first, second)
+    out, ref, grad_x, grad_ref = exact_pair(x, lambda t: fused(t, first, second), lambda t: eager(t, first, second))
     torch.testing.assert_close(out, ref)
     assert torch.equal(grad_x, grad_ref), "picks differ from PyTorch's"
 
@@ -164,7 +152,7 @@ def test_nan_and_inf_match_pytorch(pools, device, dtype):
     x[1, 1, 6:12, 0:6, 0:6] = inf
     x[1, 2, 6:12, 0:6, 0:6] = -inf  # +inf and -inf summed: NaN
     x[1, 2, 1, 1, 12] = nan  # in the last column, outside every box of 2 then 3
-    out, ref, grad_x, grad_ref = exact_pair(x, *pools)
+    out, ref, grad_x, grad_ref = exact_pair(x, lambda t: fused(t, *pools), lambda t: eager(t, *pools))
     torch.testing.assert_close(out, ref, equal_nan=True)
     assert out[0, 0, 0, 0, 0].isnan()
     assert torch.equal(grad_x, grad_ref), "picks differ from PyTorch's"

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DTYPES, RTOL, assert_close_to_reference, make_input, poison_cuda_allocator, requires_cuda
+from conftest import DTYPES, RTOL, assert_close_to_reference, exact_pair, make_input, poison_cuda_allocator, requires_cuda
 from fused_ops import parity_max_pool3d_cascade_sum, parity_max_pool3d_mean
 
 MEAN = torch.ops.fused_ops.parity_max_pool3d_mean.default
@@ -244,18 +244,6 @@ def test_non_contiguous(layout, device, dtype):
 # --------------------------------------------------------------------------
 # Ties, NaN and inf: the same picks as PyTorch's, element for element
 # --------------------------------------------------------------------------
-
-
-def exact_pair(y, fused, ref):
-    """(fused, eager) forward and grad_y for an integer-valued grad_out (y's dtype and device)."""
-    a = y.detach().clone().requires_grad_()
-    b = y.detach().clone().requires_grad_()
-    out, expected = fused(a), ref(b)
-    g = torch.Generator().manual_seed(3)
-    grad = torch.randint(1, 4, expected.shape, generator=g).to(dtype=y.dtype, device=y.device)
-    out.backward(grad)
-    expected.backward(grad)
-    return out, expected, a.grad, b.grad
 
 
 # Md * Mh * Mw a power of two, so that the mean's gradient (grad / count) is exact in any dtype
