@@ -7,7 +7,7 @@ Each has the original's constructor, parameters, buffers and state_dict keys
 import torch
 from torch import Tensor, nn
 
-from . import reference, rewrites
+from . import _autocast, reference, rewrites
 from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean,
                   parity_max_pool3d_cascade_sum, parity_max_pool3d_mean)
 
@@ -31,15 +31,18 @@ def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.M
     return module
 
 
-def _check_5d_input(name: str, x: Tensor, in_channels: int) -> None:
-    if x.dim() != 5:
+def _check_input(name: str, x: Tensor, in_channels: int, unbatched_ok: bool) -> None:
+    """A 5-D (batch, channels, depth, height, width) floating-point input of `in_channels`
+    channels, or, where the original takes it (unbatched_ok), a 4-D one without the batch."""
+    if x.dim() != 5 and not (unbatched_ok and x.dim() == 4):
+        expected = "a 4-D (unbatched) or 5-D (batched) input" if unbatched_ok else "a 5-D input"
         raise ValueError(
-            f"{name}: expected a 5-D input (batch, channels, depth, height, width), "
+            f"{name}: expected {expected} (batch, channels, depth, height, width), "
             f"got {x.dim()}-D input of shape {tuple(x.shape)}"
         )
     if not x.dtype.is_floating_point:
         raise TypeError(f"{name}: input must be a floating-point tensor, got {x.dtype}")
-    if x.shape[1] != in_channels:
+    if x.shape[-4] != in_channels:
         raise ValueError(f"{name}: expected {in_channels} input channels, got input of shape {tuple(x.shape)}")
 
 
@@ -67,6 +70,7 @@ class Conv2dAvgPoolSigmoidSum(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4:
+            # (the original's sum over dims 1, 2, 3 refuses an unbatched 3-D input too)
             raise ValueError(
                 f"{type(self).__name__}: expected a 4-D input (batch, channels, height, width), "
                 f"got {x.dim()}-D input of shape {tuple(x.shape)}"
@@ -75,7 +79,7 @@ class Conv2dAvgPoolSigmoidSum(nn.Module):
         pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
         if pooled is not None:
             return torch.sigmoid(pooled).sum(dim=(1, 2, 3))
-        return avg_pool2d_sigmoid_sum(
+        out = avg_pool2d_sigmoid_sum(
             self.conv(x),
             pool.kernel_size,
             pool.stride,
@@ -84,6 +88,8 @@ class Conv2dAvgPoolSigmoidSum(nn.Module):
             pool.count_include_pad,
             pool.divisor_override,
         )
+        return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
+                                           ("aten::avg_pool2d", "aten::sigmoid", "aten::sum.dim_IntList")))
 
 
 class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
@@ -105,16 +111,23 @@ class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
 
     def forward(self, x: Tensor) -> Tensor:
         name = type(self).__name__
-        _check_5d_input(name, x, self.conv.in_channels)
+        _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
         pool = self.max_pool
         _check_fusable_max_pool(name, pool, ceil_mode_ok=True)
+        batched = x.dim() == 5
+        if not batched:
+            x = x.unsqueeze(0)
         windows = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor) if x.is_cuda else None
         if windows is not None:
             mean = parity_max_pool3d_mean(windows)
         else:
             mean = max_pool3d_mean(self.conv(x), pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
                                    self.divisor)
-        return torch.sum(mean[:, :, None, None, None] + self.bias, dim=self.sum_dim)
+        # the dtype of the original's global average, (B, C, 1, 1, 1) or unbatched (C, 1, 1, 1)
+        mean = mean.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
+                                            ("aten::max_pool3d", "aten::adaptive_avg_pool3d")))
+        pooled = mean[:, :, None, None, None] if batched else mean[0, :, None, None, None]
+        return torch.sum(pooled + self.bias, dim=self.sum_dim)
 
 
 class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSum):
@@ -135,17 +148,24 @@ class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSu
 
     def forward(self, x: Tensor) -> Tensor:
         name = type(self).__name__
-        _check_5d_input(name, x, self.conv_transpose.in_channels)
+        _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=True)
         first, second = self.max_pool1, self.max_pool2
+        if x.dim() == 4:
+            # Unbatched, the original's sum over dim 1 adds depth planes, not channels:
+            # its own ops (the fused op sums channels).
+            return torch.sum(second(first(self.conv_transpose(x))), dim=1, keepdim=True)
         _check_fusable_max_pool(name, first, ceil_mode_ok=False)
         _check_fusable_max_pool(name, second, ceil_mode_ok=False)
         windows = (rewrites.conv_transpose3d_max_pool_windows(x, self.conv_transpose, first, second)
                    if x.is_cuda else None)
         if windows is not None:
-            return parity_max_pool3d_cascade_sum(windows, second.kernel_size)
-        return max_pool3d_cascade_sum(self.conv_transpose(x), first.kernel_size, second.kernel_size,
-                                      stride1=first.stride, padding1=first.padding, stride2=second.stride,
-                                      padding2=second.padding)
+            out = parity_max_pool3d_cascade_sum(windows, second.kernel_size)
+        else:
+            out = max_pool3d_cascade_sum(self.conv_transpose(x), first.kernel_size, second.kernel_size,
+                                         stride1=first.stride, padding1=first.padding, stride2=second.stride,
+                                         padding2=second.padding)
+        return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
+                                           ("aten::max_pool3d", "aten::sum.dim_IntList")))
 
 
 class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGAP):
@@ -171,7 +191,7 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
 
     def forward(self, x: Tensor) -> Tensor:
         name = type(self).__name__
-        _check_5d_input(name, x, self.conv_transpose.in_channels)
+        _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=False)
         if self.global_avg_pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
             raise ValueError(f"{name}: the fused op pools to (1, 1, 1), got {self.global_avg_pool}")
         bn = self.batch_norm
@@ -187,7 +207,9 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
             y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose)
         if y is None:
             y = self.conv_transpose(x)
-        return batch_norm_gap(y, self.scale_factor, bn.weight, bn.bias,
-                              bn.running_mean if running else None, bn.running_var if running else None,
-                              bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
-                              training=bn.training, momentum=bn.momentum, eps=bn.eps)
+        out = batch_norm_gap(y, self.scale_factor, bn.weight, bn.bias,
+                             bn.running_mean if running else None, bn.running_var if running else None,
+                             bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
+                             training=bn.training, momentum=bn.momentum, eps=bn.eps)
+        return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
+                                           ("aten::batch_norm", "aten::adaptive_avg_pool3d")))

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import _autocast
 from .ops import _expand, _pool_triples, _pooled_size
 
 
@@ -114,7 +115,9 @@ def _build_gather_index(axes: tuple[_Axis, _Axis, _Axis], kernel: tuple[int, int
 def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positions: tuple[int, int, int]) -> Tensor:
     """The parity-class convolution: (N, Md, Mh, Mw, O, Q) for `positions` = (Md, Mh, Mw).
 
-    weight: (O, I, k_d, k_h, k_w), the original's taps as a convolution's."""
+    weight: (O, I, k_d, k_h, k_w), the original's taps as a convolution's. Under autocast
+    the rearranged input is written in autocast's dtype as it is copied (one pass; the
+    convolution would cast it otherwise), and the convolution casts the weight."""
     out_channels, in_channels, *kernel = weight.shape
     index = _gather_index(axes, tuple(kernel), weight.device)
     taps = torch.cat([weight.reshape(out_channels, in_channels, -1), weight.new_zeros(out_channels, in_channels, 1)], 2)
@@ -124,19 +127,20 @@ def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positio
         out_channels * classes, axes[0].kernel * in_channels, axes[1].kernel, axes[2].kernel)
     # x cropped to the input span the outputs read, channels last: a view, or a padded copy
     n, in_channels = x.shape[:2]
+    dtype = _autocast.conv_dtype(x)
     spans = [axis.input_span(count) for axis, count in zip(axes, positions)]
     inside = [slice(max(first, 0), min(last, x.shape[2 + d] - 1) + 1) for d, (first, last) in enumerate(spans)]
     to = [slice(r.start - first, r.stop - first) for r, (first, _) in zip(inside, spans)]
     shape = (n, *[last - first + 1 for first, last in spans], in_channels)
     padded = x[:, :, inside[0], inside[1], inside[2]].permute(0, 2, 3, 4, 1)
     if any([first < 0 or last >= x.shape[2 + d] for d, (first, last) in enumerate(spans)]):
-        padded, inner = x.new_zeros(shape), padded
+        padded, inner = x.new_zeros(shape, dtype=dtype), padded
         padded[:, to[0], to[1], to[2]] = inner
     # depth-stacked: (N Md, H', W', K'd I), one copy, tap by tap into slices (not
     # Tensor.unfold, whose backward torch.compile 2.13 gets wrong on the CPU, nor
     # torch.stack, which torch.compile 2.11 cannot lower into a CPU convolution)
     depth, stride, taps = positions[0], axes[0].stride, axes[0].kernel
-    stacked = x.new_empty(n, depth, shape[2], shape[3], taps, in_channels)
+    stacked = x.new_empty(n, depth, shape[2], shape[3], taps, in_channels, dtype=dtype)
     for a in range(taps):
         stacked[:, :, :, :, a] = padded[:, a:a + stride * (depth - 1) + 1:stride]
     stacked = stacked.reshape(n * depth, shape[2], shape[3], -1).permute(0, 3, 1, 2)
@@ -173,8 +177,20 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divi
             or math.prod(classes) > 256:
         return None
     axes = tuple([_conv_pool_axis(kernel[d], padding[d], classes[d]) for d in range(3)])
+    if not _folds_exactly(divisor):
+        # conv(x) / d rounds twice where d is not a power of two: divide where PyTorch
+        # divides, so that values PyTorch computes exactly (and their ties) are ours too
+        return _parity_conv3d(x, conv.weight, conv.bias, axes, positions) / divisor
     bias = None if conv.bias is None else conv.bias / divisor
     return _parity_conv3d(x, conv.weight / divisor, bias, axes, positions)
+
+
+def _folds_exactly(divisor: float) -> bool:
+    """Whether dividing the weights and bias by `divisor` divides every convolution output
+    by it exactly (in any floating-point type, barring underflow): a power of two (of a
+    moderate exponent) scales every product and partial sum without rounding."""
+    mantissa, exponent = math.frexp(divisor)
+    return abs(mantissa) == 0.5 and abs(exponent) <= 32
 
 
 def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d,
@@ -235,7 +251,15 @@ def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | No
     if min(out_size) < 1:
         return None
     axes = tuple([_transposed_axis(kernel[d], 1, padding[d]) for d in range(3)])
-    return _TransposedConv3dStride1.apply(x, conv.weight, conv.bias, padding, axes, out_size)
+    weight, bias, dtype = conv.weight, conv.bias, _autocast.cast_dtype(x)
+    if dtype is None:
+        return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size)
+    # Under autocast: the convolution's inputs cast as autocast casts them (the casts'
+    # backward gives the parameters their gradients in their own dtype), the function
+    # itself run without autocast, so that its backward sees the dtypes it computed in.
+    x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    with torch.autocast(x.device.type, enabled=False):
+        return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size)
 
 
 def conv_transpose3d_spatial_mean(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:
@@ -290,8 +314,10 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
            padding[0], blocks[0] * stride[0] - padded[0] + padding[0])
     if any(pad):
         x = F.pad(x, pad)
+    # one copy, in the dtype the convolution computes in (autocast's: cast as it is copied)
     n = x.shape[0]
-    s2d = x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 2, 4, 1, 3, 5).reshape(
-        n, blocks[0], blocks[1], -1).permute(0, 3, 1, 2)
+    s2d = x.new_empty(n, blocks[0], blocks[1], i, stride[0], stride[1], dtype=_autocast.conv_dtype(x))
+    s2d.copy_(x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 2, 4, 1, 3, 5))
+    s2d = s2d.reshape(n, blocks[0], blocks[1], -1).permute(0, 3, 1, 2)
     bias = None if conv.bias is None else conv.bias * (box[0] * box[1] / divisor)  # the box's average of a constant
     return F.conv2d(s2d, s2d_kernel.contiguous(memory_format=torch.channels_last), bias)

@@ -71,8 +71,8 @@ def test_bad_input(device):
     fused = fnn.Conv3dDivMaxPoolGAPBiasSum(3, 4, 3, 2.0, 2, (4, 1, 1, 1), 1).to(device)
     with pytest.raises(ValueError, match="channels"):
         fused(torch.rand(2, 4, 9, 9, 9, device=device))
-    with pytest.raises(ValueError, match="5-D input"):
-        fused(torch.rand(3, 9, 9, 9, device=device))
+    with pytest.raises(ValueError, match=r"4-D \(unbatched\) or 5-D \(batched\) input"):
+        fused(torch.rand(3, 9, 9, device=device))
     with pytest.raises(TypeError, match="floating-point"):
         fused(torch.ones(2, 3, 9, 9, 9, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="smaller than the kernel"):

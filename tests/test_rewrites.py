@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import build_pair, check_matches_original, requires_cuda
+from conftest import build_pair, check_matches_original, exact_pair, requires_cuda
 from fused_ops import rewrites
 from fused_ops.architectures import ARCHITECTURES
 
@@ -209,3 +209,83 @@ def test_tf32_within_tf32_tolerance(arch, train):
         for (name, _), a, b in zip(fused.named_parameters(), grads, ref_grads):
             err = (a.double() - b).abs().max().item() / largest
             assert err <= TF32_TOLERANCE, f"{arch.letter} grad {name}: {err:.2e}"
+
+
+# --------------------------------------------------------------------------
+# Integer-valued data: where PyTorch's own arithmetic is exact, the rewritten
+# convolutions give the same values bit for bit, so the max-pools' picks and
+# the routing of their gradients are PyTorch's.
+# --------------------------------------------------------------------------
+
+
+def integer_valued(module, dtype, device, seed=0):
+    """module in dtype on device with integer weights and bias in [-2, 2]."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randint(-2, 3, p.shape, generator=g))
+    return module.to(device, dtype)
+
+
+def integer_input(shape, dtype, device, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 3, shape, generator=g).to(device, dtype)
+
+
+EXACT_DTYPES = [torch.float64, torch.float32]
+
+
+@pytest.mark.parametrize("divisor", [2.0, -1.5, 3.0, 0.5, -0.25, 7.0, 1.0])
+@pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_conv3d_max_pool_windows_exact_on_integers(divisor, dtype, device):
+    """conv(x) / divisor bit for bit, whatever the divisor (the weights are divided only by
+    a power of two, which is exact; other divisors divide where PyTorch divides)."""
+    conv = integer_valued(nn.Conv3d(3, 4, (3, 2, 3), padding=(1, 0, 0)), dtype, device)
+    pool = nn.MaxPool3d((2, 3, 2))
+    x = integer_input((2, 3, 7, 10, 9), dtype, device)
+    windows = rewrites.conv3d_max_pool_windows(x, conv, pool, divisor)
+    plain = (conv(x) / divisor)[:, :, :windows.shape[1] * 2, :windows.shape[2] * 3, :windows.shape[3] * 2]
+    assert torch.equal(interleave(windows, (2, 3, 2)), plain)
+
+
+@pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_conv_transpose3d_rewrites_exact_on_integers(dtype, device):
+    conv = integer_valued(nn.ConvTranspose3d(3, 4, 5, stride=2, padding=2), dtype, device)
+    x = integer_input((2, 3, 5, 6, 7), dtype, device)
+    windows = rewrites.conv_transpose3d_max_pool_windows(x, conv, nn.MaxPool3d(2), nn.MaxPool3d(3))
+    plain = conv(x)[:, :, :windows.shape[1] * 2, :windows.shape[2] * 2, :windows.shape[3] * 2]
+    assert torch.equal(interleave(windows, (2, 2, 2)), plain)
+    stride1 = integer_valued(nn.ConvTranspose3d(3, 4, (3, 2, 4), padding=(1, 0, 1)), dtype, device)
+    assert torch.equal(rewrites.conv_transpose3d_stride1(x, stride1), stride1(x))
+
+
+@pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_conv2d_avg_pool_exact_on_integers(dtype, device):
+    conv = integer_valued(nn.Conv2d(3, 4, 3), dtype, device)
+    pool = nn.AvgPool2d(4)
+    x = integer_input((2, 3, 22, 19), dtype, device)
+    assert torch.equal(rewrites.conv2d_avg_pool(x, conv, pool), pool(conv(x)))
+
+
+@pytest.mark.parametrize("name,args,shape", [
+    ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, -1.5, 2, (4, 1, 1, 1), 1), (2, 3, 9, 10, 11)),
+    ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, 3.0, (2, 3, 2), (4, 1, 1, 1), 1), (2, 3, 9, 10, 11)),
+    ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, 2.0, 2, (4, 1, 1, 1), 1), (2, 3, 9, 10, 11)),
+    ("ConvTranspose3dMaxPoolMaxPoolSum", (3, 4, 5, 2, 2), (2, 3, 6, 7, 6)),
+], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_drop_in_routes_ties_as_pytorch(name, args, shape, dtype, device):
+    """Integer weights and input (exact ties everywhere): the drop-in's output and the
+    gradients of its input and parameters are the original's, through the rewrites on a
+    GPU (to the precision of sums taken in another order; a gradient routed to another
+    element of a window would be off by a window's share)."""
+    original, fused = build_pair(name, args)
+    for module in (original, fused):
+        integer_valued(module, dtype, device)
+    x = integer_input(shape, dtype, device)
+    out, expected, grad_x, expected_grad_x = exact_pair(x, fused, original)
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, expected, **tolerance)  # the averages add in another order
+    torch.testing.assert_close(grad_x, expected_grad_x, **tolerance)
+    for (p_name, p), q in zip(fused.named_parameters(), original.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **tolerance, msg=lambda m: f"grad {p_name}\n{m}")
