@@ -1,0 +1,46 @@
+"""torch.export of the drop-in modules (CPU and CUDA, eval and training mode): the
+exported program gives the module's outputs, and in training the same updated running
+statistics; on a GPU, AOTInductor runs each exported module with the same outputs."""
+import copy
+
+import pytest
+import torch
+
+from conftest import build_pair, requires_cuda
+
+CONFIGS = [
+    ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, 2.0, 2, (4, 1, 1, 1), 1), (2, 3, 9, 10, 11)),
+    ("ConvTranspose3dMaxPoolMaxPoolSum", (3, 4, 5, 2, 2), (2, 3, 6, 7, 6)),
+    ("Conv2dAvgPoolSigmoidSum", (3, 8, 3, 4), (2, 3, 22, 19)),
+    ("ConvTranspose3dScaleBatchNormGAP", (3, 4, 3, 2.0), (3, 3, 4, 5, 6)),
+]
+IDS = [name for name, _, _ in CONFIGS]
+
+
+def fused_module(name, args, device, train):
+    _, fused = build_pair(name, args)
+    return fused.to(device).train(train)
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_export_gives_module_outputs(name, args, shape, train, device):
+    fused = fused_module(name, args, device, train)
+    x = torch.rand(shape, device=device)
+    program = torch.export.export(copy.deepcopy(fused), (x,))
+    exported = program.module()
+    for _ in range(2):  # in training the running statistics change between the calls
+        torch.testing.assert_close(exported(x), fused(x), rtol=1e-6, atol=1e-7)
+    for (key, value), exported_value in zip(fused.state_dict().items(), exported.state_dict().values()):
+        torch.testing.assert_close(exported_value, value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}\n{m}")
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_aot_inductor_gives_module_outputs(name, args, shape, tmp_path):
+    fused = fused_module(name, args, "cuda", train=False)
+    x = torch.rand(shape, device="cuda")
+    program = torch.export.export(fused, (x,))
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / f"{name}.pt2"))
+    compiled = torch._inductor.aoti_load_package(path)
+    torch.testing.assert_close(compiled(x), fused(x), rtol=1e-6, atol=1e-7)
