@@ -1,12 +1,16 @@
 """The whole-model benchmark: the four architectures (SPEC.md A-D) in float32,
-run as ``python -m fused_ops`` runs them (fused_ops.cli: the original eager,
-torch.compile of it and the fused drop-in, checked, timed, their peak memory
+or under autocast (--autocast bfloat16|float16), run as ``python -m fused_ops``
+runs them (fused_ops.cli: the fused drop-in and its peers, the original eager,
+tuned by hand, torch.compile of it and, with --max-autotune,
+torch.compile(mode="max-autotune"); checked, timed, their peak memory
 measured), an eval forward and a training step (forward + backward) in one
-call. Writes models-<device>.json under bench/results/ (or --out) and prints a
-short table last. SPEC's sizes on a GPU; on a CPU (reduced sizes by default,
-tiny for a test) it runs too, but that is not the GPU result.
+call. Writes models-<device>.json (models-<device>-autocast-<dtype>.json under
+autocast) under bench/results/ (or --out) and prints a short table last.
+SPEC's sizes on a GPU; on a CPU (reduced sizes by default, tiny for a test) it
+runs too, but that is not the GPU result.
 
-    python bench/models.py [--device cuda] [--size spec|reduced|tiny] [--reps N] [--no-compile] [--out DIR]
+    python bench/models.py [--device cuda] [--size spec|reduced|tiny] [--reps N] [--autocast bfloat16|float16]
+                           [--no-compile] [--max-autotune] [--out DIR]
 """
 import argparse
 import json
@@ -22,19 +26,21 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def run(cli_argv: list[str]) -> dict:
-    """Both modes through fused_ops.cli, with its options cli_argv (float32): the
-    device's name, torch's version, the sizes, whether every check passed, and
-    each mode's result (the CLI's JSON) under "eval" and "train"."""
+    """Both modes through fused_ops.cli, with its options cli_argv (float32, under autocast where they say so):
+    the device's name, torch's version, the sizes, the autocast dtype (None without), whether every check
+    passed, and each mode's result (the CLI's JSON) under "eval" and "train"."""
     args = cli.parse_args(["--dtype", "float32", *cli_argv])
     modes = {mode: cli.run_mode(args, train=mode == "train") for mode in ("eval", "train")}
     return dict(device=device_name(args.device), device_type=args.device.type, torch=torch.__version__,
-                dtype="float32", size=args.size, ok=all(m["ok"] for m in modes.values()), **modes)
+                dtype="float32", autocast=cli.dtype_name(args.autocast), size=args.size,
+                ok=all(m["ok"] for m in modes.values()), **modes)
 
 
 def write(result: dict, out_dir: str) -> str:
-    """result as out_dir/models-<device>.json: the path."""
+    """result as out_dir/models-<device>.json (models-<device>-autocast-<dtype>.json under autocast): the path."""
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"models-{device_slug(result['device'])}.json")
+    autocast = f"-autocast-{result['autocast']}" if result["autocast"] else ""
+    path = os.path.join(out_dir, f"models-{device_slug(result['device'])}{autocast}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path
@@ -42,8 +48,8 @@ def write(result: dict, out_dir: str) -> str:
 
 def print_table(result: dict) -> None:
     """Per model, the eval forward and the training step: the check, times, the fused speed-ups, peak memory."""
-    print(f"\nwhole models on {result['eval']['device']}: torch {result['torch']}, float32, {result['size']} sizes, "
-          f"{result['eval']['timing']}")
+    print(f"\nwhole models on {result['eval']['device']}: torch {result['torch']}, {cli.describe_precision(result)}, "
+          f"{result['size']} sizes, {result['eval']['timing']}")
     if result["device_type"] != "cuda":
         print("on a CPU: a test run, not the GPU result")
     if result["size"] != "spec":
@@ -64,12 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=SIZES, help="input sizes (default: spec on a GPU, reduced on a CPU)")
     parser.add_argument("--reps", help=f"timed calls per variant (default: {cli.DEFAULT_REPS['cuda']} on a GPU, "
                                        f"{cli.DEFAULT_REPS['cpu']} on a CPU)")
+    parser.add_argument("--autocast", choices=cli.AUTOCAST_DTYPES,
+                        help="every forward under torch.autocast to this dtype, the backward outside it "
+                             "(default: none, float32 throughout)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the originals")
-    parser.add_argument("--out", default=RESULTS, help="directory for models-<device>.json (default: bench/results)")
+    parser.add_argument("--max-autotune", action="store_true",
+                        help="also time torch.compile(mode=\"max-autotune\") of the originals (slow to compile)")
+    parser.add_argument("--out", default=RESULTS,
+                        help="directory for models-<device>[-autocast-<dtype>].json (default: bench/results)")
     args = parser.parse_args(argv)
 
-    cli_argv = ["--no-compile"] if args.no_compile else []
-    for option in ("device", "size", "reps"):
+    cli_argv = [f"--{flag}" for flag in ("no-compile", "max-autotune") if getattr(args, flag.replace("-", "_"))]
+    for option in ("device", "size", "reps", "autocast"):
         if getattr(args, option):
             cli_argv += [f"--{option}", getattr(args, option)]
     result = run(cli_argv)

@@ -1,11 +1,13 @@
 """The one benchmark call: builds fused_ops, runs the whole test suite (the CUDA
 tests included where there is a GPU), times every fused op against the eager
 PyTorch tail and torch.compile of it, then the four whole models (bench/models.py:
-eval forward and training step, eager, compiled and fused, peak memory), writes
-JSON under bench/results/ (and under $OUT when that is set), and prints short
-tables last.
+eval forward and training step, the fused module against the original eager,
+tuned by hand and compiled, peak memory) in float32 and again under bfloat16
+autocast, writes JSON under bench/results/ (and under $OUT when that is set),
+and prints short tables last.
 
-    python bench/run.py [--skip-build] [--skip-tests] [--only tails|models] [--no-compile] [--device cuda]
+    python bench/run.py [--skip-build] [--skip-tests] [--only tails|models] [--no-compile] [--max-autotune]
+                        [--no-autocast] [--device cuda]
 """
 import argparse
 import json
@@ -85,6 +87,10 @@ def main():
     parser.add_argument("--only", choices=("tails", "models"),
                         help="time only the tails, or only the whole models (default: both)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
+    parser.add_argument("--max-autotune", action="store_true",
+                        help="whole models: also time torch.compile(mode=\"max-autotune\") (slow to compile)")
+    parser.add_argument("--no-autocast", action="store_true",
+                        help="whole models: float32 only (default: float32, then under bfloat16 autocast)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--batch", type=int, default=None,
                         help="batch size of the tails (default: the SPEC's on a GPU, 2 on a CPU)")
@@ -101,22 +107,24 @@ def main():
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     tails = None if args.only == "models" else time_tails(device, args.batch, not args.no_compile, tests)
-    whole_models = None if args.only == "tails" else models.run(["--device", device]
-                                                                + (["--no-compile"] if args.no_compile else []))
+    models_argv = (["--device", device] + (["--no-compile"] if args.no_compile else [])
+                   + (["--max-autotune"] if args.max_autotune else []))
+    precisions = [[]] + ([] if args.no_autocast else [["--autocast", "bfloat16"]])
+    whole_models = [] if args.only == "tails" else [models.run(models_argv + p) for p in precisions]
     out_dirs = [models.RESULTS] + ([os.environ["OUT"]] if os.environ.get("OUT") else [])
     for out_dir in out_dirs:
         if tails:
             os.makedirs(out_dir, exist_ok=True)
             with open(os.path.join(out_dir, f"tails-{device_slug(tails['device'])}.json"), "w") as f:
                 json.dump(tails, f, indent=1)
-        if whole_models:
-            models.write(whole_models, out_dir)
+        for result in whole_models:
+            models.write(result, out_dir)
 
     if tails:
         print_tails_table(tails)
-    if whole_models:
-        models.print_table(whole_models)
-    if "failed" in tests or "error" in tests or (whole_models and not whole_models["ok"]):
+    for result in whole_models:
+        models.print_table(result)
+    if "failed" in tests or "error" in tests or not all(result["ok"] for result in whole_models):
         sys.exit(1)
 
 

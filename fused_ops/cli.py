@@ -5,15 +5,19 @@ For each architecture it builds the original (``fused_ops.reference``, SPEC's
 default constructor arguments, seeded) and the fused drop-in
 (``fused_ops.nn.<Name>.from_module``) around a deep copy of it: the same
 weights, and buffers of its own, so that each starts a training step from the
-same running statistics. It compares the two, then times the original eager,
-torch.compile of the original, and the fused module, and measures the memory
-one call of each takes on a GPU: a forward in eval mode without autograd, or
-with --mode train (--train) a training step (train mode, forward and backward to
-every parameter; the input needs no gradient), or with --mode both the one then
-the other. It prints a table, and writes JSON and a PNG chart of the speed-ups
-to --out, per mode.
+same running statistics. It compares the two, then times the fused module and
+its peers, the ways a user could run the original (SPEC's "How speed is
+judged"): eager, tuned by hand (channels_last, cudnn.benchmark: Tuned),
+torch.compile, and with --max-autotune torch.compile(mode="max-autotune"); and
+measures the memory one call of each takes on a GPU: a forward in eval mode
+without autograd, or with --mode train (--train) a training step (train mode,
+forward and backward to every parameter; the input needs no gradient), or with
+--mode both the one then the other. With --autocast, every forward runs under
+torch.autocast (the backward outside it, as AMP does). It prints a table, and
+writes JSON and a PNG chart of the speed-ups over each peer to --out, per mode.
 """
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -30,6 +34,11 @@ from .architectures import ARCHITECTURES, SIZES
 
 SEED = 0
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# The fused module's peers, the ways to run the original that it is timed against, in the order
+# of the table and the chart: their JSON keys (<peer>_ms, ...) and the chart's names.
+PEERS = {"eager": "eager", "tuned": "tuned (channels_last, cudnn.benchmark)", "compile": "torch.compile",
+         "autotune": "torch.compile max-autotune"}
 # The largest relative error (relative_errors) that passes outright. Both run
 # the same convolutions under the same settings (TF32 or not on a GPU), so they
 # differ by the tails' roundings. Measured on a CPU at the reduced sizes, the
@@ -47,7 +56,8 @@ TF32_TOLERANCE = 2e-3
 
 
 def check_tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    """The check's tolerance for a run in `dtype` on `device` under the current TF32 setting."""
+    """The check's tolerance for a run in `dtype` (under autocast: the autocast dtype) on `device` under the
+    current TF32 setting."""
     if dtype == torch.float32 and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
         return TF32_TOLERANCE
     return TOLERANCE[dtype]
@@ -79,9 +89,9 @@ def positive_int(text: str) -> int:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m fused_ops",
-        description="Runs the four architectures (SPEC.md A-D) eager, compiled and fused; checks that the fused "
-                    "modules agree with the originals; prints the speed-ups and peak memory, and writes JSON and a "
-                    "PNG chart.")
+        description="Runs the four architectures (SPEC.md A-D) fused and as their peers (eager, tuned by hand, "
+                    "compiled); checks that the fused modules agree with the originals; prints the speed-ups and peak "
+                    "memory, and writes JSON and a PNG chart.")
     parser.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda where there is a GPU, else cpu)")
     parser.add_argument("--models", nargs="+", default=["A,B,C,D"], metavar="MODEL",
                         help="letters A-D or class names, comma or space separated (default: all four)")
@@ -94,7 +104,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="what is checked and timed: an eval forward, a training step (forward and backward), "
                              "or both, one after the other (default: eval)")
     parser.add_argument("--train", dest="mode", action="store_const", const="train", help="the same as --mode train")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the originals")
+    parser.add_argument("--autocast", choices=AUTOCAST_DTYPES,
+                        help="run every forward (original eager, tuned, compiled, fused) under torch.autocast to "
+                             "this dtype, the backward outside it; input and parameters float32")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip torch.compile of the originals (its default mode; --max-autotune still runs)")
+    parser.add_argument("--max-autotune", action="store_true",
+                        help="also time torch.compile(mode=\"max-autotune\") of the originals (slow to compile: "
+                             "it benchmarks candidate kernels)")
     parser.add_argument("--reps", type=positive_int,
                         help=f"timed calls per variant, after 3 warm-up calls (default: {DEFAULT_REPS['cuda']} on a "
                              f"GPU, {DEFAULT_REPS['cpu']} on a CPU)")
@@ -116,8 +133,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--device {args.device}: there are {torch.cuda.device_count()} CUDA devices")
         if not has_cuda_kernels():
             parser.error("--device cuda: this build of fused_ops has no CUDA kernels (built for the CPU only)")
+    if args.autocast and args.dtype != "float32":
+        parser.error(f"--autocast {args.autocast}: the input and parameters must be float32 (--dtype float32), "
+                     f"not {args.dtype}")
     args.device = device
     args.dtype = DTYPES[args.dtype]
+    args.autocast = args.autocast and AUTOCAST_DTYPES[args.autocast]
     args.size = args.size or ("spec" if device.type == "cuda" else "reduced")
     args.reps = args.reps or DEFAULT_REPS[device.type]
     return args
@@ -145,52 +166,111 @@ def relative_errors(actual: dict, expected: dict) -> dict[str, float]:
             for name, t in expected.items()}
 
 
-def step_results(model: torch.nn.Module, x: torch.Tensor, train: bool, grad: torch.Tensor | None) -> dict:
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """"float32" for torch.float32; None for None."""
+    return dtype and str(dtype).removeprefix("torch.")
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast to dtype on device's type; where dtype is None, no context."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device.type, dtype=dtype)
+
+
+def step_results(model: torch.nn.Module, x: torch.Tensor, train: bool, grad: torch.Tensor | None,
+                 autocast_dtype: torch.dtype | None = None) -> dict:
     """The tensors the check compares, by name: the output of model(x); in
     training (a step with output gradient `grad`), each parameter's gradient
-    and each buffer after the step too."""
+    and each buffer after the step too. The forward under autocast to
+    autocast_dtype where given, the backward outside it."""
     if not train:
-        with torch.no_grad():
+        with torch.no_grad(), autocast(x.device, autocast_dtype):
             return {"output": model(x)}
     names, params = zip(*model.named_parameters())
-    out = model(x)
+    with autocast(x.device, autocast_dtype):
+        out = model(x)
     grads = torch.autograd.grad(out, params, grad)
     return ({"output": out.detach()} | {f"grad {n}": g for n, g in zip(names, grads)}
             | {f"buffer {n}": b.clone() for n, b in model.named_buffers()})
 
 
 def check(original: torch.nn.Module, fused: torch.nn.Module, x: torch.Tensor, train: bool,
-          grad: torch.Tensor | None, tolerance: float) -> dict:
-    """The fused module against the original at x (the modules share nothing):
-    `errors`, relative_errors of fused against original, and `ok`. A tensor
-    passes within `tolerance`; or else, below float64, where the fused one is
-    within the tolerance of a float64 run of the original, or at most twice as
-    far from it as the original is. That is for results whose roundings in the
-    original are larger than the tolerance: a 16-bit eager module rounds every
-    op's result; architecture D's training output and its convolution's
-    gradients are small differences of large terms (a batch norm's output sums
-    to zero per channel). Then `fused_vs_float64` and `original_vs_float64`
-    hold those errors."""
+          grad: torch.Tensor | None, tolerance: float, autocast_dtype: torch.dtype | None = None) -> dict:
+    """The fused module against the original at x (the modules share nothing),
+    both under autocast to autocast_dtype where given: `errors`,
+    relative_errors of fused against original, and `ok`. A tensor passes
+    within `tolerance`; or else, below float64, where the fused one is within
+    the tolerance of a float64 run of the original (without autocast), or at
+    most twice as far from it as the original is. That is for results whose
+    roundings in the original are larger than the tolerance: a 16-bit eager
+    module rounds every op's result; architecture D's training output and its
+    convolution's gradients are small differences of large terms (a batch
+    norm's output sums to zero per channel). Then `fused_vs_float64` and
+    `original_vs_float64` hold those errors. A tensor whose dtype differs from
+    the original's fails, whatever its values: `dtype_mismatch` names it, with
+    both dtypes."""
     unstepped = copy.deepcopy(original)  # for the float64 run, before the step updates running statistics
-    expected = step_results(original, x, train, grad)
-    actual = step_results(fused, x, train, grad)
+    expected = step_results(original, x, train, grad, autocast_dtype)
+    actual = step_results(fused, x, train, grad, autocast_dtype)
     errors = relative_errors(actual, expected)
     result = dict(errors=errors, ok=all(e <= tolerance for e in errors.values()))  # NaN fails
-    if result["ok"] or x.dtype == torch.float64:
-        return result
-    exact = step_results(unstepped.double(), x.double(), train, None if grad is None else grad.double())
-    fused_err, original_err = relative_errors(actual, exact), relative_errors(expected, exact)
-    ok = all(e <= tolerance or fused_err[name] <= max(tolerance, 2 * original_err[name])
-             for name, e in errors.items())
-    return dict(errors=errors, ok=ok, fused_vs_float64=fused_err, original_vs_float64=original_err)
+    if not result["ok"] and x.dtype != torch.float64:
+        exact = step_results(unstepped.double(), x.double(), train, None if grad is None else grad.double())
+        fused_err, original_err = relative_errors(actual, exact), relative_errors(expected, exact)
+        ok = all(e <= tolerance or fused_err[name] <= max(tolerance, 2 * original_err[name])
+                 for name, e in errors.items())
+        result = dict(errors=errors, ok=ok, fused_vs_float64=fused_err, original_vs_float64=original_err)
+    mismatch = {name: f"{dtype_name(t.dtype)} (original: {dtype_name(expected[name].dtype)})"
+                for name, t in actual.items() if t.dtype != expected[name].dtype}
+    if mismatch:
+        result.update(ok=False, dtype_mismatch=mismatch)
+    return result
 
 
-def timed_call(model: torch.nn.Module, x: torch.Tensor, train: bool, grad: torch.Tensor | None):
-    """What is timed: model(x), or a training step (forward, and the gradients of every parameter)."""
+def timed_call(model: torch.nn.Module, x: torch.Tensor, train: bool, grad: torch.Tensor | None,
+               autocast_dtype: torch.dtype | None = None):
+    """What is timed: model(x), or a training step (forward, and the gradients of every parameter); the forward
+    under autocast to autocast_dtype where given, the backward outside it, as AMP does."""
+    def forward():
+        with autocast(x.device, autocast_dtype):
+            return model(x)
     if not train:
-        return lambda: model(x)
+        return forward
     params = list(model.parameters())
-    return lambda: torch.autograd.grad(model(x), params, grad)
+    return lambda: torch.autograd.grad(forward(), params, grad)
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    """t in channels_last memory format (channels_last_3d for 5-D); of another rank, t itself."""
+    memory_format = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    return t if memory_format is None else t.contiguous(memory_format=memory_format)
+
+
+class Tuned(torch.nn.Module):
+    """The original tuned by hand, the peer "tuned": a copy of it with its
+    weights in channels_last memory format (channels_last_3d for 5-D), whose
+    forward converts the input to that format (a copy, timed with the call).
+    It is timed with cudnn_benchmark() on."""
+
+    def __init__(self, original: torch.nn.Module):
+        super().__init__()
+        self.original = copy.deepcopy(original)
+        for param in self.original.parameters():
+            param.data = channels_last(param.data)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.original(channels_last(x))
+
+
+@contextlib.contextmanager
+def cudnn_benchmark():
+    """torch.backends.cudnn.benchmark on (cuDNN tries its algorithms for each new configuration and keeps the
+    fastest), its previous setting restored after."""
+    previous = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = True
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = previous
 
 
 def peak_extra_mib(call, device: torch.device) -> float | None:
@@ -221,13 +301,13 @@ def run_architecture(arch, args, train: bool) -> dict:
     x = torch.rand(shape, device=args.device, dtype=args.dtype)
     grad = None  # the output's gradient, in training
     if train:
-        with torch.no_grad():
+        with torch.no_grad(), autocast(args.device, args.autocast):
             grad = torch.rand_like(original(x))
     # a copy, made after that forward (which updates running statistics in training)
     fused = arch.fused_from(copy.deepcopy(original))
 
-    tolerance = check_tolerance(args.dtype, args.device)
-    checked = check(original, fused, x, train, grad, tolerance)
+    tolerance = check_tolerance(args.autocast or args.dtype, args.device)
+    checked = check(original, fused, x, train, grad, tolerance, args.autocast)
     max_err = largest(checked["errors"])
     verdict = "ok" if checked["ok"] else "FAILED"
     beyond = [name for name, e in checked["errors"].items() if not e <= tolerance]
@@ -236,36 +316,55 @@ def run_architecture(arch, args, train: bool) -> dict:
     if "fused_vs_float64" in checked:
         verdict += (f" (against float64: fused {largest(checked['fused_vs_float64']):.2e}, "
                     f"original {largest(checked['original_vs_float64']):.2e})")
+    if "dtype_mismatch" in checked:
+        verdict += "; dtype differs: " + ", ".join(f"{name} {d}" for name, d in checked["dtype_mismatch"].items())
     progress(f"{tag} check: max relative error {max_err:.2e} over {len(checked['errors'])} tensor(s), "
              f"tolerance {tolerance:.0e}: {verdict}")
 
-    variants = {"eager": original}
-    compile_s = None
-    if not args.no_compile:
-        progress(f"{tag} compiling the original (torch.compile; the first call compiles)")
-        variants["compile"] = torch.compile(original)
+    peers = {"eager": original, "tuned": Tuned(original)}
+    compile_s = {}
+    compiled = [(peer, mode) for peer, mode, wanted in (("compile", None, not args.no_compile),
+                                                        ("autotune", "max-autotune", args.max_autotune)) if wanted]
+    if compiled:
+        # Every original of a class runs the same forward, whose compiled graphs dynamo keeps together, up to
+        # torch._dynamo.config.recompile_limit (8) before it runs the rest eager (bench/run.py's models step
+        # with --max-autotune makes 8: both modes, float32 and autocast): one architecture's and mode's at a time.
+        torch._dynamo.reset()
+    for peer, mode in compiled:
+        progress(f"{tag} compiling the original (torch.compile{f', mode={mode}' if mode else ''}; "
+                 f"the first call compiles)")
+        peers[peer] = torch.compile(original, mode=mode)
         with torch.set_grad_enabled(train):
             start = time.perf_counter()
-            timed_call(variants["compile"], x, train, grad)()
+            timed_call(peers[peer], x, train, grad, args.autocast)()
             if args.device.type == "cuda":
                 torch.cuda.synchronize(args.device)
-            compile_s = time.perf_counter() - start
-        progress(f"{tag} compiled in {compile_s:.1f} s")
-    variants["fused"] = fused
+            compile_s[peer] = time.perf_counter() - start
+        progress(f"{tag} compiled in {compile_s[peer]:.1f} s")
+    settings = {"tuned": cudnn_benchmark}  # what a variant runs under, besides autograd's mode
     times, peaks = {}, {}
-    for variant, model in variants.items():
-        call = timed_call(model, x, train, grad)
-        with torch.set_grad_enabled(train):
+    for variant, model in (peers | {"fused": fused}).items():
+        call = timed_call(model, x, train, grad, args.autocast)
+        with torch.set_grad_enabled(train), settings.get(variant, contextlib.nullcontext)():
             times[variant] = median_ms(call, args.device, reps=args.reps)
             peaks[variant] = peak_extra_mib(call, args.device)
         peak = "" if peaks[variant] is None else f", peak {peaks[variant]:.0f} MiB over what was allocated before"
         progress(f"{tag} {variant}: {times[variant]:.3f} ms{peak}")
-    return dict(model=arch.letter, name=arch.name, args=list(arch.args), input_shape=list(shape), **checked,
-                max_rel_err=max_err, tolerance=tolerance, eager_ms=times["eager"],
-                compile_ms=times.get("compile"), compile_s=compile_s, fused_ms=times["fused"],
-                speedup_vs_eager=times["eager"] / times["fused"],
-                speedup_vs_compile=times["compile"] / times["fused"] if "compile" in times else None,
-                eager_peak_mib=peaks["eager"], compile_peak_mib=peaks.get("compile"), fused_peak_mib=peaks["fused"])
+    best = min(peers, key=times.get)
+    progress(f"{tag} best peer: {best} ({times[best]:.3f} ms), the fused module's speed-up over it "
+             f"{times[best] / times['fused']:.2f}x")
+    speedups = {f"speedup_vs_{peer}": times[peer] / times["fused"] for peer in peers}
+    row = dict(model=arch.letter, name=arch.name, args=list(arch.args), input_shape=list(shape), **checked,
+               max_rel_err=max_err, tolerance=tolerance, eager_ms=times["eager"], tuned_ms=times["tuned"],
+               compile_ms=times.get("compile"), compile_s=compile_s.get("compile"), fused_ms=times["fused"],
+               speedup_vs_eager=speedups["speedup_vs_eager"], speedup_vs_tuned=speedups["speedup_vs_tuned"],
+               speedup_vs_compile=speedups.get("speedup_vs_compile"), best_peer=best, best_peer_ms=times[best],
+               vs_best_peer=times[best] / times["fused"], eager_peak_mib=peaks["eager"],
+               tuned_peak_mib=peaks["tuned"], compile_peak_mib=peaks.get("compile"), fused_peak_mib=peaks["fused"])
+    if "autotune" in peers:
+        row |= dict(autotune_ms=times["autotune"], autotune_s=compile_s["autotune"],
+                    speedup_vs_autotune=speedups["speedup_vs_autotune"], autotune_peak_mib=peaks["autotune"])
+    return row
 
 
 def describe_device(device: torch.device) -> str:
@@ -274,11 +373,20 @@ def describe_device(device: torch.device) -> str:
     return f"CPU, {torch.get_num_threads()} threads on {os.cpu_count()} cores"
 
 
-TIMES_HEADER = (f"{'eager ms':>10}{'compile ms':>11}{'fused ms':>10}{'vs eager':>10}{'vs compile':>11}"
-                f"{'peak MiB e/c/f':>18}")
-TIMES_NOTES = ("vs eager / vs compile: the speed-up of fused, eager (or compiled) time / fused time (> 1: fused is faster)",
-               "peak MiB e/c/f: eager/compile/fused, the most memory one call allocated beyond what was allocated "
-               "before it (CUDA allocator statistics; - on a CPU)")
+def describe_precision(result: dict) -> str:
+    """The input's dtype and, where the run was under autocast, its dtype: "float32, autocast=bfloat16"."""
+    return result["dtype"] + (f", autocast={result['autocast']}" if result["autocast"] else "")
+
+
+TIMES_HEADER = (f"{'eager ms':>10}{'tuned ms':>10}{'compile ms':>11}{'fused ms':>10}{'vs eager':>10}{'vs compile':>11}"
+                f"{'vs best':>16}{'peak MiB e/t/c/f':>20}")
+TIMES_NOTES = ("tuned: the original with channels_last weights and input (the input's conversion timed), "
+               "cudnn.benchmark on",
+               "vs eager / vs compile: the speed-up of fused, eager (or compiled) time / fused time (> 1: fused is faster)",
+               "vs best: the speed-up over the fastest peer (eager, tuned, compile, autotune: torch.compile "
+               "max-autotune, those timed), named",
+               "peak MiB e/t/c/f: eager/tuned/compile/fused, the most memory one call allocated beyond what was "
+               "allocated before it (CUDA allocator statistics; - on a CPU)")
 
 
 def format_times(r: dict) -> str:
@@ -286,9 +394,11 @@ def format_times(r: dict) -> str:
     compiled = "-" if r["compile_ms"] is None else f"{r['compile_ms']:.3f}"
     vs_eager = f"{r['speedup_vs_eager']:.2f}x"
     vs_compile = "-" if r["speedup_vs_compile"] is None else f"{r['speedup_vs_compile']:.2f}x"
-    peaks = [r[f"{variant}_peak_mib"] for variant in ("eager", "compile", "fused")]
-    peak = "-" if peaks == [None] * 3 else "/".join("-" if p is None else f"{p:.0f}" for p in peaks)
-    return f"{r['eager_ms']:>10.3f}{compiled:>11}{r['fused_ms']:>10.3f}{vs_eager:>10}{vs_compile:>11}{peak:>18}"
+    vs_best = f"{r['vs_best_peer']:.2f}x {r['best_peer']}"
+    peaks = [r[f"{variant}_peak_mib"] for variant in ("eager", "tuned", "compile", "fused")]
+    peak = "-" if peaks == [None] * 4 else "/".join("-" if p is None else f"{p:.0f}" for p in peaks)
+    return (f"{r['eager_ms']:>10.3f}{r['tuned_ms']:>10.3f}{compiled:>11}{r['fused_ms']:>10.3f}{vs_eager:>10}"
+            f"{vs_compile:>11}{vs_best:>16}{peak:>20}")
 
 
 def check_column(r: dict) -> str:
@@ -298,7 +408,7 @@ def check_column(r: dict) -> str:
 
 def print_table(result: dict) -> None:
     """The results, one architecture a row: the check, times in ms, the fused module's speed-ups, peak memory."""
-    print(f"fused_ops on {result['device']}: torch {result['torch']}, {result['dtype']}, {result['mode']}, "
+    print(f"fused_ops on {result['device']}: torch {result['torch']}, {describe_precision(result)}, {result['mode']}, "
           f"{result['timing']}")
     if result["size"] != "spec":
         print(f"{result['size']} sizes: smaller inputs than SPEC's (the same models); SPEC's with --size spec")
@@ -315,31 +425,36 @@ def print_table(result: dict) -> None:
             print(f"* {r['model']}: beyond the tolerance ({r['tolerance']:.0e}) of the original; against a float64 "
                   f"run, fused {largest(r['fused_vs_float64']):.1e}, original {largest(r['original_vs_float64']):.1e} "
                   f"(passes: fused within the tolerance or 2x the original)")
+        if "dtype_mismatch" in r:
+            print(f"{r['model']}: the fused module's dtype differs from the original's: "
+                  + ", ".join(f"{name} {d}" for name, d in r["dtype_mismatch"].items()))
 
 
 def write_chart(path: str, result: dict) -> bool:
-    """A bar chart of the speed-ups at path; False where matplotlib is missing."""
+    """A bar chart of the fused module's speed-ups over each peer timed at path, on a log scale, the bars
+    drawn from 1 (parity) and labelled with their values; False where matplotlib is missing."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         return False
     rows = result["rows"]
-    bars = [("speedup_vs_eager", "fused vs eager")]
-    if rows[0]["speedup_vs_compile"] is not None:
-        bars.append(("speedup_vs_compile", "fused vs torch.compile"))
-    fig = Figure(figsize=(2.2 + 1.6 * len(rows), 4.2), layout="constrained")
+    peers = [peer for peer in PEERS if rows[0].get(f"speedup_vs_{peer}") is not None]
+    fig = Figure(figsize=(2.2 + max(1.6, 0.45 * len(peers)) * len(rows), 4.6), layout="constrained")
     ax = fig.add_subplot()
-    width = 0.8 / len(bars)
-    for i, (key, label) in enumerate(bars):
-        positions = [j + (i - (len(bars) - 1) / 2) * width for j in range(len(rows))]
-        container = ax.bar(positions, [r[key] for r in rows], width, label=label)
-        ax.bar_label(container, fmt="%.2fx", fontsize=8)
+    ax.set_yscale("log")
+    width = 0.8 / len(peers)
+    for i, peer in enumerate(peers):
+        positions = [j + (i - (len(peers) - 1) / 2) * width for j in range(len(rows))]
+        speedups = [r[f"speedup_vs_{peer}"] for r in rows]
+        container = ax.bar(positions, [s - 1 for s in speedups], width, bottom=1, label=f"fused vs {PEERS[peer]}")
+        ax.bar_label(container, labels=[f"{s:.2f}x" for s in speedups], fontsize=7)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.margins(y=0.15)
     ax.set_xticks(range(len(rows)), [f"{r['model']}\n{r['name']}" for r in rows], fontsize=7)
-    ax.set_ylabel("speed-up (time / fused time)")
-    ax.set_title(f"fused_ops speed-ups: {result['device']}\n{result['dtype']}, {result['mode']}, "
+    ax.set_ylabel("speed-up (peer's time / fused time, log scale)")
+    ax.set_title(f"fused_ops speed-ups: {result['device']}\n{describe_precision(result)}, {result['mode']}, "
                  f"{result['size']} sizes", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.savefig(path, dpi=120)
     return True
 
@@ -348,13 +463,15 @@ def run_mode(args, train: bool) -> dict:
     """Builds, checks and times every architecture of args in one mode (a training step, or an eval forward): the
     result, as the table shows it and the JSON holds it."""
     mode = "training step (forward + backward)" if train else "eval forward"
-    progress(f"{describe_device(args.device)}; {str(args.dtype).removeprefix('torch.')}; {mode}; "
+    autocast_note = f" under autocast to {dtype_name(args.autocast)}" if args.autocast else ""
+    progress(f"{describe_device(args.device)}; {dtype_name(args.dtype)}{autocast_note}; {mode}; "
              f"{args.size} sizes; models {', '.join(a.letter for a in args.models)}")
     rows = [run_architecture(arch, args, train) for arch in args.models]
     timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
     return dict(device=describe_device(args.device), device_type=args.device.type, torch=torch.__version__,
-                dtype=str(args.dtype).removeprefix("torch."), mode=mode, train=train, size=args.size,
-                timing=f"{timing} medians of {args.reps} calls", ok=all(r["ok"] for r in rows), rows=rows)
+                dtype=dtype_name(args.dtype), autocast=dtype_name(args.autocast), mode=mode, train=train,
+                size=args.size, timing=f"{timing} medians of {args.reps} calls", ok=all(r["ok"] for r in rows),
+                rows=rows)
 
 
 def write_result(result: dict, stem: str) -> list[str]:
@@ -377,11 +494,14 @@ def main(argv: list[str] | None = None) -> int:
         if i:
             print()
         print_table(result)
-        stem = os.path.join(args.out, f"{device_slug(device_name(args.device))}-{result['dtype']}-{mode}")
+        precision = result["dtype"] + (f"-autocast-{result['autocast']}" if result["autocast"] else "")
+        stem = os.path.join(args.out, f"{device_slug(device_name(args.device))}-{precision}-{mode}")
         print("wrote " + ", ".join(write_result(result, stem)))
         if not result["ok"]:
-            failed = ", ".join(f"{r['model']} ({r['max_rel_err']:.2e})" for r in result["rows"] if not r["ok"])
-            print(f"FAILED: the fused module differs from the original beyond the {str(args.dtype)} tolerance "
-                  f"({result['mode']}): {failed}")
+            failed = ", ".join(f"{r['model']} ({r['max_rel_err']:.2e}"
+                               + ("; dtype differs)" if "dtype_mismatch" in r else ")")
+                               for r in result["rows"] if not r["ok"])
+            print(f"FAILED: the fused module differs from the original beyond the tolerance "
+                  f"({describe_precision(result)}, {result['mode']}): {failed}")
             status = 1
     return status

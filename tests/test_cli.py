@@ -1,6 +1,6 @@
 """python -m fused_ops (fused_ops.cli): end to end at tiny sizes, its check
-failing on a wrong fused result, its errors, its JSON and chart, both modes in
-one call."""
+failing on a wrong fused result (or dtype), its errors, its JSON and chart, both
+modes in one call, its peers (tuned, compiled, max-autotune), autocast."""
 import importlib.util
 import json
 import os
@@ -12,13 +12,26 @@ import torch
 
 from fused_ops import cli
 from fused_ops import nn as fnn
+from fused_ops import reference
+from fused_ops.architectures import ARCHITECTURES
 
 TINY = ["--size", "tiny", "--no-compile", "--reps", "1", "--device", "cpu"]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 # the keys of a row that the README and the JSON under docs/ use
 ROW_KEYS = {"model", "name", "args", "input_shape", "errors", "ok", "max_rel_err", "tolerance", "eager_ms",
-            "compile_ms", "compile_s", "fused_ms", "speedup_vs_eager", "speedup_vs_compile"}
-PEAK_KEYS = {"eager_peak_mib", "compile_peak_mib", "fused_peak_mib"}
+            "tuned_ms", "compile_ms", "compile_s", "fused_ms", "speedup_vs_eager", "speedup_vs_tuned",
+            "speedup_vs_compile", "best_peer", "best_peer_ms", "vs_best_peer"}
+PEAK_KEYS = {"eager_peak_mib", "tuned_peak_mib", "compile_peak_mib", "fused_peak_mib"}
+AUTOTUNE_KEYS = {"autotune_ms", "autotune_s", "speedup_vs_autotune", "autotune_peak_mib"}
+
+
+def assert_best_peer(r):
+    """best_peer is the fastest of the peers timed, and vs_best_peer the speed-up over it."""
+    timed = {peer: r[f"{peer}_ms"] for peer in cli.PEERS if r.get(f"{peer}_ms") is not None}
+    assert r["best_peer"] == min(timed, key=timed.get) and r["best_peer_ms"] == min(timed.values())
+    assert r["vs_best_peer"] == pytest.approx(r["best_peer_ms"] / r["fused_ms"])
+    for peer, ms in timed.items():
+        assert ms > 0 and r[f"speedup_vs_{peer}"] == pytest.approx(ms / r["fused_ms"])
 
 
 def run_cli(out_dir, *argv):
@@ -37,15 +50,22 @@ def test_eval_forward_of_all_four(tmp_path, capsys, device):
     for r in result["rows"]:
         assert set(r) == ROW_KEYS | PEAK_KEYS
         assert r["ok"] and list(r["errors"]) == ["output"] and r["max_rel_err"] <= r["tolerance"] == 1e-4
-        assert r["eager_ms"] > 0 and r["fused_ms"] > 0 and r["compile_ms"] is None
-        assert r["speedup_vs_eager"] == pytest.approx(r["eager_ms"] / r["fused_ms"])
+        assert r["eager_ms"] > 0 and r["tuned_ms"] > 0 and r["fused_ms"] > 0 and r["compile_ms"] is None
+        assert_best_peer(r)
+        assert r["best_peer"] in ("eager", "tuned") and r["speedup_vs_compile"] is None
         assert r["compile_peak_mib"] is None
         if device == "cpu":  # no allocator statistics
-            assert r["eager_peak_mib"] is None and r["fused_peak_mib"] is None
+            assert r["eager_peak_mib"] is None and r["tuned_peak_mib"] is None and r["fused_peak_mib"] is None
         else:  # at least the output
-            assert r["eager_peak_mib"] > 0 and r["fused_peak_mib"] > 0
+            assert r["eager_peak_mib"] > 0 and r["tuned_peak_mib"] > 0 and r["fused_peak_mib"] > 0
+    assert result["autocast"] is None
     table = capsys.readouterr().out
-    assert "C Conv2dAvgPoolSigmoidSum" in table and "tiny sizes" in table and "peak MiB e/c/f" in table
+    assert "C Conv2dAvgPoolSigmoidSum" in table and "tiny sizes" in table and "autocast" not in table
+    header = next(line for line in table.splitlines() if line.startswith("model "))
+    assert header.split()[-17:] == ["eager", "ms", "tuned", "ms", "compile", "ms", "fused", "ms", "vs", "eager",
+                                    "vs", "compile", "vs", "best", "peak", "MiB", "e/t/c/f"]
+    row = next(line for line in table.splitlines() if line.startswith("A "))
+    assert f"{result['rows'][0]['vs_best_peer']:.2f}x {result['rows'][0]['best_peer']}" in row
     assert any(p.suffix == ".png" for p in tmp_path.iterdir()) == HAS_MATPLOTLIB
 
 
@@ -60,14 +80,89 @@ def test_training_step_checks_every_gradient_and_buffer(tmp_path):
     assert d["errors"]["buffer batch_norm.num_batches_tracked"] == 0
 
 
-def test_compile_timed_too(tmp_path):
+def test_compile_and_max_autotune_timed_too(tmp_path):
     status = cli.main(["--size", "tiny", "--reps", "1", "--models", "D", "--dtype", "float64", "--device", "cpu",
-                       "--out", str(tmp_path)])
+                       "--max-autotune", "--out", str(tmp_path)])
     assert status == 0
     (row,) = json.loads((tmp_path / "cpu-float64-eval.json").read_text())["rows"]
-    assert row["compile_ms"] > 0 and row["compile_s"] > 0
-    assert row["speedup_vs_compile"] == pytest.approx(row["compile_ms"] / row["fused_ms"])
-    assert row["compile_peak_mib"] is None  # on the CPU
+    assert set(row) == ROW_KEYS | PEAK_KEYS | AUTOTUNE_KEYS
+    assert row["compile_ms"] > 0 and row["compile_s"] > 0 and row["autotune_ms"] > 0 and row["autotune_s"] > 0
+    assert_best_peer(row)
+    assert row["compile_peak_mib"] is row["autotune_peak_mib"] is None  # on the CPU
+
+
+def test_tuned_peer_channels_last():
+    """Tuned: a copy of the original, its weights in channels_last (channels_last_3d for 5-D; A's 4-D bias in
+    channels_last), its input converted in the call; the original untouched."""
+    torch.manual_seed(0)
+    original = reference.Conv3dDivMaxPoolGAPBiasSum(*ARCHITECTURES[0].args)
+    tuned = cli.Tuned(original)
+    weight, bias = tuned.original.conv.weight, tuned.original.bias
+    assert weight.is_contiguous(memory_format=torch.channels_last_3d) and not weight.is_contiguous()
+    assert bias.dim() == 4 and bias.is_contiguous(memory_format=torch.channels_last)
+    assert original.conv.weight.is_contiguous() and original.conv.weight.data_ptr() != weight.data_ptr()
+    assert torch.equal(weight, original.conv.weight)
+    seen = []
+    tuned.original.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    x = torch.rand(ARCHITECTURES[0].input_shape("tiny"))
+    torch.testing.assert_close(tuned(x), original(x))
+    assert seen[0].is_contiguous(memory_format=torch.channels_last_3d) and not seen[0].is_contiguous()
+
+
+def test_every_forward_under_autocast_tuned_with_cudnn_benchmark(tmp_path, monkeypatch):
+    """With --autocast, each forward of the original (the check's and every timed peer's) runs under
+    torch.autocast, and the tuned peer's with a channels_last input and cudnn.benchmark on, restored after;
+    the backward outside autocast."""
+    calls = []
+    forward = reference.Conv2dAvgPoolSigmoidSum.forward
+
+    def recording(self, x):
+        out = forward(self, x)
+        if out.requires_grad:
+            out.register_hook(lambda g: calls.append(("backward", torch.is_autocast_enabled("cpu"))))
+        calls.append((torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+                      x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous(),
+                      torch.backends.cudnn.benchmark))
+        return out
+
+    monkeypatch.setattr(reference.Conv2dAvgPoolSigmoidSum, "forward", recording)
+    benchmark = torch.backends.cudnn.benchmark
+    run_cli(tmp_path, "--models", "C", "--train", "--autocast", "bfloat16")
+    assert torch.backends.cudnn.benchmark == benchmark
+    forwards = [c for c in calls if c[0] != "backward"]
+    assert {c[0] for c in forwards} == {torch.bfloat16}
+    tuned = [c for c in forwards if c[1]]
+    assert len(tuned) == 3 + 1 and all(c[2] for c in tuned)  # warm-up, timed (--reps 1; no peak on a CPU)
+    assert not any(c[2] for c in forwards if not c[1])
+    backwards = [c for c in calls if c[0] == "backward"]
+    assert backwards and not any(enabled for _, enabled in backwards)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_autocast_bfloat16(tmp_path, capsys, mode):
+    """--autocast bfloat16 on the CPU: fused against original both under torch.autocast("cpu", bfloat16), at
+    bfloat16's tolerance. Every tensor's values agree; a fused module whose dtype is not the original's fails
+    the check (dtype_mismatch; fused_ops.nn, not the CLI, is to fix that)."""
+    status, result = run_cli(tmp_path, "--mode", mode, "--autocast", "bfloat16")
+    stem = f"cpu-float32-autocast-bfloat16-{mode}"
+    assert sorted(os.listdir(tmp_path)) == [f"{stem}.json"] + ([f"{stem}.png"] if HAS_MATPLOTLIB else [])
+    assert result["dtype"] == "float32" and result["autocast"] == "bfloat16" and result["train"] == (mode == "train")
+    assert [r["model"] for r in result["rows"]] == ["A", "B", "C", "D"]
+    for r in result["rows"]:
+        assert set(r) - {"fused_vs_float64", "original_vs_float64", "dtype_mismatch"} == ROW_KEYS | PEAK_KEYS
+        assert r["tolerance"] == cli.TOLERANCE[torch.bfloat16]
+        assert list(r["errors"])[0] == "output" and (len(r["errors"]) > 1) == (mode == "train")
+        assert r["eager_ms"] > 0 and r["tuned_ms"] > 0 and r["fused_ms"] > 0
+        assert_best_peer(r)
+        values_ok = all(e <= r["tolerance"] for e in r["errors"].values()) or "fused_vs_float64" in r
+        assert values_ok, (r["model"], r["errors"])
+        assert r["ok"] == ("dtype_mismatch" not in r), (r["model"], r.get("dtype_mismatch"))
+    assert status == (0 if result["ok"] else 1) and result["ok"] == all(r["ok"] for r in result["rows"])
+    out = capsys.readouterr().out
+    assert "float32, autocast=bfloat16" in out
+    for r in result["rows"]:
+        if "dtype_mismatch" in r:
+            assert f"{r['model']}: the fused module's dtype differs from the original's: output" in out
 
 
 def test_both_modes_in_one_call(tmp_path, capsys):
@@ -90,6 +185,17 @@ def test_wrong_output_fails(tmp_path, capsys, monkeypatch):
     assert status == 1 and not result["ok"]
     a, c = result["rows"]
     assert a["ok"] and not c["ok"] and c["max_rel_err"] == pytest.approx(1e-3, rel=1e-2)
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_wrong_dtype_fails(tmp_path, capsys, monkeypatch):
+    """The values right to the last bit, the dtype not the original's."""
+    forward = fnn.Conv2dAvgPoolSigmoidSum.forward
+    monkeypatch.setattr(fnn.Conv2dAvgPoolSigmoidSum, "forward", lambda self, x: forward(self, x).double())
+    status, result = run_cli(tmp_path, "--models", "C")
+    (row,) = result["rows"]
+    assert status == 1 and not row["ok"] and row["errors"]["output"] == 0
+    assert row["dtype_mismatch"] == {"output": "float64 (original: float32)"}
     assert "FAILED" in capsys.readouterr().out
 
 
@@ -125,6 +231,9 @@ def test_chart_skipped_without_matplotlib(tmp_path, capsys, monkeypatch):
     (["--batch", "0"], "argument --batch: expected a positive integer, got '0'"),
     (["--device", "tpu"], "--device: not a device: 'tpu'"),
     (["--device", "meta"], "--device: meta is not supported"),
+    (["--autocast", "float64"], "argument --autocast: invalid choice: 'float64'"),
+    (["--autocast", "bfloat16", "--dtype", "float64"],
+     "--autocast bfloat16: the input and parameters must be float32 (--dtype float32), not float64"),
     pytest.param(["--device", "cuda"], "--device cuda: no CUDA device is available",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="there is a CUDA device")),
 ])
@@ -145,6 +254,14 @@ def test_models_by_letter_or_name():
 @pytest.mark.parametrize("argv, mode", [([], "eval"), (["--train"], "train"), (["--mode", "both"], "both")])
 def test_mode_options(argv, mode):
     assert cli.parse_args(argv).mode == mode
+
+
+@pytest.mark.parametrize("argv, autocast, max_autotune", [
+    ([], None, False), (["--autocast", "bfloat16"], torch.bfloat16, False),
+    (["--autocast", "float16", "--max-autotune"], torch.float16, True)])
+def test_autocast_and_max_autotune_options(argv, autocast, max_autotune):
+    args = cli.parse_args(argv)
+    assert args.autocast == autocast and args.max_autotune == max_autotune and args.dtype == torch.float32
 
 
 def test_python_m_fused_ops(tmp_path):
