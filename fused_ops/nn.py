@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from . import _autocast, reference, rewrites
 from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean,
                   parity_max_pool3d_cascade_sum, parity_max_pool3d_mean)
+from .sync_batch_norm import sync_batch_norm_gap, sync_process_group
 
 
 def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.Module:
@@ -182,12 +183,14 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
     same members, parameters and buffers, drawn in the same order);
     ``batch_norm`` holds the parameters, buffers and settings the fused op
     reads (affine, track_running_stats, momentum, eps), ``global_avg_pool``
-    stays for its structure."""
+    stays for its structure. An nn.SyncBatchNorm there (convert_sync_batchnorm)
+    takes its training statistics over its process group where nn.SyncBatchNorm
+    would (``fused_ops.sync_batch_norm``), on any device its backend serves."""
 
     @classmethod
     def from_module(cls, original: nn.Module) -> "ConvTranspose3dScaleBatchNormGAP":
         return _adopt(cls, original, conv_transpose=nn.ConvTranspose3d, scale_factor=(int, float),
-                      batch_norm=nn.BatchNorm3d, global_avg_pool=nn.AdaptiveAvgPool3d)
+                      batch_norm=(nn.BatchNorm3d, nn.SyncBatchNorm), global_avg_pool=nn.AdaptiveAvgPool3d)
 
     def forward(self, x: Tensor) -> Tensor:
         name = type(self).__name__
@@ -207,9 +210,13 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
             y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose)
         if y is None:
             y = self.conv_transpose(x)
-        out = batch_norm_gap(y, self.scale_factor, bn.weight, bn.bias,
-                             bn.running_mean if running else None, bn.running_var if running else None,
-                             bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
-                             training=bn.training, momentum=bn.momentum, eps=bn.eps)
+        group = sync_process_group(bn)
+        if group is not None:
+            out = sync_batch_norm_gap(y, self.scale_factor, bn, group)
+        else:
+            out = batch_norm_gap(y, self.scale_factor, bn.weight, bn.bias,
+                                 bn.running_mean if running else None, bn.running_var if running else None,
+                                 bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
+                                 training=bn.training, momentum=bn.momentum, eps=bn.eps)
         return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
                                            ("aten::batch_norm", "aten::adaptive_avg_pool3d")))
