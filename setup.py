@@ -63,7 +63,7 @@ def extension():
     # (without it the CPU kernels ran on one thread).
     openmp = ["-fopenmp"] if sys.platform == "linux" else []
     cxx = ["-O3", *openmp]
-    srcs = sources("*.cpp") + sources("autograd/*.cpp") + sources("cpu/*.cpp")
+    srcs = sources("*.cpp") + sources("autograd/*.cpp") + sources("autocast/*.cpp") + sources("cpu/*.cpp")
     if build_with_cuda():
         nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
         return CUDAExtension(

@@ -18,6 +18,7 @@
 
 #include <optional>
 
+#include "dispatch.h"
 #include "pool_geometry.h"
 
 namespace fused_ops {
@@ -80,11 +81,14 @@ inline AvgPool2dGeometry avg_pool2d_sigmoid_sum_geometry(
   return g;
 }
 
-// The forward's outputs: out (B,) in x's dtype, and grad_factor (B, C, OH, OW)
-// in the accumulation type and x's layout, or an empty tensor when not saved.
+// The forward's outputs: out (B,) in the result's dtype (x's, or its
+// accumulation type: result_dtype), and grad_factor (B, C, OH, OW) in the
+// accumulation type and x's layout, or an empty tensor when not saved.
 inline std::pair<at::Tensor, at::Tensor> avg_pool2d_sigmoid_sum_outputs(
-    const at::Tensor& x, const AvgPool2dGeometry& g, bool save_grad_factor) {
-  at::Tensor out = at::empty({x.size(0)}, x.options());
+    const at::Tensor& x, const AvgPool2dGeometry& g, bool save_grad_factor,
+    std::optional<at::ScalarType> dtype) {
+  at::Tensor out = at::empty(
+      {x.size(0)}, x.options().dtype(result_dtype("avg_pool2d_sigmoid_sum", x.scalar_type(), dtype)));
   const auto acc_options = x.options().dtype(at::toOpMathType(x.scalar_type()));
   at::Tensor grad_factor =
       save_grad_factor

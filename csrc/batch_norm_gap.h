@@ -53,9 +53,9 @@
 #include <sstream>
 #include <string>
 #include <tuple>
-#include <type_traits>
 #include <utility>
 
+#include "dispatch.h"
 #include "max_pool3d.h"
 
 namespace fused_ops {
@@ -190,26 +190,15 @@ inline at::ScalarType check_channel_tensors(
   return *dtype;
 }
 
-// Calls f(static_cast<param_t*>(nullptr)) with param_t the C++ type of the
-// per-channel tensors' dtype: scalar_t, or float for a float16 or bfloat16
-// scalar_t (check_channel_tensors).
-template <typename scalar_t, typename F>
-void dispatch_param_type(at::ScalarType param_dtype, F&& f) {
-  using acc_t = at::opmath_type<scalar_t>;
-  if constexpr (!std::is_same_v<scalar_t, acc_t>) {
-    if (param_dtype == at::kFloat) return f(static_cast<acc_t*>(nullptr));
-  }
-  f(static_cast<scalar_t*>(nullptr));
-}
-
 // A per-channel tensor's values, contiguous (a copy only where it is not), or
 // an undefined tensor where none is given.
 inline at::Tensor channel_values(const std::optional<at::Tensor>& t) {
   return is_given(t) ? t->contiguous() : at::Tensor();
 }
 
-// The forward's checked arguments and outputs: out (B, C, 1, 1, 1) in x's
-// dtype; in the accumulation type plane_dev (B, C) and mean, rstd, var (C).
+// The forward's checked arguments and outputs: out (B, C, 1, 1, 1) in the
+// result's dtype (x's, or its accumulation type: result_dtype); in the
+// accumulation type plane_dev (B, C) and mean, rstd, var (C).
 struct BatchNormGapForward {
   at::Tensor out, plane_dev, mean, rstd, var;
   bool batch_stats;  // no running statistics given: normalize with the batch's
@@ -220,9 +209,11 @@ inline BatchNormGapForward batch_norm_gap_setup(const at::Tensor& x,
                                                 const std::optional<at::Tensor>& weight,
                                                 const std::optional<at::Tensor>& bias,
                                                 const std::optional<at::Tensor>& running_mean,
-                                                const std::optional<at::Tensor>& running_var) {
+                                                const std::optional<at::Tensor>& running_var,
+                                                std::optional<at::ScalarType> dtype) {
   constexpr const char* what = "batch_norm_gap";
   check_pool3d_input(what, x);
+  const auto out_options = x.options().dtype(result_dtype(what, x.scalar_type(), dtype));
   TORCH_CHECK_VALUE(is_given(running_mean) == is_given(running_var), what,
                     ": pass both running_mean and running_var (to normalize with them) or "
                     "neither (to normalize with the batch's statistics)");
@@ -234,7 +225,7 @@ inline BatchNormGapForward batch_norm_gap_setup(const at::Tensor& x,
   TORCH_CHECK_VALUE(!batch_stats || B * x.size(2) * x.size(3) * x.size(4) != 1, what, ": ",
                     batch_stats_error(x.sizes()));
   const auto acc = x.options().dtype(at::toOpMathType(x.scalar_type()));
-  return {at::empty({B, C, 1, 1, 1}, x.options()), at::empty({B, C}, acc), at::empty({C}, acc),
+  return {at::empty({B, C, 1, 1, 1}, out_options), at::empty({B, C}, acc), at::empty({C}, acc),
           at::empty({C}, acc), at::empty({C}, acc), batch_stats, param_dtype};
 }
 

@@ -3,9 +3,12 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
+#include <c10/core/ScalarType.h>
 #include <c10/macros/Macros.h>
+#include <c10/util/Exception.h>
 
 #include <cmath>
+#include <optional>
 #include <type_traits>
 
 // The dtypes every op takes: float64, float32, float16, bfloat16. Kernels
@@ -14,6 +17,33 @@
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, TYPE, NAME, __VA_ARGS__)
 
 namespace fused_ops {
+
+// The dtype of an op's result (its `ScalarType? dtype` argument, checked):
+// the input's where none is given, else the input's or its accumulation type
+// (float32 for a float16 or bfloat16 input), the type the kernels add in, so
+// that a 16-bit input's float32 result is never rounded to 16 bits. `what`
+// names the op in the message.
+inline at::ScalarType result_dtype(const char* what, at::ScalarType input,
+                                   std::optional<at::ScalarType> dtype) {
+  if (!dtype.has_value()) return input;
+  const at::ScalarType acc = at::toOpMathType(input);
+  TORCH_CHECK_TYPE(*dtype == input || *dtype == acc, what,
+                   ": dtype must be the input's dtype (", input, ") or its accumulation type (",
+                   acc, "), got ", *dtype);
+  return *dtype;
+}
+
+// Calls f(static_cast<T*>(nullptr)) with T the C++ type of `dtype`, which is
+// scalar_t's or its accumulation type's: an op's result (result_dtype) or
+// batch_norm_gap's per-channel tensors (check_channel_tensors).
+template <typename scalar_t, typename F>
+void dispatch_scalar_or_acc(at::ScalarType dtype, F&& f) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if constexpr (!std::is_same_v<scalar_t, acc_t>) {
+    if (dtype == c10::CppTypeToScalarType<acc_t>::value) return f(static_cast<acc_t*>(nullptr));
+  }
+  f(static_cast<scalar_t*>(nullptr));
+}
 
 template <typename acc_t>
 C10_HOST_DEVICE inline acc_t sigmoid(acc_t x) {

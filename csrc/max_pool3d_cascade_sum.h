@@ -33,6 +33,7 @@
 #include <optional>
 #include <string>
 
+#include "dispatch.h"
 #include "max_pool3d.h"
 #include "pool_geometry.h"
 
@@ -94,13 +95,16 @@ inline MaxPool3dCascade max_pool3d_cascade_sum_geometry(const at::Tensor& x, con
   return g;
 }
 
-// The forward's outputs: out (B, 1, D'', H'', W'') in x's dtype, and the
-// picks (B, C, D'', H'', W'') as uint8, contiguous, or an empty uint8 tensor
-// when not saved.
+// The forward's outputs: out (B, 1, D'', H'', W'') in the result's dtype
+// (x's, or its accumulation type: result_dtype), and the picks (B, C, D'',
+// H'', W'') as uint8, contiguous, or an empty uint8 tensor when not saved.
 inline std::pair<at::Tensor, at::Tensor> max_pool3d_cascade_sum_outputs(
-    const at::Tensor& x, const MaxPool3dCascade& g, bool save_indices) {
+    const at::Tensor& x, const MaxPool3dCascade& g, bool save_indices,
+    std::optional<at::ScalarType> dtype) {
   const auto& s = g.second;
-  at::Tensor out = at::empty({x.size(0), 1, s.d.out, s.h.out, s.w.out}, x.options());
+  at::Tensor out =
+      at::empty({x.size(0), 1, s.d.out, s.h.out, s.w.out},
+                x.options().dtype(result_dtype("max_pool3d_cascade_sum", x.scalar_type(), dtype)));
   const auto byte_options = x.options().dtype(at::kByte);
   at::Tensor indices =
       save_indices ? at::empty({x.size(0), x.size(1), s.d.out, s.h.out, s.w.out}, byte_options)

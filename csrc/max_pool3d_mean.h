@@ -18,6 +18,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include <optional>
+
+#include "dispatch.h"
 #include "max_pool3d.h"
 #include "pool_geometry.h"
 
@@ -44,12 +47,14 @@ inline MaxPool3dGeometry max_pool3d_mean_geometry(const at::Tensor& x,
   return g;
 }
 
-// The forward's outputs: mean (B, C) in x's dtype, and the picks (B, C, D',
-// H', W') as uint8, contiguous, or an empty uint8 tensor when not saved.
-inline std::pair<at::Tensor, at::Tensor> max_pool3d_mean_outputs(const at::Tensor& x,
-                                                                  const MaxPool3dGeometry& g,
-                                                                  bool save_indices) {
-  at::Tensor mean = at::empty({x.size(0), x.size(1)}, x.options());
+// The forward's outputs: mean (B, C) in the result's dtype (x's, or its
+// accumulation type: result_dtype), and the picks (B, C, D', H', W') as
+// uint8, contiguous, or an empty uint8 tensor when not saved.
+inline std::pair<at::Tensor, at::Tensor> max_pool3d_mean_outputs(
+    const at::Tensor& x, const MaxPool3dGeometry& g, bool save_indices,
+    std::optional<at::ScalarType> dtype) {
+  at::Tensor mean = at::empty({x.size(0), x.size(1)},
+                              x.options().dtype(result_dtype("max_pool3d_mean", x.scalar_type(), dtype)));
   const auto byte_options = x.options().dtype(at::kByte);
   at::Tensor indices = save_indices ? at::empty({x.size(0), x.size(1), g.d.out, g.h.out, g.w.out},
                                                 byte_options)

@@ -1,5 +1,11 @@
 // Every op schema of the library, declared once. Kernels register themselves
-// per backend beside their sources: cpu/<op>.cpp, cuda/<op>.cu.
+// per backend beside their sources: cpu/<op>.cpp, cuda/<op>.cu; the forwards'
+// autocast kernels in autocast/autocast.cpp.
+//
+// Each forward takes the dtype of its result last, as torch.sum does: None
+// for the input's, or the input's accumulation type (float32 for a float16 or
+// bfloat16 input, which the kernels write unrounded); the other outputs
+// (saved picks, factors, statistics) keep their own dtypes.
 #include <torch/library.h>
 
 TORCH_LIBRARY(fused_ops, m) {
@@ -9,7 +15,7 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "avg_pool2d_sigmoid_sum(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, "
       "bool ceil_mode, bool count_include_pad, int? divisor_override, "
-      "bool save_grad_factor) -> (Tensor, Tensor)");
+      "bool save_grad_factor, ScalarType? dtype=None) -> (Tensor, Tensor)");
   m.def(
       "avg_pool2d_sigmoid_sum_backward(Tensor grad_out, Tensor grad_factor, SymInt[2] input_hw, "
       "int[2] kernel_size, int[2] stride, int[2] padding, bool channels_last) -> Tensor");
@@ -19,7 +25,7 @@ TORCH_LIBRARY(fused_ops, m) {
   // (B, C, D', H', W'), else an empty tensor. An empty stride means kernel_size.
   m.def(
       "max_pool3d_mean(Tensor x, int[3] kernel_size, int[3] stride, int[3] padding, "
-      "bool ceil_mode, float divisor, bool save_indices) -> (Tensor, Tensor)");
+      "bool ceil_mode, float divisor, bool save_indices, ScalarType? dtype=None) -> (Tensor, Tensor)");
   // grad_x (B, C, *input_size), contiguous, from the forward's saved indices
   // or, given x instead, from picks recomputed from x.
   m.def(
@@ -34,7 +40,8 @@ TORCH_LIBRARY(fused_ops, m) {
   // scan offset) (B, C, D'', H'', W''), else an empty tensor.
   m.def(
       "max_pool3d_cascade_sum(Tensor x, int[3] kernel1, int[3] stride1, int[3] padding1, "
-      "int[3] kernel2, int[3] stride2, int[3] padding2, bool save_indices) -> (Tensor, Tensor)");
+      "int[3] kernel2, int[3] stride2, int[3] padding2, bool save_indices, ScalarType? dtype=None) "
+      "-> (Tensor, Tensor)");
   // grad_x (B, C, *input_size), contiguous, from the forward's saved indices
   // or, given x instead, from picks recomputed from x.
   m.def(
@@ -47,14 +54,16 @@ TORCH_LIBRARY(fused_ops, m) {
   // (parity_max_pool3d.h). mean over positions of each window's max -> (N, C);
   // with save_indices, also each window's pick q as uint8 (N, Md, Mh, Mw, C),
   // else an empty tensor.
-  m.def("parity_max_pool3d_mean(Tensor y, bool save_indices) -> (Tensor, Tensor)");
+  m.def("parity_max_pool3d_mean(Tensor y, bool save_indices, ScalarType? dtype=None) -> (Tensor, Tensor)");
   // grad_y (N, Md, Mh, Mw, C, Q), contiguous, from the forward's saved picks.
   m.def("parity_max_pool3d_mean_backward(Tensor grad_mean, Tensor picks, int parity_classes) -> Tensor");
   // sum over channels, keepdim, of a second max-pool (kernel2 = stride, no
   // padding) over the windows' maxima -> (N, 1, Md // k2d, Mh // k2h, Mw // k2w);
   // with save_indices, also each output's pick per channel as uint8
   // (stage-2 scan offset * Q + q) (N, D2, H2, W2, C), else an empty tensor.
-  m.def("parity_max_pool3d_cascade_sum(Tensor y, int[3] kernel2, bool save_indices) -> (Tensor, Tensor)");
+  m.def(
+      "parity_max_pool3d_cascade_sum(Tensor y, int[3] kernel2, bool save_indices, ScalarType? dtype=None) "
+      "-> (Tensor, Tensor)");
   // grad_y (N, *stage1_size, C, Q), contiguous, from the forward's saved picks.
   m.def(
       "parity_max_pool3d_cascade_sum_backward(Tensor grad_out, Tensor picks, SymInt[3] stage1_size, "
@@ -69,7 +78,7 @@ TORCH_LIBRARY(fused_ops, m) {
   // with (the batch mean rounded to the accumulation type).
   m.def(
       "batch_norm_gap(Tensor x, float scale, Tensor? weight, Tensor? bias, Tensor? running_mean, "
-      "Tensor? running_var, float eps) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor? running_var, float eps, ScalarType? dtype=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   // grad_x (B, C, *input_size) contiguous (an empty tensor without grad_input),
   // grad_weight, grad_bias (C). batch_stats: the forward normalized with batch
   // statistics; x is then read for grad_x (else it may be None).

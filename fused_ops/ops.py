@@ -35,6 +35,17 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _result_dtype(x: Tensor, dtype: torch.dtype | None, what: str) -> torch.dtype:
+    """The fakes' check of an op's `dtype` argument (csrc/dispatch.h, result_dtype):
+    the result's dtype, x's (None) or its accumulation type."""
+    if dtype is None:
+        return x.dtype
+    acc = _accumulation_dtype(x.dtype)
+    torch._check(dtype in (x.dtype, acc), lambda: f"{what}: dtype must be the input's dtype ({x.dtype}) or its "
+                 f"accumulation type ({acc}), got {dtype}")
+    return dtype
+
+
 def _pooled_size(size, kernel: int, stride: int, padding: int, ceil_mode: bool):
     # PyTorch's pooling_output_shape with dilation 1 (csrc/pool_geometry.h).
     out = (size + 2 * padding - kernel + (stride - 1 if ceil_mode else 0)) // stride + 1
@@ -80,10 +91,12 @@ def _non_differentiable(ctx, *outputs: Tensor) -> None:
 
 
 def _save_picks_or_input(ctx, indices, x):
-    """Saves the forward's picks for the backward, or x to recompute them from when it saved none."""
+    """Saves the forward's picks for the backward, or x to recompute them from when it saved none,
+    and x's dtype, which the backward op takes the result's gradient in."""
     _non_differentiable(ctx, indices)
     saved = indices.dim() == 5
     ctx.save_for_backward(indices if saved else None, None if saved else x)
+    ctx.input_dtype = x.dtype
 
 
 # --------------------------------------------------------------------------
@@ -99,13 +112,16 @@ def avg_pool2d_sigmoid_sum(
     ceil_mode: bool = False,
     count_include_pad: bool = True,
     divisor_override: int | None = None,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``torch.sigmoid(F.avg_pool2d(x, ...)).sum(dim=(1, 2, 3))`` in one pass over x.
 
     x: (B, C, H, W), float64/float32/float16/bfloat16, contiguous or channels_last
     (any other strides are read as they are). The pooling arguments are those of
-    ``nn.AvgPool2d``. Returns (B,) in x's dtype, accumulated in float32 (float64
-    for float64 input). Differentiable in x.
+    ``nn.AvgPool2d``. dtype: the result's dtype: x's (None) or its accumulation
+    type, float32 for a 16-bit x. Returns (B,) in that dtype, accumulated in
+    float32 (float64 for float64 input). Differentiable in x.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"avg_pool2d_sigmoid_sum: x must be a Tensor, got {type(x).__name__}")
@@ -114,14 +130,14 @@ def avg_pool2d_sigmoid_sum(
     padding = _pair(padding, "padding")
     save_grad_factor = torch.is_grad_enabled() and x.requires_grad
     out, _ = _ops.avg_pool2d_sigmoid_sum(
-        x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, save_grad_factor
+        x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, save_grad_factor, dtype
     )
     return out
 
 
 @torch.library.register_fake("fused_ops::avg_pool2d_sigmoid_sum")
 def _avg_pool2d_sigmoid_sum_fake(
-    x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, save_grad_factor
+    x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, save_grad_factor, dtype=None
 ):
     torch._check(x.dim() == 4, lambda: f"avg_pool2d_sigmoid_sum: expected a 4-D input, got {x.dim()}-D")
     torch._check(
@@ -131,7 +147,7 @@ def _avg_pool2d_sigmoid_sum_fake(
     k, s, p = (_pair(list(v), n) for v, n in ((kernel_size, "kernel_size"), (stride or kernel_size, "stride"), (padding, "padding")))
     oh, ow = (_pooled_size(x.shape[2 + d], k[d], s[d], p[d], ceil_mode) for d in range(2))
     torch._check(oh >= 1 and ow >= 1, lambda: "avg_pool2d_sigmoid_sum: input is smaller than the kernel")
-    out = x.new_empty((x.shape[0],))
+    out = x.new_empty((x.shape[0],), dtype=_result_dtype(x, dtype, "avg_pool2d_sigmoid_sum"))
     acc = _accumulation_dtype(x.dtype)
     if not save_grad_factor:
         return out, x.new_empty((0,), dtype=acc)
@@ -154,6 +170,7 @@ def _avg_pool2d_sigmoid_sum_setup_context(ctx, inputs, output):
     ctx.input_hw = tuple(x.shape[2:])
     ctx.pool = (kernel_size, stride, padding)
     ctx.channels_last = _is_channels_last(x)
+    ctx.input_dtype = x.dtype
 
 
 def _avg_pool2d_sigmoid_sum_backward(ctx, grad_out, _grad_of_grad_factor):
@@ -164,9 +181,9 @@ def _avg_pool2d_sigmoid_sum_backward(ctx, grad_out, _grad_of_grad_factor):
             "(the fused_ops.avg_pool2d_sigmoid_sum wrapper sets it when x requires grad)"
         )
     grad_x = _ops.avg_pool2d_sigmoid_sum_backward(
-        grad_out, grad_factor, ctx.input_hw, *ctx.pool, ctx.channels_last
+        grad_out.to(ctx.input_dtype), grad_factor, ctx.input_hw, *ctx.pool, ctx.channels_last
     )
-    return grad_x, None, None, None, None, None, None, None
+    return grad_x, None, None, None, None, None, None, None, None
 
 
 _register_autograd(
@@ -186,7 +203,8 @@ _register_autograd(
 _MAX_SAVED_KERNEL_VOLUME = 256
 
 
-def max_pool3d_mean(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False, divisor=1.0) -> Tensor:
+def max_pool3d_mean(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: bool = False, divisor=1.0, *,
+                    dtype: torch.dtype | None = None) -> Tensor:
     """``F.max_pool3d(x / divisor, ...).mean(dim=(2, 3, 4))`` in one pass over x.
 
     x: (B, C, D, H, W), float64/float32/float16/bfloat16, any strides (read in
@@ -194,10 +212,11 @@ def max_pool3d_mean(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: b
     ``x / divisor`` is rounded to x's dtype before the pool, as PyTorch
     computes it, and the gradient goes to the element PyTorch's max_pool3d
     picks (the first maximum in scan order; NaN propagates, the last NaN
-    wins). Returns (B, C) in x's dtype, accumulated in float32 (float64 for
-    float64 input). Differentiable in x: the forward saves one byte per pooled
-    element when x requires grad (kernel volumes up to 256; larger ones make
-    the backward recompute the picks from x).
+    wins). dtype: the result's dtype: x's (None) or its accumulation type,
+    float32 for a 16-bit x. Returns (B, C) in that dtype, accumulated in
+    float32 (float64 for float64 input). Differentiable in x: the forward
+    saves one byte per pooled element when x requires grad (kernel volumes up
+    to 256; larger ones make the backward recompute the picks from x).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"max_pool3d_mean: x must be a Tensor, got {type(x).__name__}")
@@ -205,12 +224,12 @@ def max_pool3d_mean(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: b
         raise TypeError(f"max_pool3d_mean: divisor must be a number, got {divisor!r}")
     kernel_size, stride, padding = _pool_triples(kernel_size, stride, padding)
     save_indices = torch.is_grad_enabled() and x.requires_grad and math.prod(kernel_size) <= _MAX_SAVED_KERNEL_VOLUME
-    mean, _ = _ops.max_pool3d_mean(x, kernel_size, stride, padding, ceil_mode, float(divisor), save_indices)
+    mean, _ = _ops.max_pool3d_mean(x, kernel_size, stride, padding, ceil_mode, float(divisor), save_indices, dtype)
     return mean
 
 
 @torch.library.register_fake("fused_ops::max_pool3d_mean")
-def _max_pool3d_mean_fake(x, kernel_size, stride, padding, ceil_mode, divisor, save_indices):
+def _max_pool3d_mean_fake(x, kernel_size, stride, padding, ceil_mode, divisor, save_indices, dtype=None):
     _check_5d_floating(x, "max_pool3d_mean")
     k, s, p = _pool_triples(list(kernel_size), list(stride), list(padding))
     pooled = [_pooled_size(x.shape[2 + d], k[d], s[d], p[d], ceil_mode) for d in range(3)]
@@ -219,7 +238,7 @@ def _max_pool3d_mean_fake(x, kernel_size, stride, padding, ceil_mode, divisor, s
         not save_indices or math.prod(k) <= _MAX_SAVED_KERNEL_VOLUME,
         lambda: f"max_pool3d_mean: save_indices needs a kernel volume of at most {_MAX_SAVED_KERNEL_VOLUME}",
     )
-    mean = x.new_empty((x.shape[0], x.shape[1]))
+    mean = x.new_empty((x.shape[0], x.shape[1]), dtype=_result_dtype(x, dtype, "max_pool3d_mean"))
     if not save_indices:
         return mean, x.new_empty((0,), dtype=torch.uint8)
     return mean, x.new_empty((x.shape[0], x.shape[1], *pooled), dtype=torch.uint8)
@@ -231,7 +250,7 @@ def _max_pool3d_mean_backward_fake(grad_mean, indices, x, input_size, kernel_siz
 
 
 def _max_pool3d_mean_setup_context(ctx, inputs, output):
-    x, kernel_size, stride, padding, ceil_mode, divisor, _ = inputs
+    x, kernel_size, stride, padding, ceil_mode, divisor, _, _ = inputs
     _save_picks_or_input(ctx, output[1], x)
     ctx.input_size = tuple(x.shape[2:])
     ctx.pool = (kernel_size, stride, padding, ceil_mode, divisor)
@@ -239,8 +258,8 @@ def _max_pool3d_mean_setup_context(ctx, inputs, output):
 
 def _max_pool3d_mean_backward(ctx, grad_mean, _grad_of_indices):
     indices, x = ctx.saved_tensors
-    grad_x = _ops.max_pool3d_mean_backward(grad_mean, indices, x, ctx.input_size, *ctx.pool)
-    return grad_x, None, None, None, None, None, None
+    grad_x = _ops.max_pool3d_mean_backward(grad_mean.to(ctx.input_dtype), indices, x, ctx.input_size, *ctx.pool)
+    return grad_x, None, None, None, None, None, None, None
 
 
 _register_autograd(
@@ -256,14 +275,16 @@ _register_autograd(
 
 
 def max_pool3d_cascade_sum(x: Tensor, kernel_size1, kernel_size2, *, stride1=None, padding1=0, stride2=None,
-                           padding2=0) -> Tensor:
+                           padding2=0, dtype: torch.dtype | None = None) -> Tensor:
     """``F.max_pool3d(F.max_pool3d(x, kernel_size1, stride1, padding1), kernel_size2, stride2,
     padding2).sum(dim=1, keepdim=True)`` in one pass over the part of x that reaches the output.
 
     x: (B, C, D, H, W), float64/float32/float16/bfloat16, any strides (read in
     place). Each stage takes ``nn.MaxPool3d``'s arguments (dilation 1,
-    ceil_mode False). Returns (B, 1, D'', H'', W'') in x's dtype, the channels
-    added in a fixed order in float32 (float64 for float64 input).
+    ceil_mode False). dtype: the result's dtype: x's (None) or its
+    accumulation type, float32 for a 16-bit x. Returns (B, 1, D'', H'', W'')
+    in that dtype, the channels added in a fixed order in float32 (float64
+    for float64 input).
     Differentiable in x: each output's gradient goes, per channel, to the
     element PyTorch's cascade picks (the stage-1 pick in the window stage 2
     picks, the first maximum at each stage, NaN propagating). The forward
@@ -277,7 +298,7 @@ def max_pool3d_cascade_sum(x: Tensor, kernel_size1, kernel_size2, *, stride1=Non
     second = _pool_triples(kernel_size2, stride2, padding2)
     volume = math.prod(first[0]) * math.prod(second[0])
     save_indices = torch.is_grad_enabled() and x.requires_grad and volume <= _MAX_SAVED_KERNEL_VOLUME
-    out, _ = _ops.max_pool3d_cascade_sum(x, *first, *second, save_indices)
+    out, _ = _ops.max_pool3d_cascade_sum(x, *first, *second, save_indices, dtype)
     return out
 
 
@@ -296,7 +317,8 @@ def _cascade_args(kernel1, stride1, padding1, kernel2, stride2, padding2) -> lis
 
 
 @torch.library.register_fake("fused_ops::max_pool3d_cascade_sum")
-def _max_pool3d_cascade_sum_fake(x, kernel1, stride1, padding1, kernel2, stride2, padding2, save_indices):
+def _max_pool3d_cascade_sum_fake(x, kernel1, stride1, padding1, kernel2, stride2, padding2, save_indices,
+                                 dtype=None):
     _check_5d_floating(x, "max_pool3d_cascade_sum")
     args = _cascade_args(kernel1, stride1, padding1, kernel2, stride2, padding2)
     out_size = _cascade_output_size(x.shape[2:], *args)
@@ -305,7 +327,7 @@ def _max_pool3d_cascade_sum_fake(x, kernel1, stride1, padding1, kernel2, stride2
         lambda: "max_pool3d_cascade_sum: save_indices needs the product of the two kernel volumes to be at "
         f"most {_MAX_SAVED_KERNEL_VOLUME}",
     )
-    out = x.new_empty((x.shape[0], 1, *out_size))
+    out = x.new_empty((x.shape[0], 1, *out_size), dtype=_result_dtype(x, dtype, "max_pool3d_cascade_sum"))
     if not save_indices:
         return out, x.new_empty((0,), dtype=torch.uint8)
     return out, x.new_empty((x.shape[0], x.shape[1], *out_size), dtype=torch.uint8)
@@ -319,7 +341,7 @@ def _max_pool3d_cascade_sum_backward_fake(grad_out, indices, x, input_size, kern
 
 
 def _max_pool3d_cascade_sum_setup_context(ctx, inputs, output):
-    x, *pools, _ = inputs
+    x, *pools, _, _ = inputs
     _save_picks_or_input(ctx, output[1], x)
     ctx.input_size = tuple(x.shape[2:])
     ctx.pools = pools
@@ -327,8 +349,9 @@ def _max_pool3d_cascade_sum_setup_context(ctx, inputs, output):
 
 def _max_pool3d_cascade_sum_backward(ctx, grad_out, _grad_of_indices):
     indices, x = ctx.saved_tensors
-    grad_x = _ops.max_pool3d_cascade_sum_backward(grad_out, indices, x, ctx.input_size, *ctx.pools)
-    return grad_x, None, None, None, None, None, None, None
+    grad_x = _ops.max_pool3d_cascade_sum_backward(grad_out.to(ctx.input_dtype), indices, x, ctx.input_size,
+                                                  *ctx.pools)
+    return grad_x, None, None, None, None, None, None, None, None
 
 
 _register_autograd(
@@ -351,31 +374,33 @@ def _check_parity_input(y: Tensor, what: str) -> None:
     torch._check(all(n > 0 for n in y.shape), lambda: f"{what}: every dimension must be non-zero, got {tuple(y.shape)}")
 
 
-def parity_max_pool3d_mean(y: Tensor) -> Tensor:
+def parity_max_pool3d_mean(y: Tensor, *, dtype: torch.dtype | None = None) -> Tensor:
     """The mean over positions of max-pool windows given side by side.
 
     y: (N, Md, Mh, Mw, C, Q), float64/float32/float16/bfloat16: for each
     output position m of a max-pool and channel c, the Q elements of its
     window in scan order (csrc/parity_max_pool3d.h), as a convolution
     rewritten to compute one output channel per (c, q) gives them
-    (fused_ops.rewrites). Returns (N, C) in y's dtype: ``mean over m of max
-    over q``, accumulated in float32 (float64 for float64 y); that is
-    ``F.max_pool3d(x, P).mean(dim=(2, 3, 4))`` for the pooled tensor x.
+    (fused_ops.rewrites). dtype: the result's dtype: y's (None) or its
+    accumulation type, float32 for a 16-bit y. Returns (N, C) in that dtype:
+    ``mean over m of max over q``, accumulated in float32 (float64 for
+    float64 y); that is ``F.max_pool3d(x, P).mean(dim=(2, 3, 4))`` for the
+    pooled tensor x.
     Differentiable in y: each window's gradient goes to the element PyTorch's
     max-pool picks (the first maximum; NaN propagates, the last NaN wins).
     """
     if not isinstance(y, Tensor):
         raise TypeError(f"parity_max_pool3d_mean: y must be a Tensor, got {type(y).__name__}")
-    mean, _ = _ops.parity_max_pool3d_mean(y, torch.is_grad_enabled() and y.requires_grad)
+    mean, _ = _ops.parity_max_pool3d_mean(y, torch.is_grad_enabled() and y.requires_grad, dtype)
     return mean
 
 
 @torch.library.register_fake("fused_ops::parity_max_pool3d_mean")
-def _parity_max_pool3d_mean_fake(y, save_indices):
+def _parity_max_pool3d_mean_fake(y, save_indices, dtype=None):
     _check_parity_input(y, "parity_max_pool3d_mean")
     torch._check(y.shape[5] <= _MAX_SAVED_KERNEL_VOLUME,
                  lambda: f"parity_max_pool3d_mean: at most {_MAX_SAVED_KERNEL_VOLUME} parity classes, got {y.shape[5]}")
-    mean = y.new_empty((y.shape[0], y.shape[4]))
+    mean = y.new_empty((y.shape[0], y.shape[4]), dtype=_result_dtype(y, dtype, "parity_max_pool3d_mean"))
     return mean, y.new_empty(y.shape[:5] if save_indices else (0,), dtype=torch.uint8)
 
 
@@ -384,10 +409,13 @@ def _parity_max_pool3d_mean_backward_fake(grad_mean, picks, parity_classes):
     return grad_mean.new_empty((*picks.shape, parity_classes))
 
 
-def _parity_picks(ctx, output) -> None:
+def _parity_picks(ctx, y, output) -> None:
+    """Saves the forward's picks for the backward, and y's dtype, which the backward op takes the result's
+    gradient in."""
     picks = output[1]
     _non_differentiable(ctx, picks)
     ctx.save_for_backward(picks)
+    ctx.input_dtype = y.dtype
 
 
 def _picks_or_raise(ctx, what: str) -> Tensor:
@@ -399,13 +427,13 @@ def _picks_or_raise(ctx, what: str) -> Tensor:
 
 
 def _parity_max_pool3d_mean_setup_context(ctx, inputs, output):
-    _parity_picks(ctx, output)
+    _parity_picks(ctx, inputs[0], output)
     ctx.parity_classes = inputs[0].shape[5]
 
 
 def _parity_max_pool3d_mean_backward(ctx, grad_mean, _grad_of_picks):
     picks = _picks_or_raise(ctx, "parity_max_pool3d_mean")
-    return _ops.parity_max_pool3d_mean_backward(grad_mean, picks, ctx.parity_classes), None
+    return _ops.parity_max_pool3d_mean_backward(grad_mean.to(ctx.input_dtype), picks, ctx.parity_classes), None, None
 
 
 _register_autograd(
@@ -415,14 +443,16 @@ _register_autograd(
 )
 
 
-def parity_max_pool3d_cascade_sum(y: Tensor, kernel_size2) -> Tensor:
+def parity_max_pool3d_cascade_sum(y: Tensor, kernel_size2, *, dtype: torch.dtype | None = None) -> Tensor:
     """The channel sum of a second max-pool over max-pool windows given side by side.
 
     y: (N, Md, Mh, Mw, C, Q) as for ``parity_max_pool3d_mean``; kernel_size2:
     an int or 3 ints, the second pool's kernel (stride = kernel, no padding).
-    Returns (N, 1, Md // k2d, Mh // k2h, Mw // k2w) in y's dtype: for the
-    pooled tensor x, ``F.max_pool3d(F.max_pool3d(x, P), kernel_size2).sum(dim=1,
-    keepdim=True)``, the channels added in float32 (float64 for float64 y).
+    dtype: the result's dtype: y's (None) or its accumulation type, float32
+    for a 16-bit y. Returns (N, 1, Md // k2d, Mh // k2h, Mw // k2w) in that
+    dtype: for the pooled tensor x, ``F.max_pool3d(F.max_pool3d(x, P),
+    kernel_size2).sum(dim=1, keepdim=True)``, the channels added in float32
+    (float64 for float64 y).
     Differentiable in y: each output's gradient goes, per channel, to the
     element PyTorch's cascade picks. Needs kernel volume * Q <= 256 (one byte
     per saved pick).
@@ -430,12 +460,12 @@ def parity_max_pool3d_cascade_sum(y: Tensor, kernel_size2) -> Tensor:
     if not isinstance(y, Tensor):
         raise TypeError(f"parity_max_pool3d_cascade_sum: y must be a Tensor, got {type(y).__name__}")
     kernel2 = _expand(kernel_size2, 3, "kernel_size2")
-    out, _ = _ops.parity_max_pool3d_cascade_sum(y, kernel2, torch.is_grad_enabled() and y.requires_grad)
+    out, _ = _ops.parity_max_pool3d_cascade_sum(y, kernel2, torch.is_grad_enabled() and y.requires_grad, dtype)
     return out
 
 
 @torch.library.register_fake("fused_ops::parity_max_pool3d_cascade_sum")
-def _parity_max_pool3d_cascade_sum_fake(y, kernel2, save_indices):
+def _parity_max_pool3d_cascade_sum_fake(y, kernel2, save_indices, dtype=None):
     what = "parity_max_pool3d_cascade_sum"
     _check_parity_input(y, what)
     k = _expand(list(kernel2), 3, "kernel2")
@@ -445,7 +475,7 @@ def _parity_max_pool3d_cascade_sum_fake(y, kernel2, save_indices):
                  lambda: f"{what}: kernel2's volume times the parity classes must be at most {_MAX_SAVED_KERNEL_VOLUME}")
     out_size = [y.shape[1 + d] // k[d] for d in range(3)]
     picks = y.new_empty((y.shape[0], *out_size, y.shape[4]) if save_indices else (0,), dtype=torch.uint8)
-    return y.new_empty((y.shape[0], 1, *out_size)), picks
+    return y.new_empty((y.shape[0], 1, *out_size), dtype=_result_dtype(y, dtype, what)), picks
 
 
 @torch.library.register_fake("fused_ops::parity_max_pool3d_cascade_sum_backward")
@@ -454,8 +484,8 @@ def _parity_max_pool3d_cascade_sum_backward_fake(grad_out, picks, stage1_size, k
 
 
 def _parity_max_pool3d_cascade_sum_setup_context(ctx, inputs, output):
-    y, kernel2, _ = inputs
-    _parity_picks(ctx, output)
+    y, kernel2, _, _ = inputs
+    _parity_picks(ctx, y, output)
     ctx.stage1_size = tuple(y.shape[1:4])
     ctx.kernel2 = kernel2
     ctx.parity_classes = y.shape[5]
@@ -463,9 +493,9 @@ def _parity_max_pool3d_cascade_sum_setup_context(ctx, inputs, output):
 
 def _parity_max_pool3d_cascade_sum_backward(ctx, grad_out, _grad_of_picks):
     picks = _picks_or_raise(ctx, "parity_max_pool3d_cascade_sum")
-    grad_y = _ops.parity_max_pool3d_cascade_sum_backward(grad_out, picks, ctx.stage1_size, ctx.kernel2,
-                                                         ctx.parity_classes)
-    return grad_y, None, None
+    grad_y = _ops.parity_max_pool3d_cascade_sum_backward(grad_out.to(ctx.input_dtype), picks, ctx.stage1_size,
+                                                         ctx.kernel2, ctx.parity_classes)
+    return grad_y, None, None, None
 
 
 _register_autograd(
@@ -490,7 +520,7 @@ def _check_number(name: str, value, optional: bool = False) -> None:
 def batch_norm_gap(x: Tensor, scale=1.0, weight: Tensor | None = None, bias: Tensor | None = None,
                    running_mean: Tensor | None = None, running_var: Tensor | None = None,
                    num_batches_tracked: Tensor | None = None, training: bool = False, momentum=0.1,
-                   eps=1e-5) -> Tensor:
+                   eps=1e-5, *, dtype: torch.dtype | None = None) -> Tensor:
     """``F.adaptive_avg_pool3d(F.batch_norm(x * scale, ...), 1)`` in one pass over x, as
     ``nn.BatchNorm3d`` normalizes and updates its running statistics.
 
@@ -505,10 +535,11 @@ def batch_norm_gap(x: Tensor, scale=1.0, weight: Tensor | None = None, bias: Ten
     (a cumulative average), and running_var takes the unbiased variance.
     weight, bias, running_mean, running_var: (C,) in x's dtype (or float32
     for a float16 or bfloat16 x); num_batches_tracked: an int64 scalar
-    tensor. Returns (B, C, 1, 1, 1) in x's dtype; the statistics are taken
-    without cancellation (shifted by an element of each channel) in float32
-    (float64 for float64 x). Differentiable in x, weight and bias, through
-    the batch statistics where it uses them.
+    tensor. dtype: the result's dtype: x's (None) or its accumulation type,
+    float32 for a 16-bit x. Returns (B, C, 1, 1, 1) in that dtype; the
+    statistics are taken without cancellation (shifted by an element of each
+    channel) in float32 (float64 for float64 x). Differentiable in x, weight
+    and bias, through the batch statistics where it uses them.
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"batch_norm_gap: x must be a Tensor, got {type(x).__name__}")
@@ -526,7 +557,7 @@ def batch_norm_gap(x: Tensor, scale=1.0, weight: Tensor | None = None, bias: Ten
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {x.size()}")
     out, _, mean, _, var = _ops.batch_norm_gap(
         x, float(scale), weight, bias, None if batch_stats else running_mean, None if batch_stats else running_var,
-        float(eps))
+        float(eps), dtype)
     if update:
         count = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4]
         _ops.batch_norm_update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count,
@@ -535,12 +566,13 @@ def batch_norm_gap(x: Tensor, scale=1.0, weight: Tensor | None = None, bias: Ten
 
 
 @torch.library.register_fake("fused_ops::batch_norm_gap")
-def _batch_norm_gap_fake(x, scale, weight, bias, running_mean, running_var, eps):
+def _batch_norm_gap_fake(x, scale, weight, bias, running_mean, running_var, eps, dtype=None):
     _check_5d_floating(x, "batch_norm_gap")
     batch, channels = x.shape[:2]
     acc = _accumulation_dtype(x.dtype)
     channel_stat = [x.new_empty((channels,), dtype=acc) for _ in range(3)]
-    return x.new_empty((batch, channels, 1, 1, 1)), x.new_empty((batch, channels), dtype=acc), *channel_stat
+    out = x.new_empty((batch, channels, 1, 1, 1), dtype=_result_dtype(x, dtype, "batch_norm_gap"))
+    return out, x.new_empty((batch, channels), dtype=acc), *channel_stat
 
 
 @torch.library.register_fake("fused_ops::batch_norm_gap_backward")

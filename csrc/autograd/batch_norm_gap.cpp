@@ -19,11 +19,11 @@ using torch::autograd::variable_list;
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_batch_norm_gap(
     const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& running_var, double eps) {
+    const std::optional<at::Tensor>& running_var, double eps, std::optional<at::ScalarType> dtype) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fused_ops::batch_norm_gap", "")
                              .typed<decltype(call_batch_norm_gap)>();
-  return op.call(x, scale, weight, bias, running_mean, running_var, eps);
+  return op.call(x, scale, weight, bias, running_mean, running_var, eps, dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_batch_norm_gap_backward(
@@ -47,10 +47,11 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, double scale,
                                const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                                const std::optional<at::Tensor>& running_mean,
-                               const std::optional<at::Tensor>& running_var, double eps) {
+                               const std::optional<at::Tensor>& running_var, double eps,
+                               std::optional<at::ScalarType> dtype) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [out, plane_dev, mean, rstd, var] =
-        call_batch_norm_gap(x, scale, weight, bias, running_mean, running_var, eps);
+        call_batch_norm_gap(x, scale, weight, bias, running_mean, running_var, eps, dtype);
     ctx->mark_non_differentiable({plane_dev, mean, rstd, var});
     // No zero gradients filled for them before each backward (four small
     // launches otherwise): grads[0], out's, is the only one backward reads,
@@ -59,6 +60,9 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
     const bool batch_stats = !running_mean.has_value();
     ctx->saved_data["batch_stats"] = batch_stats;
     ctx->saved_data["scale"] = scale;
+    // The backward op takes out's gradient in x's dtype: it is cast to it
+    // (out, and so its gradient, may be float32 for a 16-bit x: dtype).
+    ctx->saved_data["x_dtype"] = x.scalar_type();
     for (int i = 0; i < 3; ++i) ctx->saved_data["size" + std::to_string(i)] = x.sym_size(2 + i);
     // Whether bias is an input (its gradient's edge follows x's and weight's, when given).
     ctx->saved_data["has_bias"] = bias.has_value();
@@ -70,7 +74,7 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return variable_list(7);  // no gradient for any input
+    if (!grads[0].defined()) return variable_list(8);  // no gradient for any input
     const auto saved = ctx->get_saved_variables();
     const bool has_weight = saved[1].defined();  // saved whenever given
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
@@ -80,20 +84,21 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
     const std::vector<c10::SymInt> input_size{ctx->saved_data["size0"].toSymInt(),
                                               ctx->saved_data["size1"].toSymInt(),
                                               ctx->saved_data["size2"].toSymInt()};
+    const at::Tensor grad_out = grads[0].to(ctx->saved_data["x_dtype"].toScalarType());
     auto [grad_x, grad_weight, grad_bias] = call_batch_norm_gap_backward(
-        grads[0], defined_or_none(saved[0]), input_size, ctx->saved_data["scale"].toDouble(),
+        grad_out, defined_or_none(saved[0]), input_size, ctx->saved_data["scale"].toDouble(),
         defined_or_none(saved[1]), saved[2], saved[3], saved[4], ctx->saved_data["batch_stats"].toBool(),
         grad_input);
     return {grad_input ? grad_x : at::Tensor(), at::Tensor(), grad_weight_needed ? grad_weight : at::Tensor(),
-            grad_bias_needed ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            grad_bias_needed ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_autograd(
     const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& running_var, double eps) {
-  const auto out = BatchNormGapFunction::apply(x, scale, weight, bias, running_mean, running_var, eps);
+    const std::optional<at::Tensor>& running_var, double eps, std::optional<at::ScalarType> dtype) {
+  const auto out = BatchNormGapFunction::apply(x, scale, weight, bias, running_mean, running_var, eps, dtype);
   return {out[0], out[1], out[2], out[3], out[4]};
 }
 

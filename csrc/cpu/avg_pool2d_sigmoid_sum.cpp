@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "../avg_pool2d_sigmoid_sum.h"
@@ -47,12 +48,15 @@ void forward_planes(const at::Tensor& x, const AvgPool2dGeometry& g, at::Tensor&
       plane_sum[n] = total;
     }
   });
-  scalar_t* op = out.mutable_data_ptr<scalar_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    acc_t total = 0;
-    for (int64_t c = 0; c < C; ++c) total += plane_sum[b * C + c];
-    op[b] = static_cast<scalar_t>(total);
-  }
+  dispatch_scalar_or_acc<scalar_t>(out.scalar_type(), [&](auto* tag) {
+    using out_t = std::remove_pointer_t<decltype(tag)>;
+    out_t* op = out.mutable_data_ptr<out_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      acc_t total = 0;
+      for (int64_t c = 0; c < C; ++c) total += plane_sum[b * C + c];
+      op[b] = static_cast<out_t>(total);
+    }
+  });
 }
 
 // grad_x[b, c, h, w] = grad_out[b] * sum of grad_factor over the windows containing (h, w).
@@ -125,10 +129,11 @@ void backward_planes(const at::Tensor& grad_out, const at::Tensor& grad_factor,
 std::tuple<at::Tensor, at::Tensor> avg_pool2d_sigmoid_sum_cpu(
     const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride,
     at::IntArrayRef padding, bool ceil_mode, bool count_include_pad,
-    std::optional<int64_t> divisor_override, bool save_grad_factor) {
+    std::optional<int64_t> divisor_override, bool save_grad_factor,
+    std::optional<at::ScalarType> dtype) {
   const auto g = avg_pool2d_sigmoid_sum_geometry(x, kernel_size, stride, padding, ceil_mode,
                                                  count_include_pad, divisor_override);
-  auto [out, grad_factor] = avg_pool2d_sigmoid_sum_outputs(x, g, save_grad_factor);
+  auto [out, grad_factor] = avg_pool2d_sigmoid_sum_outputs(x, g, save_grad_factor, dtype);
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "avg_pool2d_sigmoid_sum_cpu", [&] {
     forward_planes<scalar_t>(x, g, out, grad_factor);
   });

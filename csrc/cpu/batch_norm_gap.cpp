@@ -131,8 +131,9 @@ void plane_moments(const at::Tensor& x, const Multiply<scalar_t>& multiply, doub
 }
 
 // Per channel: its statistics (ChannelNorm) from the planes' moments, the
-// saved mean, var and rstd, and per plane out and the saved deviation.
-template <typename scalar_t, typename param_t>
+// saved mean, var and rstd, and per plane out (of out_t, the result's dtype)
+// and the saved deviation.
+template <typename scalar_t, typename param_t, typename out_t>
 void normalize_channels(const at::Tensor& x, const Multiply<scalar_t>& multiply,
                         const std::vector<double>& plane_mean, const std::vector<double>& plane_m2,
                         const at::Tensor& weight, const at::Tensor& bias,
@@ -143,7 +144,7 @@ void normalize_channels(const at::Tensor& x, const Multiply<scalar_t>& multiply,
   auto value = [](const at::Tensor& t, int64_t c, acc_t otherwise) {
     return t.defined() ? static_cast<acc_t>(t.const_data_ptr<param_t>()[c]) : otherwise;
   };
-  scalar_t* out = f.out.mutable_data_ptr<scalar_t>();
+  out_t* out = f.out.mutable_data_ptr<out_t>();
   acc_t* dev = f.plane_dev.mutable_data_ptr<acc_t>();
   at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
@@ -172,7 +173,7 @@ void normalize_channels(const at::Tensor& x, const Multiply<scalar_t>& multiply,
       for (int64_t b = 0; b < B; ++b) {
         const double D = plane_mean[b * C + c];
         dev[b * C + c] = static_cast<acc_t>(D - norm.dev_offset);
-        out[b * C + c] = static_cast<scalar_t>(norm.output(D, w, beta));
+        out[b * C + c] = static_cast<out_t>(norm.output(D, w, beta));
       }
     }
   });
@@ -181,17 +182,20 @@ void normalize_channels(const at::Tensor& x, const Multiply<scalar_t>& multiply,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_cpu(
     const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& running_var, double eps) {
-  const auto f = batch_norm_gap_setup(x, weight, bias, running_mean, running_var);
+    const std::optional<at::Tensor>& running_var, double eps, std::optional<at::ScalarType> dtype) {
+  const auto f = batch_norm_gap_setup(x, weight, bias, running_mean, running_var, dtype);
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_norm_gap_cpu", [&] {
     const Multiply<scalar_t> multiply(scale);
     std::vector<double> plane_mean(x.size(0) * x.size(1)), plane_m2(plane_mean.size());
     plane_moments<scalar_t>(x, multiply, plane_mean.data(), plane_m2.data());
-    dispatch_param_type<scalar_t>(f.param_dtype, [&](auto* tag) {
-      using param_t = std::remove_pointer_t<decltype(tag)>;
-      normalize_channels<scalar_t, param_t>(x, multiply, plane_mean, plane_m2, channel_values(weight),
-                                            channel_values(bias), channel_values(running_mean),
-                                            channel_values(running_var), eps, f);
+    dispatch_scalar_or_acc<scalar_t>(f.param_dtype, [&](auto* param_tag) {
+      dispatch_scalar_or_acc<scalar_t>(f.out.scalar_type(), [&](auto* out_tag) {
+        using param_t = std::remove_pointer_t<decltype(param_tag)>;
+        using out_t = std::remove_pointer_t<decltype(out_tag)>;
+        normalize_channels<scalar_t, param_t, out_t>(x, multiply, plane_mean, plane_m2, channel_values(weight),
+                                                     channel_values(bias), channel_values(running_mean),
+                                                     channel_values(running_var), eps, f);
+      });
     });
   });
   return {f.out, f.plane_dev, f.mean, f.rstd, f.var};
@@ -215,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_backward_cpu(
     // d weight = (m[b] - mu) rstd), grad_bias = G = sum_b g[b], and grad_x's
     // coefficients, slope and per plane plane_term (ChannelGrad).
     std::vector<acc_t> plane_term(B * C), slope(C);
-    dispatch_param_type<scalar_t>(args.param_dtype, [&](auto* tag) {
+    dispatch_scalar_or_acc<scalar_t>(args.param_dtype, [&](auto* tag) {
       using param_t = std::remove_pointer_t<decltype(tag)>;
       at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
         for (int64_t c = begin; c < end; ++c) {

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../dispatch.h"
@@ -17,9 +18,9 @@ namespace {
 // Every output's cascade pick per channel into picks (when not null; (B, C,
 // D'', H'', W'') contiguous of index_t) and the channel sum of the picked
 // values, channels added in order, into out (when not null; (B, 1, D'', H'',
-// W'') contiguous).
-template <typename scalar_t, typename index_t>
-void pick_cascades(const at::Tensor& x, const MaxPool3dCascade& g, index_t* picks, scalar_t* out) {
+// W'') contiguous, of scalar_t or its accumulation type).
+template <typename scalar_t, typename index_t, typename out_t>
+void pick_cascades(const at::Tensor& x, const MaxPool3dCascade& g, index_t* picks, out_t* out) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t C = x.size(1), P = g.outputs();
   const auto xs = x.strides();
@@ -40,7 +41,7 @@ void pick_cascades(const at::Tensor& x, const MaxPool3dCascade& g, index_t* pick
         total += pick.value;
         if (picks != nullptr) picks[(b * C + c) * P + p] = static_cast<index_t>(pick.offset);
       }
-      if (out != nullptr) out[n] = static_cast<scalar_t>(total);
+      if (out != nullptr) out[n] = static_cast<out_t>(total);
     }
   });
 }
@@ -100,14 +101,16 @@ void scatter_grad(const at::Tensor& grad_out, const index_t* picks, const MaxPoo
 std::tuple<at::Tensor, at::Tensor> max_pool3d_cascade_sum_cpu(
     const at::Tensor& x, at::IntArrayRef kernel1, at::IntArrayRef stride1,
     at::IntArrayRef padding1, at::IntArrayRef kernel2, at::IntArrayRef stride2,
-    at::IntArrayRef padding2, bool save_indices) {
+    at::IntArrayRef padding2, bool save_indices, std::optional<at::ScalarType> dtype) {
   const auto g = max_pool3d_cascade_sum_geometry(
       x, {kernel1, stride1, padding1, kernel2, stride2, padding2}, save_indices);
-  auto [out, indices] = max_pool3d_cascade_sum_outputs(x, g, save_indices);
+  auto [out, indices] = max_pool3d_cascade_sum_outputs(x, g, save_indices, dtype);
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "max_pool3d_cascade_sum_cpu", [&] {
-    pick_cascades<scalar_t, uint8_t>(x, g,
-                                     save_indices ? indices.mutable_data_ptr<uint8_t>() : nullptr,
-                                     out.mutable_data_ptr<scalar_t>());
+    dispatch_scalar_or_acc<scalar_t>(out.scalar_type(), [&](auto* tag) {
+      using out_t = std::remove_pointer_t<decltype(tag)>;
+      pick_cascades<scalar_t, uint8_t>(x, g, save_indices ? indices.mutable_data_ptr<uint8_t>() : nullptr,
+                                       out.mutable_data_ptr<out_t>());
+    });
   });
   return {out, indices};
 }

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../dispatch.h"
@@ -94,19 +95,23 @@ std::tuple<at::Tensor, at::Tensor> max_pool3d_mean_cpu(const at::Tensor& x,
                                                        at::IntArrayRef kernel_size,
                                                        at::IntArrayRef stride,
                                                        at::IntArrayRef padding, bool ceil_mode,
-                                                       double divisor, bool save_indices) {
+                                                       double divisor, bool save_indices,
+                                                       std::optional<at::ScalarType> dtype) {
   const auto g = max_pool3d_mean_geometry(x, kernel_size, stride, padding, ceil_mode, divisor,
                                           save_indices);
-  auto [mean, indices] = max_pool3d_mean_outputs(x, g, save_indices);
+  auto [mean, indices] = max_pool3d_mean_outputs(x, g, save_indices, dtype);
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "max_pool3d_mean_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     std::vector<acc_t> plane_sum(x.size(0) * x.size(1));
     pick_windows<scalar_t, uint8_t>(x, g, divisor,
                                     save_indices ? indices.mutable_data_ptr<uint8_t>() : nullptr,
                                     plane_sum.data());
-    scalar_t* out = mean.mutable_data_ptr<scalar_t>();
     const auto pooled = static_cast<acc_t>(g.pooled_plane());
-    for (size_t n = 0; n < plane_sum.size(); ++n) out[n] = static_cast<scalar_t>(plane_sum[n] / pooled);
+    dispatch_scalar_or_acc<scalar_t>(mean.scalar_type(), [&](auto* tag) {
+      using out_t = std::remove_pointer_t<decltype(tag)>;
+      out_t* out = mean.mutable_data_ptr<out_t>();
+      for (size_t n = 0; n < plane_sum.size(); ++n) out[n] = static_cast<out_t>(plane_sum[n] / pooled);
+    });
   });
   return {mean, indices};
 }

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "../dispatch.h"
@@ -15,10 +17,12 @@
 namespace fused_ops {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_mean_cpu(const at::Tensor& y_in, bool save_indices) {
-  const auto l = parity_layout("parity_max_pool3d_mean", y_in);
+std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_mean_cpu(const at::Tensor& y_in, bool save_indices,
+                                                              std::optional<at::ScalarType> dtype) {
+  constexpr const char* what = "parity_max_pool3d_mean";
+  const auto l = parity_layout(what, y_in);
   const at::Tensor y = y_in.contiguous();
-  at::Tensor mean = at::empty({l.batch, l.channels}, y.options());
+  at::Tensor mean = at::empty({l.batch, l.channels}, y.options().dtype(result_dtype(what, y.scalar_type(), dtype)));
   at::Tensor picks = saved_picks(y, save_indices, {l.batch, l.stage1[0], l.stage1[1], l.stage1[2], l.channels});
   const int64_t M = l.positions(), C = l.channels;
   const int Q = static_cast<int>(l.classes);
@@ -26,18 +30,21 @@ std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_mean_cpu(const at::Tensor& 
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* yp = y.const_data_ptr<scalar_t>();
     uint8_t* pp = save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr;
-    scalar_t* out = mean.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, l.batch, 1, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> sum(C);
-      for (int64_t n = begin; n < end; ++n) {
-        std::fill(sum.begin(), sum.end(), acc_t(0));
-        for (int64_t mc = n * M * C; mc < (n + 1) * M * C; ++mc) {
-          const auto pick = parity_pick<acc_t>(yp + mc * Q, Q);
-          sum[mc % C] += pick.value;
-          if (pp != nullptr) pp[mc] = static_cast<uint8_t>(pick.offset);
+    dispatch_scalar_or_acc<scalar_t>(mean.scalar_type(), [&](auto* tag) {
+      using out_t = std::remove_pointer_t<decltype(tag)>;
+      out_t* out = mean.mutable_data_ptr<out_t>();
+      at::parallel_for(0, l.batch, 1, [&](int64_t begin, int64_t end) {
+        std::vector<acc_t> sum(C);
+        for (int64_t n = begin; n < end; ++n) {
+          std::fill(sum.begin(), sum.end(), acc_t(0));
+          for (int64_t mc = n * M * C; mc < (n + 1) * M * C; ++mc) {
+            const auto pick = parity_pick<acc_t>(yp + mc * Q, Q);
+            sum[mc % C] += pick.value;
+            if (pp != nullptr) pp[mc] = static_cast<uint8_t>(pick.offset);
+          }
+          for (int64_t c = 0; c < C; ++c) out[n * C + c] = static_cast<out_t>(sum[c] / static_cast<acc_t>(M));
         }
-        for (int64_t c = 0; c < C; ++c) out[n * C + c] = static_cast<scalar_t>(sum[c] / static_cast<acc_t>(M));
-      }
+      });
     });
   });
   return {mean, picks};
@@ -86,12 +93,14 @@ void for_each_in_window(const ParityLayout& l, const CascadeStage2& s, int64_t c
 
 std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_cascade_sum_cpu(const at::Tensor& y_in,
                                                                     at::IntArrayRef kernel2,
-                                                                    bool save_indices) {
+                                                                    bool save_indices,
+                                                                    std::optional<at::ScalarType> dtype) {
   constexpr const char* what = "parity_max_pool3d_cascade_sum";
   const auto l = parity_layout(what, y_in);
   const auto s = cascade_stage2(what, l.stage1, l.classes, kernel2);
   const at::Tensor y = y_in.contiguous();
-  at::Tensor out = at::empty({l.batch, 1, s.out[0], s.out[1], s.out[2]}, y.options());
+  at::Tensor out = at::empty({l.batch, 1, s.out[0], s.out[1], s.out[2]},
+                             y.options().dtype(result_dtype(what, y.scalar_type(), dtype)));
   at::Tensor picks = saved_picks(y, save_indices, {l.batch, s.out[0], s.out[1], s.out[2], l.channels});
   const int64_t M = l.positions(), C = l.channels, cells = s.cells();
   const int Q = static_cast<int>(l.classes);
@@ -99,22 +108,25 @@ std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_cascade_sum_cpu(const at::T
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* yp = y.const_data_ptr<scalar_t>();
     uint8_t* pp = save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr;
-    scalar_t* op = out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, l.batch * cells, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t ncell = begin; ncell < end; ++ncell) {
-        const int64_t n = ncell / cells;
-        acc_t sum = 0;
-        for (int64_t c = 0; c < C; ++c) {
-          WindowPick<acc_t> pick;
-          for_each_in_window(l, s, ncell % cells, [&](int64_t m, int64_t off) {
-            const auto first = parity_pick<acc_t>(yp + ((n * M + m) * C + c) * Q, Q);
-            pick.update(first.value, static_cast<int>(off * Q + first.offset));
-          });
-          sum += pick.value;
-          if (pp != nullptr) pp[ncell * C + c] = static_cast<uint8_t>(pick.offset);
+    dispatch_scalar_or_acc<scalar_t>(out.scalar_type(), [&](auto* tag) {
+      using out_t = std::remove_pointer_t<decltype(tag)>;
+      out_t* op = out.mutable_data_ptr<out_t>();
+      at::parallel_for(0, l.batch * cells, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t ncell = begin; ncell < end; ++ncell) {
+          const int64_t n = ncell / cells;
+          acc_t sum = 0;
+          for (int64_t c = 0; c < C; ++c) {
+            WindowPick<acc_t> pick;
+            for_each_in_window(l, s, ncell % cells, [&](int64_t m, int64_t off) {
+              const auto first = parity_pick<acc_t>(yp + ((n * M + m) * C + c) * Q, Q);
+              pick.update(first.value, static_cast<int>(off * Q + first.offset));
+            });
+            sum += pick.value;
+            if (pp != nullptr) pp[ncell * C + c] = static_cast<uint8_t>(pick.offset);
+          }
+          op[ncell] = static_cast<out_t>(sum);
         }
-        op[ncell] = static_cast<scalar_t>(sum);
-      }
+      });
     });
   });
   return {out, picks};

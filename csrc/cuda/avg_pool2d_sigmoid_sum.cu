@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "../avg_pool2d_sigmoid_sum.h"
 #include "../dispatch.h"
@@ -506,11 +507,12 @@ __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
 std::tuple<at::Tensor, at::Tensor> avg_pool2d_sigmoid_sum_cuda(
     const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride,
     at::IntArrayRef padding, bool ceil_mode, bool count_include_pad,
-    std::optional<int64_t> divisor_override, bool save_grad_factor) {
+    std::optional<int64_t> divisor_override, bool save_grad_factor,
+    std::optional<at::ScalarType> dtype) {
   const auto g = avg_pool2d_sigmoid_sum_geometry(x, kernel_size, stride, padding, ceil_mode,
                                                  count_include_pad, divisor_override);
   at::Tensor out, grad_factor;  // (no structured binding: lambdas capture them, C++20 only)
-  std::tie(out, grad_factor) = avg_pool2d_sigmoid_sum_outputs(x, g, save_grad_factor);
+  std::tie(out, grad_factor) = avg_pool2d_sigmoid_sum_outputs(x, g, save_grad_factor, dtype);
   const int64_t B = x.size(0);
   if (B == 0) return {out, grad_factor};
   const c10::cuda::CUDAGuard guard(x.device());
@@ -546,9 +548,12 @@ std::tuple<at::Tensor, at::Tensor> avg_pool2d_sigmoid_sum_cuda(
           partial.mutable_data_ptr<acc_t>(), B * parts, tiles_w, tile_ow, span);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-    sum_rows_kernel<acc_t, scalar_t><<<static_cast<unsigned>(B), 256, 0, stream>>>(
-        partial.const_data_ptr<acc_t>(), parts, out.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dispatch_scalar_or_acc<scalar_t>(out.scalar_type(), [&](auto* tag) {
+      using out_t = std::remove_pointer_t<decltype(tag)>;
+      sum_rows_kernel<acc_t, out_t><<<static_cast<unsigned>(B), 256, 0, stream>>>(
+          partial.const_data_ptr<acc_t>(), parts, out.mutable_data_ptr<out_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return {out, grad_factor};
 }

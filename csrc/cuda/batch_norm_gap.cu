@@ -183,8 +183,8 @@ __device__ __forceinline__ T group_sum(T v, int group) {
 // the mean, then Chan's sum of M2 and squared deviations), then the channel's
 // statistics (ChannelNorm) from the planes', in a fixed order; out[b, c], the
 // saved plane deviations, mean, var and rstd. plane_mean (B, C) holds D[b]
-// between the phases.
-template <typename scalar_t, typename param_t>
+// between the phases. out is written as out_t, the result's dtype.
+template <typename scalar_t, typename param_t, typename out_t>
 __global__ void __launch_bounds__(kThreads)
     channel_stats_kernel(const MeanM2<at::opmath_type<scalar_t>>* __restrict__ partial,
                          const scalar_t* __restrict__ x, int64_t x_stride_c, Multiply<scalar_t> multiply,
@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kThreads)
                          bool batch_stats, const param_t* __restrict__ weight,
                          const param_t* __restrict__ bias, const param_t* __restrict__ running_mean,
                          const param_t* __restrict__ running_var, double eps, double* __restrict__ plane_mean,
-                         scalar_t* __restrict__ out, at::opmath_type<scalar_t>* __restrict__ plane_dev,
+                         out_t* __restrict__ out, at::opmath_type<scalar_t>* __restrict__ plane_dev,
                          at::opmath_type<scalar_t>* __restrict__ mean, at::opmath_type<scalar_t>* __restrict__ rstd,
                          at::opmath_type<scalar_t>* __restrict__ var) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t b = tid; b < batch; b += blockDim.x) {
     const double D = plane_mean[b * channels + c];
     plane_dev[b * channels + c] = static_cast<acc_t>(D - norm.dev_offset);
-    out[b * channels + c] = static_cast<scalar_t>(norm.output(D, w, beta));
+    out[b * channels + c] = static_cast<out_t>(norm.output(D, w, beta));
   }
 }
 
@@ -450,8 +450,8 @@ void check_sizes(const char* what, int64_t channels, int64_t plane_size) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_cuda(
     const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& running_var, double eps) {
-  const auto f = batch_norm_gap_setup(x, weight, bias, running_mean, running_var);
+    const std::optional<at::Tensor>& running_var, double eps, std::optional<at::ScalarType> dtype) {
+  const auto f = batch_norm_gap_setup(x, weight, bias, running_mean, running_var, dtype);
   const int64_t B = x.size(0), C = x.size(1);
   check_sizes("batch_norm_gap", C, x.size(2) * x.size(3) * x.size(4));
   const c10::cuda::CUDAGuard guard(x.device());
@@ -477,17 +477,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_nor
             acc_t(1) / static_cast<acc_t>(tail), parts);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
-      dispatch_param_type<scalar_t>(f.param_dtype, [&](auto* tag) {
-        using param_t = std::remove_pointer_t<decltype(tag)>;
-        auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<param_t>() : nullptr; };
-        channel_stats_kernel<scalar_t, param_t><<<static_cast<unsigned>(C), kThreads, 0, stream>>>(
-            parts, a.x.const_data_ptr<scalar_t>(), a.planes.xs.c, multiply, B, chunks,
-            chunk_elements<scalar_t, VEC>(), a.planes.size, std::min(pow2_at_least(chunks), 32), f.batch_stats,
-            data(w), data(beta), data(rm), data(rv), eps, plane_mean.mutable_data_ptr<double>(),
-            f.out.mutable_data_ptr<scalar_t>(), f.plane_dev.mutable_data_ptr<acc_t>(),
-            f.mean.mutable_data_ptr<acc_t>(), f.rstd.mutable_data_ptr<acc_t>(),
-            f.var.mutable_data_ptr<acc_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      dispatch_scalar_or_acc<scalar_t>(f.param_dtype, [&](auto* param_tag) {
+        dispatch_scalar_or_acc<scalar_t>(f.out.scalar_type(), [&](auto* out_tag) {
+          using param_t = std::remove_pointer_t<decltype(param_tag)>;
+          using out_t = std::remove_pointer_t<decltype(out_tag)>;
+          auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<param_t>() : nullptr; };
+          channel_stats_kernel<scalar_t, param_t, out_t><<<static_cast<unsigned>(C), kThreads, 0, stream>>>(
+              parts, a.x.const_data_ptr<scalar_t>(), a.planes.xs.c, multiply, B, chunks,
+              chunk_elements<scalar_t, VEC>(), a.planes.size, std::min(pow2_at_least(chunks), 32), f.batch_stats,
+              data(w), data(beta), data(rm), data(rv), eps, plane_mean.mutable_data_ptr<double>(),
+              f.out.mutable_data_ptr<out_t>(), f.plane_dev.mutable_data_ptr<acc_t>(),
+              f.mean.mutable_data_ptr<acc_t>(), f.rstd.mutable_data_ptr<acc_t>(),
+              f.var.mutable_data_ptr<acc_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
       });
     });
   });
@@ -508,7 +511,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_backward_cuda(
                    mean_values = mean.contiguous(), w = channel_values(weight);
   FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "batch_norm_gap_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    dispatch_param_type<scalar_t>(args.param_dtype, [&](auto* tag) {
+    dispatch_scalar_or_acc<scalar_t>(args.param_dtype, [&](auto* tag) {
       using param_t = std::remove_pointer_t<decltype(tag)>;
       const ChannelGradArgs<scalar_t, param_t> cga{
           grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0), grad_out.stride(1), dev.const_data_ptr<acc_t>(),

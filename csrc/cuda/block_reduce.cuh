@@ -33,6 +33,7 @@ __device__ __forceinline__ T block_sum(T v, T* scratch) {
 
 // out[r] = sum of partial[r, 0:parts], one block per row r (blockIdx.x), in an
 // order fixed by `parts` and the block size alone: deterministic results.
+// out_t: the op's result dtype (the accumulation type, or the input's).
 template <typename acc_t, typename out_t>
 __global__ void sum_rows_kernel(const acc_t* __restrict__ partial, int64_t parts,
                                 out_t* __restrict__ out) {

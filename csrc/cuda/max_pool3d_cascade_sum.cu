@@ -44,6 +44,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 #include <ATen/cuda/detail/IntegerDivider.cuh>
 
@@ -203,11 +204,11 @@ __global__ void __launch_bounds__(kThreads, kAnyCascadeMinBlocks)
   }
 }
 
-// out[b, p] = sum of partial[b, 0:groups, p], in order.
-template <typename acc_t, typename scalar_t>
+// out[b, p] = sum of partial[b, 0:groups, p], in order, written as out_t (the result's dtype).
+template <typename acc_t, typename out_t>
 __global__ void __launch_bounds__(kThreads)
     sum_channel_groups_kernel(const acc_t* __restrict__ partial, int groups, int outputs,
-                              int64_t items, scalar_t* __restrict__ out) {
+                              int64_t items, out_t* __restrict__ out) {
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   ItemCursor<2> at(first, stride, {outputs});
@@ -215,7 +216,7 @@ __global__ void __launch_bounds__(kThreads)
     const acc_t* p = partial + at.leading() * groups * outputs + at[1];
     acc_t sum = 0;
     for (int group = 0; group < groups; ++group) sum += p[static_cast<int64_t>(group) * outputs];
-    out[item] = static_cast<scalar_t>(sum);
+    out[item] = static_cast<out_t>(sum);
   }
 }
 
@@ -537,12 +538,12 @@ void check_plane_sizes(const char* what, const MaxPool3dCascade& g) {
 std::tuple<at::Tensor, at::Tensor> max_pool3d_cascade_sum_cuda(
     const at::Tensor& x, at::IntArrayRef kernel1, at::IntArrayRef stride1,
     at::IntArrayRef padding1, at::IntArrayRef kernel2, at::IntArrayRef stride2,
-    at::IntArrayRef padding2, bool save_indices) {
+    at::IntArrayRef padding2, bool save_indices, std::optional<at::ScalarType> dtype) {
   const auto g = max_pool3d_cascade_sum_geometry(
       x, {kernel1, stride1, padding1, kernel2, stride2, padding2}, save_indices);
   check_plane_sizes("max_pool3d_cascade_sum", g);
   at::Tensor out, indices;  // (no structured binding: lambdas capture them, C++20 only)
-  std::tie(out, indices) = max_pool3d_cascade_sum_outputs(x, g, save_indices);
+  std::tie(out, indices) = max_pool3d_cascade_sum_outputs(x, g, save_indices, dtype);
   if (out.numel() == 0) return {out, indices};
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -555,11 +556,14 @@ std::tuple<at::Tensor, at::Tensor> max_pool3d_cascade_sum_cuda(
         x, g, save_indices ? indices.mutable_data_ptr<uint8_t>() : nullptr,
         partial.mutable_data_ptr<acc_t>(), stream);
     const int64_t items = out.numel();
-    auto kernel = sum_channel_groups_kernel<acc_t, scalar_t>;
-    kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kThreads), kThreads, 0, stream>>>(
-        partial.const_data_ptr<acc_t>(), groups, static_cast<int>(g.outputs()), items,
-        out.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dispatch_scalar_or_acc<scalar_t>(out.scalar_type(), [&](auto* tag) {
+      using out_t = std::remove_pointer_t<decltype(tag)>;
+      auto kernel = sum_channel_groups_kernel<acc_t, out_t>;
+      kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kThreads), kThreads, 0, stream>>>(
+          partial.const_data_ptr<acc_t>(), groups, static_cast<int>(g.outputs()), items,
+          out.mutable_data_ptr<out_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return {out, indices};
 }

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <type_traits>
 
 #include "../dispatch.h"
 #include "../max_pool3d_mean.h"
@@ -391,12 +392,13 @@ std::tuple<at::Tensor, at::Tensor> max_pool3d_mean_cuda(const at::Tensor& x,
                                                         at::IntArrayRef kernel_size,
                                                         at::IntArrayRef stride,
                                                         at::IntArrayRef padding, bool ceil_mode,
-                                                        double divisor, bool save_indices) {
+                                                        double divisor, bool save_indices,
+                                                        std::optional<at::ScalarType> dtype) {
   const auto g = max_pool3d_mean_geometry(x, kernel_size, stride, padding, ceil_mode, divisor,
                                           save_indices);
   check_plane_size("max_pool3d_mean", g);
   at::Tensor mean, indices;  // (no structured binding: lambdas capture them, C++20 only)
-  std::tie(mean, indices) = max_pool3d_mean_outputs(x, g, save_indices);
+  std::tie(mean, indices) = max_pool3d_mean_outputs(x, g, save_indices, dtype);
   const int64_t planes = x.size(0) * x.size(1);
   if (planes == 0) return {mean, indices};
   const c10::cuda::CUDAGuard guard(x.device());
@@ -410,9 +412,12 @@ std::tuple<at::Tensor, at::Tensor> max_pool3d_mean_cuda(const at::Tensor& x,
     launch_pick_kernel<scalar_t, uint8_t>(
         x, g, divisor, save_indices ? indices.mutable_data_ptr<uint8_t>() : nullptr,
         partial.mutable_data_ptr<acc_t>(), stream);
-    sum_rows_kernel<acc_t, scalar_t><<<static_cast<unsigned>(planes), 32, 0, stream>>>(
-        partial.const_data_ptr<acc_t>(), parts, mean.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dispatch_scalar_or_acc<scalar_t>(mean.scalar_type(), [&](auto* tag) {
+      using out_t = std::remove_pointer_t<decltype(tag)>;
+      sum_rows_kernel<acc_t, out_t><<<static_cast<unsigned>(planes), 32, 0, stream>>>(
+          partial.const_data_ptr<acc_t>(), parts, mean.mutable_data_ptr<out_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return {mean, indices};
 }

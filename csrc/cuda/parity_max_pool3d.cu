@@ -21,6 +21,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
+#include <type_traits>
 
 #include "../dispatch.h"
 #include "../parity_max_pool3d.h"
@@ -113,12 +115,13 @@ __global__ void __launch_bounds__(kThreads) parity_mean_kernel(
 }
 
 // Block (group of tile.rows stage-2 windows, channel block): out[n, cell] =
-// sum over c of the window's stage-2 pick, or partial[(n, cell), channel
-// block] where the channels span several blocks.
-template <typename scalar_t, int VEC>
+// sum over c of the window's stage-2 pick (written as out_t, the result's
+// dtype), or partial[(n, cell), channel block] where the channels span
+// several blocks.
+template <typename scalar_t, typename out_t, int VEC>
 __global__ void __launch_bounds__(kThreads) parity_cascade_kernel(
     const scalar_t* __restrict__ y, ParityLayout l, CascadeStage2 s, int vecs, ChannelTile tile,
-    scalar_t* __restrict__ out, at::opmath_type<scalar_t>* __restrict__ partial,
+    out_t* __restrict__ out, at::opmath_type<scalar_t>* __restrict__ partial,
     uint8_t* __restrict__ picks) {
   using acc_t = at::opmath_type<scalar_t>;
   __shared__ acc_t sums[kThreads];
@@ -166,7 +169,7 @@ __global__ void __launch_bounds__(kThreads) parity_cascade_kernel(
     const int here = static_cast<int>(std::min<int64_t>(tile.cpb, l.channels - c));
     for (int i = 0; i < here; ++i) total += sums[t + i];
     if (partial == nullptr) {
-      out[window] = static_cast<scalar_t>(total);
+      out[window] = static_cast<out_t>(total);
     } else {
       partial[window * tile.channel_blocks + blockIdx.y] = total;
     }
@@ -240,12 +243,13 @@ void dispatch_window_vector(const void* data, int64_t Q, F&& f) {
   dispatch_vector_width<scalar_t>(aligned_vector_width<scalar_t>(data, {Q}), f);
 }
 
-std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_mean_cuda(const at::Tensor& y_in, bool save_indices) {
+std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_mean_cuda(const at::Tensor& y_in, bool save_indices,
+                                                               std::optional<at::ScalarType> dtype) {
   constexpr const char* what = "parity_max_pool3d_mean";
   const auto l = parity_layout(what, y_in);
   check_int_sizes(what, l);
   const at::Tensor y = y_in.contiguous();
-  at::Tensor mean = at::empty({l.batch, l.channels}, y.options());
+  at::Tensor mean = at::empty({l.batch, l.channels}, y.options().dtype(result_dtype(what, y.scalar_type(), dtype)));
   at::Tensor picks = saved_picks(y, save_indices, {l.batch, l.stage1[0], l.stage1[1], l.stage1[2], l.channels});
   const c10::cuda::CUDAGuard guard(y.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -267,9 +271,12 @@ std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_mean_cuda(const at::Tensor&
           save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-    sum_rows_kernel<acc_t, scalar_t><<<static_cast<unsigned>(l.batch * l.channels), 32, 0, stream>>>(
-        partial.const_data_ptr<acc_t>(), parts, mean.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dispatch_scalar_or_acc<scalar_t>(mean.scalar_type(), [&](auto* tag) {
+      using out_t = std::remove_pointer_t<decltype(tag)>;
+      sum_rows_kernel<acc_t, out_t><<<static_cast<unsigned>(l.batch * l.channels), 32, 0, stream>>>(
+          partial.const_data_ptr<acc_t>(), parts, mean.mutable_data_ptr<out_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return {mean, picks};
 }
@@ -299,12 +306,14 @@ at::Tensor parity_max_pool3d_mean_backward_cuda(const at::Tensor& grad_mean, con
 
 std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_cascade_sum_cuda(const at::Tensor& y_in,
                                                                      at::IntArrayRef kernel2,
-                                                                     bool save_indices) {
+                                                                     bool save_indices,
+                                                                     std::optional<at::ScalarType> dtype) {
   constexpr const char* what = "parity_max_pool3d_cascade_sum";
   const auto l = parity_layout(what, y_in);
   const auto s = cascade_stage2(what, l.stage1, l.classes, kernel2);
   const at::Tensor y = y_in.contiguous();
-  at::Tensor out = at::empty({l.batch, 1, s.out[0], s.out[1], s.out[2]}, y.options());
+  at::Tensor out = at::empty({l.batch, 1, s.out[0], s.out[1], s.out[2]},
+                             y.options().dtype(result_dtype(what, y.scalar_type(), dtype)));
   at::Tensor picks = saved_picks(y, save_indices, {l.batch, s.out[0], s.out[1], s.out[2], l.channels});
   const c10::cuda::CUDAGuard guard(y.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -318,20 +327,23 @@ std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_cascade_sum_cuda(const at::
     const bool split = tile.channel_blocks > 1;  // channels over several blocks: partial sums
     at::Tensor partial = at::empty({split ? windows * tile.channel_blocks : 0},
                                    y.options().dtype(at::toOpMathType(y.scalar_type())));
-    dispatch_window_vector<scalar_t>(y.const_data_ptr(), l.classes, [&](auto vec) {
-      constexpr int VEC = decltype(vec)::value;
-      const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(tile.channel_blocks));
-      parity_cascade_kernel<scalar_t, VEC><<<grid, kThreads, 0, stream>>>(
-          y.const_data_ptr<scalar_t>(), l, s, static_cast<int>(l.classes / VEC), tile,
-          out.mutable_data_ptr<scalar_t>(), split ? partial.mutable_data_ptr<acc_t>() : nullptr,
-          save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    dispatch_scalar_or_acc<scalar_t>(out.scalar_type(), [&](auto* tag) {
+      using out_t = std::remove_pointer_t<decltype(tag)>;
+      dispatch_window_vector<scalar_t>(y.const_data_ptr(), l.classes, [&](auto vec) {
+        constexpr int VEC = decltype(vec)::value;
+        const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(tile.channel_blocks));
+        parity_cascade_kernel<scalar_t, out_t, VEC><<<grid, kThreads, 0, stream>>>(
+            y.const_data_ptr<scalar_t>(), l, s, static_cast<int>(l.classes / VEC), tile,
+            out.mutable_data_ptr<out_t>(), split ? partial.mutable_data_ptr<acc_t>() : nullptr,
+            save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      if (split) {
+        sum_rows_kernel<acc_t, out_t><<<static_cast<unsigned>(windows), 32, 0, stream>>>(
+            partial.const_data_ptr<acc_t>(), tile.channel_blocks, out.mutable_data_ptr<out_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     });
-    if (split) {
-      sum_rows_kernel<acc_t, scalar_t><<<static_cast<unsigned>(windows), 32, 0, stream>>>(
-          partial.const_data_ptr<acc_t>(), tile.channel_blocks, out.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
   });
   return {out, picks};
 }

@@ -21,7 +21,8 @@ int main(int argc, char** argv) {
           .findSchemaOrThrow("fused_ops::avg_pool2d_sigmoid_sum", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef,
                                                     at::IntArrayRef, at::IntArrayRef, bool,
-                                                    bool, std::optional<int64_t>, bool)>();
+                                                    bool, std::optional<int64_t>, bool,
+                                                    std::optional<at::ScalarType>)>();
   const auto backward =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fused_ops::avg_pool2d_sigmoid_sum_backward", "")
@@ -30,7 +31,7 @@ int main(int argc, char** argv) {
 
   at::manual_seed(0);
   const auto x = at::rand({3, 5, 17, 19}, at::kDouble).requires_grad_();
-  auto [out, grad_factor] = forward.call(x, {3, 3}, {2, 2}, {1, 1}, true, false, std::nullopt, true);
+  auto [out, grad_factor] = forward.call(x, {3, 3}, {2, 2}, {1, 1}, true, false, std::nullopt, true, std::nullopt);
   const auto ref = at::sigmoid(at::avg_pool2d(x, {3, 3}, {2, 2}, {1, 1}, true, false)).sum({1, 2, 3});
   const auto grad_out = at::rand({3}, at::kDouble);
   const auto grad_x = backward.call(grad_out, grad_factor, c10::fromIntArrayRefSlow({17, 19}),
@@ -45,9 +46,10 @@ int main(int argc, char** argv) {
           .findSchemaOrThrow("fused_ops::max_pool3d_mean", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef,
                                                     at::IntArrayRef, at::IntArrayRef, bool,
-                                                    double, bool)>();
+                                                    double, bool, std::optional<at::ScalarType>)>();
   const auto x5 = at::rand({2, 3, 5, 7, 6}, at::kDouble);
-  const auto mean = std::get<0>(max_pool3d_mean.call(x5, {2, 3, 2}, {2, 2, 1}, {1, 1, 0}, true, -2.0, false));
+  const auto mean =
+      std::get<0>(max_pool3d_mean.call(x5, {2, 3, 2}, {2, 2, 1}, {1, 1, 0}, true, -2.0, false, std::nullopt));
   const auto mean_ref = at::max_pool3d(x5 / -2.0, {2, 3, 2}, {2, 2, 1}, {1, 1, 0}, 1, true).mean({2, 3, 4});
   const double err_mean = (mean - mean_ref).abs().max().item<double>();
   std::printf("max_pool3d_mean: forward error %.3g\n", err_mean);
@@ -58,10 +60,10 @@ int main(int argc, char** argv) {
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef,
                                                     at::IntArrayRef, at::IntArrayRef,
                                                     at::IntArrayRef, at::IntArrayRef,
-                                                    at::IntArrayRef, bool)>();
+                                                    at::IntArrayRef, bool, std::optional<at::ScalarType>)>();
   const auto x6 = at::rand({2, 5, 13, 12, 14}, at::kDouble);
   const auto sum = std::get<0>(cascade_sum.call(x6, {2, 2, 2}, {2, 2, 2}, {0, 0, 0}, {3, 3, 3},
-                                                {3, 3, 3}, {0, 0, 0}, false));
+                                                {3, 3, 3}, {0, 0, 0}, false, std::nullopt));
   const auto sum_ref = at::max_pool3d(at::max_pool3d(x6, {2, 2, 2}), {3, 3, 3}).sum(1, true);
   const double err_sum = (sum - sum_ref).abs().max().item<double>();
   std::printf("max_pool3d_cascade_sum: forward error %.3g\n", err_sum);

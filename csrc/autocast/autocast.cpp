@@ -1,0 +1,65 @@
+// Autocast kernels of the forward ops (AutocastCPU and AutocastCUDA).
+//
+// The policy: under autocast the fused tails read their input in the dtype it
+// arrives in, with no cast (a cast would be a second pass over a
+// convolution-sized tensor): a 16-bit input is read as it is, a float32 one
+// stays float32. They return their result in float32, the accumulation type,
+// as autocast's float32 ops do (torch.sum on CUDA, the pools on the CPU): with
+// dtype None and a float16, bfloat16 or float32 input the op runs with dtype
+// float32, which the kernels write unrounded. A dtype given explicitly is
+// kept, and a float64 input is left alone (autocast never touches float64).
+// batch_norm_gap's weight, bias and running statistics are passed as they are
+// (its kernels take float32 ones with a 16-bit x).
+//
+// One boxed kernel serves every forward: each takes its input first and its
+// result's dtype last (ScalarType? dtype=None, ../ops.cpp). It sets the dtype,
+// then calls the op again with the autocast key excluded, as ATen's autocast
+// wrappers do (ATen/autocast_mode.h), which runs the op's kernels below autocast.
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/DispatchKey.h>
+#include <c10/core/ScalarType.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+namespace fused_ops {
+namespace {
+
+constexpr const char* kForwardOps[] = {
+    "avg_pool2d_sigmoid_sum", "max_pool3d_mean",        "max_pool3d_cascade_sum",
+    "parity_max_pool3d_mean", "parity_max_pool3d_cascade_sum", "batch_norm_gap",
+};
+
+template <c10::DispatchKey autocast_key>
+void float32_result(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  TORCH_INTERNAL_ASSERT(arguments.back().name() == "dtype", op.schema().name(),
+                        ": the autocast kernel needs the result's dtype as the last argument");
+  c10::IValue& dtype = stack->back();
+  const at::ScalarType input = (*stack)[stack->size() - arguments.size()].toTensor().scalar_type();
+  if (dtype.isNone() && (input == at::kHalf || input == at::kBFloat16 || input == at::kFloat)) {
+    dtype = at::kFloat;
+  }
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
+  op.callBoxed(stack);
+}
+
+template <c10::DispatchKey autocast_key>
+void register_float32_results(torch::Library& m) {
+  for (const char* name : kForwardOps) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&float32_result<autocast_key>>());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, AutocastCPU, m) {
+  register_float32_results<c10::DispatchKey::AutocastCPU>(m);
+}
+
+TORCH_LIBRARY_IMPL(fused_ops, AutocastCUDA, m) {
+  register_float32_results<c10::DispatchKey::AutocastCUDA>(m);
+}
+
+}  // namespace fused_ops
