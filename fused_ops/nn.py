@@ -118,9 +118,12 @@ class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
         batched = x.dim() == 5
         if not batched:
             x = x.unsqueeze(0)
-        windows = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor) if x.is_cuda else None
-        if windows is not None:
+        rewritten = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor) if x.is_cuda else None
+        if rewritten is not None:
+            windows, channel_bias = rewritten
             mean = parity_max_pool3d_mean(windows)
+            if channel_bias is not None:
+                mean = mean + channel_bias
         else:
             mean = max_pool3d_mean(self.conv(x), pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
                                    self.divisor)
@@ -157,10 +160,13 @@ class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSu
             return torch.sum(second(first(self.conv_transpose(x))), dim=1, keepdim=True)
         _check_fusable_max_pool(name, first, ceil_mode_ok=False)
         _check_fusable_max_pool(name, second, ceil_mode_ok=False)
-        windows = (rewrites.conv_transpose3d_max_pool_windows(x, self.conv_transpose, first, second)
-                   if x.is_cuda else None)
-        if windows is not None:
+        rewritten = (rewrites.conv_transpose3d_max_pool_windows(x, self.conv_transpose, first, second)
+                     if x.is_cuda else None)
+        if rewritten is not None:
+            windows, channel_bias = rewritten
             out = parity_max_pool3d_cascade_sum(windows, second.kernel_size)
+            if channel_bias is not None:  # each channel's maximum carries its bias into the sum
+                out = out + channel_bias.sum()
         else:
             out = max_pool3d_cascade_sum(self.conv_transpose(x), first.kernel_size, second.kernel_size,
                                          stride1=first.stride, padding1=first.padding, stride2=second.stride,
@@ -174,10 +180,9 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
     pool; the scale, the batch norm and the pool fused into one op
     (``fused_ops.batch_norm_gap``), which updates the running statistics as
     nn.BatchNorm3d does, on the device. Normalizing with running statistics
-    (eval mode), only the spatial mean of the transposed convolution's output
-    is needed: it is computed from the input's spatial sums where the
-    transposed convolution does not pad
-    (``fused_ops.rewrites.conv_transpose3d_spatial_mean``). With batch
+    (eval mode), the output is affine in the input's spatial sums where the
+    transposed convolution does not pad (``fused_ops.rewrites.conv_transpose3d_spatial_mean_map``,
+    the batch norm folded in): one reduction of x and a small matmul. With batch
     statistics on a GPU, a stride-1 transposed convolution runs as a convolution
     (``fused_ops.rewrites.conv_transpose3d_stride1``). The constructor is the original's (the
     same members, parameters and buffers, drawn in the same order);
@@ -202,12 +207,15 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
         # in eval mode and updated in training mode with track_running_stats.
         running = not bn.training or bn.track_running_stats
         batch_stats = bn.training or bn.running_mean is None
-        y = None
+        out_dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
+                                         ("aten::batch_norm", "aten::adaptive_avg_pool3d"))
         if not batch_stats:
-            mean = rewrites.conv_transpose3d_spatial_mean(x, self.conv_transpose)
-            y = None if mean is None else mean[:, :, None, None, None]
-        if y is None and x.is_cuda:
-            y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose)
+            mapped = self._running_stats_map(x)
+            if mapped is not None:
+                weight, shift = mapped
+                out = torch.addmm(shift, x.sum(dim=(2, 3, 4), dtype=torch.float64), weight)
+                return out[:, :, None, None, None].to(out_dtype)
+        y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose) if x.is_cuda else None
         if y is None:
             y = self.conv_transpose(x)
         group = sync_process_group(bn)
@@ -218,5 +226,35 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
                                  bn.running_mean if running else None, bn.running_var if running else None,
                                  bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
                                  training=bn.training, momentum=bn.momentum, eps=bn.eps)
-        return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
-                                           ("aten::batch_norm", "aten::adaptive_avg_pool3d")))
+        return out.to(out_dtype)
+
+    def _running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        """(W (I, O), b (O)) in float64 with the output, normalized with the running
+        statistics, ``s @ W + b`` for x's spatial sums s (N, I): the spatial mean of the
+        transposed convolution is affine in s (``rewrites.conv_transpose3d_spatial_mean_map``)
+        and so is the batch norm per channel, out = (scale * mean - running_mean) * rstd *
+        weight + bias. None where the transposed convolution pads. Kept for the next call
+        while the parameters, buffers and x's size stay (their versions), where no gradient
+        is being recorded (a graph would need the parameters') and outside torch.compile."""
+        conv, bn = self.conv_transpose, self.batch_norm
+        tensors = [t for t in (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+                   if t is not None]
+        keep = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        key = (x.shape[1:], x.device, self.scale_factor, bn.eps,
+               tuple([(t.data_ptr(), t._version) for t in tensors])) if keep else None
+        kept = getattr(self, "_kept_running_stats_map", None)
+        if key is not None and kept is not None and kept[0] == key:
+            return kept[1]
+        mapped = rewrites.conv_transpose3d_spatial_mean_map(x, conv)
+        if mapped is not None:
+            weight, bias = mapped
+            gain = (bn.running_var.double() + bn.eps).rsqrt()  # rstd * weight
+            if bn.weight is not None:
+                gain = gain * bn.weight.double()
+            shift = (self.scale_factor * bias - bn.running_mean.double()) * gain
+            if bn.bias is not None:
+                shift = shift + bn.bias.double()
+            mapped = weight * (self.scale_factor * gain), shift
+        if key is not None:
+            self._kept_running_stats_map = key, mapped
+        return mapped

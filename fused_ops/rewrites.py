@@ -163,10 +163,19 @@ def _is_window_pool(pool: nn.MaxPool3d) -> bool:
     return kernel == stride and padding == [0, 0, 0] and _triple(pool.dilation) == (1, 1, 1) and not pool.return_indices
 
 
-def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor: float = 1.0) -> Tensor | None:
-    """The windows of ``pool(conv(x) / divisor)`` side by side, (N, D', H', W', O, Q), or None
-    where the rewrite does not hold (a strided, dilated or grouped convolution, a pool whose
-    windows overlap or leave gaps or pad, ceil_mode adding windows, more than 256 classes)."""
+def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
+                            divisor: float = 1.0) -> tuple[Tensor, Tensor | None] | None:
+    """The windows of ``pool(conv(x) / divisor)`` side by side, (N, D', H', W', O, Q), less a
+    constant per output channel, and that constant (O) or None; or None where the rewrite
+    does not hold (a strided, dilated or grouped convolution, a pool whose windows overlap or
+    leave gaps or pad, ceil_mode adding windows, more than 256 classes).
+
+    The constant is the convolution's bias over the divisor where the divisor folds exactly
+    (below): the same for every element of a channel's windows, it passes through their
+    maxima (and their mean) unchanged, so the caller adds it to the pooled (N, O) result
+    rather than to every window element (an elementwise pass over the convolution's
+    output, which cuDNN does not fuse). Where PyTorch's values are exact, so are the
+    shifted ones: the picks are the same."""
     if not (_is_plain_conv(conv, x) and _triple(conv.stride) == (1, 1, 1) and _is_window_pool(pool)):
         return None
     classes, kernel, padding = _triple(pool.kernel_size), _triple(conv.kernel_size), _triple(conv.padding)
@@ -180,9 +189,9 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divi
     if not _folds_exactly(divisor):
         # conv(x) / d rounds twice where d is not a power of two: divide where PyTorch
         # divides, so that values PyTorch computes exactly (and their ties) are ours too
-        return _parity_conv3d(x, conv.weight, conv.bias, axes, positions) / divisor
+        return _parity_conv3d(x, conv.weight, conv.bias, axes, positions) / divisor, None
     bias = None if conv.bias is None else conv.bias / divisor
-    return _parity_conv3d(x, conv.weight / divisor, bias, axes, positions)
+    return _parity_conv3d(x, conv.weight / divisor, None, axes, positions), bias
 
 
 def _folds_exactly(divisor: float) -> bool:
@@ -194,11 +203,13 @@ def _folds_exactly(divisor: float) -> bool:
 
 
 def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d,
-                                      pool2: nn.MaxPool3d) -> Tensor | None:
+                                      pool2: nn.MaxPool3d) -> tuple[Tensor, Tensor | None] | None:
     """The windows of ``pool1(conv(x))`` side by side, (N, Md, Mh, Mw, O, Q), at the
-    positions ``pool2`` (kernel = stride) reads, or None where the rewrite does not hold
-    (pool1's kernel and stride not the convolution's stride, a dilated or grouped
-    convolution, a pool2 that overlaps or pads, no output, Q times pool2's volume over 256)."""
+    positions ``pool2`` (kernel = stride) reads, less the convolution's bias (O) (or None),
+    which passes through both pools' maxima and is the caller's to add after them (as for
+    ``conv3d_max_pool_windows``); or None where the rewrite does not hold (pool1's kernel and
+    stride not the convolution's stride, a dilated or grouped convolution, a pool2 that
+    overlaps or pads, no output, Q times pool2's volume over 256)."""
     stride = _triple(conv.stride)
     if not (_is_plain_conv(conv, x) and _is_window_pool(pool1) and _is_window_pool(pool2)
             and _triple(pool1.kernel_size) == stride and not pool1.ceil_mode and not pool2.ceil_mode):
@@ -210,7 +221,7 @@ def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1
     if min(positions) < 1 or math.prod(stride) * math.prod(kernel2) > 256:
         return None
     axes = tuple([_transposed_axis(kernel[d], stride[d], padding[d]) for d in range(3)])
-    return _parity_conv3d(x, conv.weight.transpose(0, 1), conv.bias, axes, positions)
+    return _parity_conv3d(x, conv.weight.transpose(0, 1), None, axes, positions), conv.bias
 
 
 class _TransposedConv3dStride1(torch.autograd.Function):
@@ -262,21 +273,26 @@ def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | No
         return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size)
 
 
-def conv_transpose3d_spatial_mean(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:
-    """The spatial mean of ``conv(x)``, (N, O), from x's spatial sums (module docstring),
-    or None where the transposed convolution pads, dilates or groups."""
+def conv_transpose3d_spatial_mean_map(x: Tensor, conv: nn.ConvTranspose3d) -> tuple[Tensor, Tensor] | None:
+    """(W (I, O), b (O)) in float64 with ``conv(x).mean(dim=(2, 3, 4)) = s @ W + b`` for s = x's
+    spatial sums (N, I) (module docstring), or None where the transposed convolution pads,
+    dilates or groups."""
     if not (_is_plain_conv(conv, x) and _triple(conv.padding) == (0, 0, 0)):
         return None
     stride, kernel, extra = _triple(conv.stride), _triple(conv.kernel_size), _triple(conv.output_padding)
     out_volume = math.prod([(x.shape[2 + d] - 1) * stride[d] + kernel[d] + extra[d] for d in range(3)])
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    sums = x.sum(dim=(2, 3, 4), dtype=acc)  # (N, I)
-    weight_sums = conv.weight.to(acc).sum(dim=(2, 3, 4))  # (I, O)
-    # elementwise products and a sum rather than a matmul: never TF32
-    mean = (sums[:, :, None] * weight_sums[None]).sum(1) / out_volume
-    if conv.bias is not None:
-        mean = mean + conv.bias.to(acc)
-    return mean.to(x.dtype)
+    weight = conv.weight.double().sum(dim=(2, 3, 4)) / out_volume
+    bias = conv.bias.double() if conv.bias is not None else weight.new_zeros(weight.shape[1])
+    return weight, bias
+
+
+def conv_transpose3d_spatial_mean(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:
+    """The spatial mean of ``conv(x)``, (N, O) in x's dtype, from x's spatial sums and
+    ``conv_transpose3d_spatial_mean_map`` in float64, or None where that does not hold."""
+    mapped = conv_transpose3d_spatial_mean_map(x, conv)
+    if mapped is None:
+        return None
+    return torch.addmm(mapped[1], x.sum(dim=(2, 3, 4), dtype=torch.float64), mapped[0]).to(x.dtype)
 
 
 def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:

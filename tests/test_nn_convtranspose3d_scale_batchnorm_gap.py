@@ -254,3 +254,35 @@ def test_mixed_devices():
     fused.batch_norm.cpu()  # conv on the GPU, batch norm on the CPU
     with pytest.raises(ValueError, match="same device"):
         fused(torch.rand(2, 3, 5, 5, 5, device="cuda"))
+
+
+def test_eval_map_follows_parameter_changes(device):
+    """The eval output's kept map (parameters and running statistics folded) is rebuilt
+    when any of them changes in place (an optimizer step, a training step's update of the
+    running statistics, load_state_dict) or x's size changes."""
+    original, fused = build_pair(NAME, ARGS[0][0])
+    original.to(device, torch.float64)
+    fused.to(device, torch.float64)
+    shape = (ARGS[0][1][0], ARGS[0][0][0], *ARGS[0][1][1:])
+
+    def check_eval(size=shape):
+        original.eval()
+        fused.eval()
+        x = torch.rand(size, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), original(x), rtol=1e-10, atol=1e-12)
+
+    check_eval()
+    x = torch.rand(shape, dtype=torch.float64, device=device)
+    for module in (original, fused):  # a training step: running statistics and an SGD update
+        module.train()
+        module(x).sum().backward()
+        with torch.no_grad():
+            for p in module.parameters():
+                p -= 0.1 * p.grad
+    check_eval()
+    check_eval((shape[0] + 1, shape[1], shape[2] + 1, *shape[3:]))
+    state = {k: torch.rand_like(v) if v.is_floating_point() else v for k, v in original.state_dict().items()}
+    original.load_state_dict(state)
+    fused.load_state_dict(state)
+    check_eval()

@@ -19,6 +19,11 @@ def interleave(y, classes):
                                                                                           mw * pw)
 
 
+def with_channel_bias(y, channel_bias):
+    """y (N, C, ...) plus the per-channel constant a windows rewrite leaves out (if any)."""
+    return y if channel_bias is None else y + channel_bias.view(-1, *[1] * (y.dim() - 2))
+
+
 def assert_same_function(rewritten, plain, inputs):
     """Values and the gradients of every input (tensors requiring grad) equal to float64 rounding."""
     torch.testing.assert_close(rewritten, plain, rtol=1e-10, atol=1e-12)
@@ -46,12 +51,12 @@ def test_conv3d_max_pool_windows(conv_args, pool_args, shape, divisor, device):
     conv = nn.Conv3d(**conv_args).double().to(device)
     pool = nn.MaxPool3d(**pool_args)
     x = double_input(shape, device)
-    windows = rewrites.conv3d_max_pool_windows(x, conv, pool, divisor)
-    assert windows is not None
+    windows, channel_bias = rewrites.conv3d_max_pool_windows(x, conv, pool, divisor)
+    assert (channel_bias is None) == (conv.bias is None)  # the divisors here fold exactly
     classes = pool.kernel_size if isinstance(pool.kernel_size, tuple) else (pool.kernel_size,) * 3
     y = conv(x) / divisor
     plain = y[:, :, :windows.shape[1] * classes[0], :windows.shape[2] * classes[1], :windows.shape[3] * classes[2]]
-    assert_same_function(interleave(windows, classes), plain, [x, *conv.parameters()])
+    assert_same_function(with_channel_bias(interleave(windows, classes), channel_bias), plain, [x, *conv.parameters()])
 
 
 # (ConvTranspose3d args, first pool kernel, second pool kernel, input shape)
@@ -68,12 +73,14 @@ TRANSPOSED_POOL = [
 def test_conv_transpose3d_max_pool_windows(conv_args, kernel1, kernel2, shape, device):
     conv = nn.ConvTranspose3d(**conv_args).double().to(device)
     x = double_input(shape, device)
-    windows = rewrites.conv_transpose3d_max_pool_windows(x, conv, nn.MaxPool3d(kernel1), nn.MaxPool3d(kernel2))
-    assert windows is not None
+    windows, channel_bias = rewrites.conv_transpose3d_max_pool_windows(x, conv, nn.MaxPool3d(kernel1),
+                                                                      nn.MaxPool3d(kernel2))
+    assert channel_bias is conv.bias
     classes = kernel1 if isinstance(kernel1, tuple) else (kernel1,) * 3
     plain = conv(x)[:, :, :windows.shape[1] * classes[0], :windows.shape[2] * classes[1],
                     :windows.shape[3] * classes[2]]
-    assert_same_function(interleave(windows, classes), plain, [x, *conv.parameters()])
+    assert_same_function(with_channel_bias(interleave(windows, classes), channel_bias), plain,
+                         [x, *conv.parameters()])
 
 
 @pytest.mark.parametrize("conv_args,shape", [
@@ -243,18 +250,18 @@ def test_conv3d_max_pool_windows_exact_on_integers(divisor, dtype, device):
     conv = integer_valued(nn.Conv3d(3, 4, (3, 2, 3), padding=(1, 0, 0)), dtype, device)
     pool = nn.MaxPool3d((2, 3, 2))
     x = integer_input((2, 3, 7, 10, 9), dtype, device)
-    windows = rewrites.conv3d_max_pool_windows(x, conv, pool, divisor)
+    windows, channel_bias = rewrites.conv3d_max_pool_windows(x, conv, pool, divisor)
     plain = (conv(x) / divisor)[:, :, :windows.shape[1] * 2, :windows.shape[2] * 3, :windows.shape[3] * 2]
-    assert torch.equal(interleave(windows, (2, 3, 2)), plain)
+    assert torch.equal(with_channel_bias(interleave(windows, (2, 3, 2)), channel_bias), plain)
 
 
 @pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_conv_transpose3d_rewrites_exact_on_integers(dtype, device):
     conv = integer_valued(nn.ConvTranspose3d(3, 4, 5, stride=2, padding=2), dtype, device)
     x = integer_input((2, 3, 5, 6, 7), dtype, device)
-    windows = rewrites.conv_transpose3d_max_pool_windows(x, conv, nn.MaxPool3d(2), nn.MaxPool3d(3))
+    windows, channel_bias = rewrites.conv_transpose3d_max_pool_windows(x, conv, nn.MaxPool3d(2), nn.MaxPool3d(3))
     plain = conv(x)[:, :, :windows.shape[1] * 2, :windows.shape[2] * 2, :windows.shape[3] * 2]
-    assert torch.equal(interleave(windows, (2, 2, 2)), plain)
+    assert torch.equal(with_channel_bias(interleave(windows, (2, 2, 2)), channel_bias), plain)
     stride1 = integer_valued(nn.ConvTranspose3d(3, 4, (3, 2, 4), padding=(1, 0, 1)), dtype, device)
     assert torch.equal(rewrites.conv_transpose3d_stride1(x, stride1), stride1(x))
 
