@@ -56,8 +56,11 @@ def main():
                     torch.cuda.synchronize()
                 print(f"\n== {arch.letter} {name} {'train' if train else 'eval'} {args.autocast or 'float32'}: "
                       f"{ms:.3f} ms")
-                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=90)
-                print("\n".join(table.splitlines()[:args.top + 4]))
+                events = sorted([e for e in prof.key_averages() if e.device_time_total > 0],
+                                key=lambda e: -e.device_time_total)
+                print(f"   GPU busy {sum([e.device_time_total for e in events]) / 1e3:.3f} ms")
+                for e in events[:args.top]:
+                    print(f"{e.device_time_total:10.1f} us {e.count:3d}x  {e.key[:110]}")
     torch.backends.cudnn.benchmark = False
 
 

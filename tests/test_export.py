@@ -2,6 +2,9 @@
 exported program gives the module's outputs, and in training the same updated running
 statistics; on a GPU, AOTInductor runs each exported module with the same outputs."""
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,12 +38,27 @@ def test_export_gives_module_outputs(name, args, shape, train, device):
         torch.testing.assert_close(exported_value, value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{key}\n{m}")
 
 
+AOT_INDUCTOR_CHECK = """
+import sys, torch
+from conftest import build_pair
+import test_export
+name, args, shape = test_export.CONFIGS[int(sys.argv[1])]
+fused = test_export.fused_module(name, args, "cuda", train=False)
+x = torch.rand(shape, device="cuda")
+program = torch.export.export(fused, (x,))
+path = torch._inductor.aoti_compile_and_package(program, package_path=sys.argv[2])
+compiled = torch._inductor.aoti_load_package(path)
+torch.testing.assert_close(compiled(x), fused(x), rtol=1e-6, atol=1e-7)
+print("same outputs")
+"""
+
+
 @requires_cuda
-@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
-def test_aot_inductor_gives_module_outputs(name, args, shape, tmp_path):
-    fused = fused_module(name, args, "cuda", train=False)
-    x = torch.rand(shape, device="cuda")
-    program = torch.export.export(fused, (x,))
-    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / f"{name}.pt2"))
-    compiled = torch._inductor.aoti_load_package(path)
-    torch.testing.assert_close(compiled(x), fused(x), rtol=1e-6, atol=1e-7)
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=IDS)
+def test_aot_inductor_gives_module_outputs(index, tmp_path):
+    """In a child process: AOTInductor compiles and loads in native code, where a fault
+    would end the test session instead of failing one test."""
+    result = subprocess.run([sys.executable, "-c", AOT_INDUCTOR_CHECK, str(index), str(tmp_path / "model.pt2")],
+                            cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0 and "same outputs" in result.stdout, result.stdout + result.stderr[-3000:]
