@@ -127,11 +127,13 @@ class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
         else:
             mean = max_pool3d_mean(self.conv(x), pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
                                    self.divisor)
-        # the dtype of the original's global average, (B, C, 1, 1, 1) or unbatched (C, 1, 1, 1)
-        mean = mean.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
-                                            ("aten::max_pool3d", "aten::adaptive_avg_pool3d")))
         pooled = mean[:, :, None, None, None] if batched else mean[0, :, None, None, None]
-        return torch.sum(pooled + self.bias, dim=self.sum_dim)
+        out = torch.sum(pooled + self.bias, dim=self.sum_dim)
+        # the original's dtype: its global average's (the pools' under autocast), plus the bias, summed
+        average_dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
+                                             ("aten::max_pool3d", "aten::adaptive_avg_pool3d"))
+        return out.to(_autocast.tail_dtype(torch.promote_types(average_dtype, self.bias.dtype), x.device.type,
+                                           ("aten::sum.dim_IntList",)))
 
 
 class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSum):

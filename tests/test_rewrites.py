@@ -266,8 +266,10 @@ def test_conv_transpose3d_rewrites_exact_on_integers(dtype, device):
     assert torch.equal(rewrites.conv_transpose3d_stride1(x, stride1), stride1(x))
 
 
-@pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_conv2d_avg_pool_exact_on_integers(dtype, device):
+def test_conv2d_avg_pool_exact_on_integers(device):
+    """(float64: for float32 3x3 convolutions cuDNN may choose Winograd transforms, whose
+    arithmetic is not exact on integers; C has no picks whose routing it would change.)"""
+    dtype = torch.float64
     conv = integer_valued(nn.Conv2d(3, 4, 3), dtype, device)
     pool = nn.AvgPool2d(4)
     x = integer_input((2, 3, 22, 19), dtype, device)
