@@ -215,7 +215,7 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
             mapped = self._running_stats_map(x)
             if mapped is not None:
                 weight, shift = mapped
-                out = torch.addmm(shift, x.sum(dim=(2, 3, 4), dtype=torch.float64), weight)
+                out = torch.addmm(shift, rewrites.spatial_sums(x), weight)
                 return out[:, :, None, None, None].to(out_dtype)
         y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose) if x.is_cuda else None
         if y is None:

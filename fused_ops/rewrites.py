@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _autocast
-from .ops import _expand, _pool_triples, _pooled_size
+from .ops import _accumulation_dtype, _expand, _pool_triples, _pooled_size
 
 
 def _triple(v) -> tuple[int, int, int]:
@@ -286,13 +286,19 @@ def conv_transpose3d_spatial_mean_map(x: Tensor, conv: nn.ConvTranspose3d) -> tu
     return weight, bias
 
 
+def spatial_sums(x: Tensor) -> Tensor:
+    """x's sums over (D, H, W), (N, C) in float64: accumulated in x's accumulation type (a
+    float64 reduction of float32 input would first convert the whole input), then widened."""
+    return x.sum(dim=(2, 3, 4), dtype=_accumulation_dtype(x.dtype)).double()
+
+
 def conv_transpose3d_spatial_mean(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:
     """The spatial mean of ``conv(x)``, (N, O) in x's dtype, from x's spatial sums and
     ``conv_transpose3d_spatial_mean_map`` in float64, or None where that does not hold."""
     mapped = conv_transpose3d_spatial_mean_map(x, conv)
     if mapped is None:
         return None
-    return torch.addmm(mapped[1], x.sum(dim=(2, 3, 4), dtype=torch.float64), mapped[0]).to(x.dtype)
+    return torch.addmm(mapped[1], spatial_sums(x), mapped[0]).to(x.dtype)
 
 
 def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:

@@ -87,3 +87,18 @@ def test_autocast_float64_untouched(name, args, shape, device):
         out, expected = fused(x), original(x)
     assert out.dtype == expected.dtype == torch.float64
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS[:1] + CONFIGS[2:4] + CONFIGS[5:],
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_autocast_compiles_fullgraph(name, args, shape, device):
+    """torch.compile(fullgraph=True) of the drop-in under autocast: no graph break (the
+    autocast state and the result dtypes are read in traceable ways), its eager result."""
+    _, fused = build_pair(name, args)
+    fused.to(device).train()
+    x = torch.rand(shape, device=device)
+    compiled = torch.compile(fused, fullgraph=True)
+    with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        out, expected = compiled(x), fused(x)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-3)

@@ -1,0 +1,50 @@
+"""Every fused op's CUDA kernels once on small, odd-sized inputs — forwards with each result
+dtype, backwards — for NVIDIA's compute-sanitizer, which CI cannot run:
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python bench/sanitize.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python bench/sanitize.py
+
+Prints one line per op; any sanitizer report fails the command.
+"""
+import torch
+
+import fused_ops
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (on a CPU: a dry run of the script)
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.rand(shape, device=DEV, dtype=dtype)
+
+
+def run(name, forward, *inputs):
+    """forward(*inputs, dtype=...) for each result dtype, then its backward."""
+    for dtype in (None, torch.float32):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        out = forward(*leaves, dtype=dtype)
+        out.backward(torch.rand_like(out))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    print(f"{name}: ok")
+
+
+def main():
+    for dtype in (torch.float32, torch.bfloat16):
+        run(f"avg_pool2d_sigmoid_sum {dtype}", lambda x, dtype: fused_ops.avg_pool2d_sigmoid_sum(x, 3, dtype=dtype),
+            rand(2, 3, 13, 11, dtype=dtype))
+        run(f"max_pool3d_mean {dtype}", lambda x, dtype: fused_ops.max_pool3d_mean(x, 2, divisor=-1.5, dtype=dtype),
+            rand(2, 3, 5, 7, 9, dtype=dtype))
+        run(f"max_pool3d_cascade_sum {dtype}",
+            lambda x, dtype: fused_ops.max_pool3d_cascade_sum(x, 2, 3, dtype=dtype), rand(2, 3, 13, 14, 15, dtype=dtype))
+        run(f"parity_max_pool3d_mean {dtype}", lambda y, dtype: fused_ops.parity_max_pool3d_mean(y, dtype=dtype),
+            rand(2, 3, 4, 5, 3, 8, dtype=dtype))
+        run(f"parity_max_pool3d_cascade_sum {dtype}",
+            lambda y, dtype: fused_ops.parity_max_pool3d_cascade_sum(y, 2, dtype=dtype), rand(2, 4, 5, 6, 3, 8, dtype=dtype))
+        bn = torch.nn.BatchNorm3d(3).to(DEV)
+        run(f"batch_norm_gap {dtype}", lambda x, dtype: fused_ops.batch_norm_gap(
+            x, 2.0, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, training=True,
+            dtype=dtype), rand(2, 3, 4, 5, 6, dtype=dtype))
+
+
+if __name__ == "__main__":
+    main()
