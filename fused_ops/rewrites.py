@@ -39,6 +39,7 @@ run the depth-stacked convolutions (A, B, D's training step) on CUDA inputs
 only: they were measured faster there (README), and torch.compile 2.11
 cannot lower them on the CPU.
 """
+import functools
 import math
 from dataclasses import dataclass
 
@@ -75,12 +76,14 @@ class _Axis:
         return self.start, self.stride * (positions - 1) + self.start + self.kernel - 1
 
 
+@functools.cache  # (pure: each call's host time counts where a module's GPU work is small)
 def _conv_pool_axis(kernel: int, padding: int, classes: int) -> _Axis:
     taps = tuple([tuple([u - q if 0 <= u - q < kernel else -1 for u in range(kernel + classes - 1)])
                   for q in range(classes)])
     return _Axis(classes, classes, -padding, taps)
 
 
+@functools.cache
 def _transposed_axis(kernel: int, stride: int, padding: int) -> _Axis:
     first = min([-((kernel - 1 - q - padding) // stride) for q in range(stride)])  # ceil((q + p - k + 1) / s)
     last = max([(q + padding) // stride for q in range(stride)])
