@@ -6,6 +6,7 @@
 // for the input's, or the input's accumulation type (float32 for a float16 or
 // bfloat16 input, which the kernels write unrounded); the other outputs
 // (saved picks, factors, statistics) keep their own dtypes.
+// depth_stacked_channels_last, a copy, takes any floating dtype.
 #include <torch/library.h>
 
 TORCH_LIBRARY(fused_ops, m) {
@@ -68,6 +69,17 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "parity_max_pool3d_cascade_sum_backward(Tensor grad_out, Tensor picks, SymInt[3] stage1_size, "
       "int[3] kernel2, int parity_classes) -> Tensor");
+
+  // The input of a 2-D convolution computing a 3-D one's depth taps as input
+  // channels (fused_ops/rewrites.py): for x (N, I, D, H, W), out (N, size[0],
+  // size[1], size[2], taps, I), contiguous, in `dtype` (any floating type; x's
+  // for None), with
+  //   out[n, m, h, w, a, i] = x[n, i, start[0] + stride * m + a, start[1] + h, start[2] + w]
+  // where that index lies inside x, else 0 (zero padding on every side; start
+  // may be negative). A copy with a cast; no autograd formula.
+  m.def(
+      "depth_stacked_channels_last(Tensor x, int taps, int stride, int[3] start, SymInt[3] size, "
+      "ScalarType? dtype=None) -> Tensor");
 
   // adaptive_avg_pool3d(batch_norm(x * scale), 1) -> out (B, C, 1, 1, 1), as
   // nn.BatchNorm3d normalizes: with running_mean and running_var given, with

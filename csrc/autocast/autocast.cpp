@@ -54,12 +54,17 @@ void register_float32_results(torch::Library& m) {
 
 }  // namespace
 
+// depth_stacked_channels_last runs as called (a fallthrough, registered to say
+// so): a copy with a cast to the dtype its caller always names (autocast's,
+// where the copy feeds a convolution), with nothing for autocast to choose.
 TORCH_LIBRARY_IMPL(fused_ops, AutocastCPU, m) {
   register_float32_results<c10::DispatchKey::AutocastCPU>(m);
+  m.impl("depth_stacked_channels_last", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(fused_ops, AutocastCUDA, m) {
   register_float32_results<c10::DispatchKey::AutocastCUDA>(m);
+  m.impl("depth_stacked_channels_last", torch::CppFunction::makeFallthrough());
 }
 
 }  // namespace fused_ops
