@@ -40,6 +40,10 @@ def main():
             rand(2, 3, 4, 5, 3, 8, dtype=dtype))
         run(f"parity_max_pool3d_cascade_sum {dtype}",
             lambda y, dtype: fused_ops.parity_max_pool3d_cascade_sum(y, 2, dtype=dtype), rand(2, 4, 5, 6, 3, 8, dtype=dtype))
+        for out_dtype in (None, torch.bfloat16):  # forward only: it has no backward
+            fused_ops.depth_stacked_channels_last(rand(2, 3, 7, 9, 11, dtype=dtype), 4, 2, [-1, -2, 1], [3, 12, 9],
+                                                  dtype=out_dtype)
+        print(f"depth_stacked_channels_last {dtype}: ok")
         bn = torch.nn.BatchNorm3d(3).to(DEV)
         run(f"batch_norm_gap {dtype}", lambda x, dtype: fused_ops.batch_norm_gap(
             x, 2.0, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, training=True,

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _autocast
-from .ops import _accumulation_dtype, _expand, _pool_triples, _pooled_size
+from .ops import _accumulation_dtype, _expand, _pool_triples, _pooled_size, depth_stacked_channels_last
 
 
 def _triple(v) -> tuple[int, int, int]:
@@ -123,30 +123,36 @@ def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positio
     convolution would cast it otherwise), and the convolution casts the weight."""
     out_channels, in_channels, *kernel = weight.shape
     index = _gather_index(axes, tuple(kernel), weight.device)
-    taps = torch.cat([weight.reshape(out_channels, in_channels, -1), weight.new_zeros(out_channels, in_channels, 1)], 2)
+    weight_taps = torch.cat([weight.reshape(out_channels, in_channels, -1),
+                             weight.new_zeros(out_channels, in_channels, 1)], 2)
     classes = index.shape[0]
     # (O, I, Q, K'd, K'h, K'w) -> 2-D kernel (O Q, K'd I, K'h, K'w): channel (o, q), input channel (tap a, i)
-    combined = taps[:, :, index].permute(0, 2, 3, 1, 4, 5).reshape(
+    combined = weight_taps[:, :, index].permute(0, 2, 3, 1, 4, 5).reshape(
         out_channels * classes, axes[0].kernel * in_channels, axes[1].kernel, axes[2].kernel)
-    # x cropped to the input span the outputs read, channels last: a view, or a padded copy
+    # x cropped (or zero-padded) to the input span the outputs read, channels last, depth-stacked:
+    # (N, Md, H', W', K'd, I), written in the convolution's dtype
     n, in_channels = x.shape[:2]
     dtype = _autocast.conv_dtype(x)
     spans = [axis.input_span(count) for axis, count in zip(axes, positions)]
-    inside = [slice(max(first, 0), min(last, x.shape[2 + d] - 1) + 1) for d, (first, last) in enumerate(spans)]
-    to = [slice(r.start - first, r.stop - first) for r, (first, _) in zip(inside, spans)]
-    shape = (n, *[last - first + 1 for first, last in spans], in_channels)
-    padded = x[:, :, inside[0], inside[1], inside[2]].permute(0, 2, 3, 4, 1)
-    if any([first < 0 or last >= x.shape[2 + d] for d, (first, last) in enumerate(spans)]):
-        padded, inner = x.new_zeros(shape, dtype=dtype), padded
-        padded[:, to[0], to[1], to[2]] = inner
-    # depth-stacked: (N Md, H', W', K'd I), one copy, tap by tap into slices (not
-    # Tensor.unfold, whose backward torch.compile 2.13 gets wrong on the CPU, nor
-    # torch.stack, which torch.compile 2.11 cannot lower into a CPU convolution)
     depth, stride, taps = positions[0], axes[0].stride, axes[0].kernel
-    stacked = x.new_empty(n, depth, shape[2], shape[3], taps, in_channels, dtype=dtype)
-    for a in range(taps):
-        stacked[:, :, :, :, a] = padded[:, a:a + stride * (depth - 1) + 1:stride]
-    stacked = stacked.reshape(n * depth, shape[2], shape[3], -1).permute(0, 3, 1, 2)
+    height, width = [last - first + 1 for first, last in spans[1:]]
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        stacked = depth_stacked_channels_last(x, taps, stride, [first for first, _ in spans], [depth, height, width],
+                                              dtype=dtype)
+    else:  # differentiable: a view or a padded copy, then a copy tap by tap into slices (not
+        # Tensor.unfold, whose backward torch.compile 2.13 gets wrong on the CPU, nor
+        # torch.stack, which torch.compile 2.11 cannot lower into a CPU convolution)
+        inside = [slice(max(first, 0), min(last, x.shape[2 + d] - 1) + 1) for d, (first, last) in enumerate(spans)]
+        to = [slice(r.start - first, r.stop - first) for r, (first, _) in zip(inside, spans)]
+        padded = x[:, :, inside[0], inside[1], inside[2]].permute(0, 2, 3, 4, 1)
+        if any([first < 0 or last >= x.shape[2 + d] for d, (first, last) in enumerate(spans)]):
+            padded, inner = x.new_zeros((n, spans[0][1] - spans[0][0] + 1, height, width, in_channels),
+                                        dtype=dtype), padded
+            padded[:, to[0], to[1], to[2]] = inner
+        stacked = x.new_empty(n, depth, height, width, taps, in_channels, dtype=dtype)
+        for a in range(taps):
+            stacked[:, :, :, :, a] = padded[:, a:a + stride * (depth - 1) + 1:stride]
+    stacked = stacked.reshape(n * depth, height, width, -1).permute(0, 3, 1, 2)
     y = F.conv2d(stacked, combined.contiguous(memory_format=torch.channels_last),
                  None if bias is None else bias.repeat_interleave(classes), stride=(axes[1].stride, axes[2].stride))
     return y.permute(0, 2, 3, 1).reshape(n, *positions, out_channels, classes)

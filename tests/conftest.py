@@ -32,6 +32,14 @@ def full_float32_convolutions():
         yield
 
 
+@pytest.fixture(autouse=True)
+def fresh_compile_state():
+    """Each test compiles from a clean torch.compile state: compiling the same module class
+    with other shapes in an earlier test would make later compiles dynamic in shape."""
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request):
     return request.param

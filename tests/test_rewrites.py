@@ -298,3 +298,23 @@ def test_drop_in_routes_ties_as_pytorch(name, args, shape, dtype, device):
     torch.testing.assert_close(grad_x, expected_grad_x, **tolerance)
     for (p_name, p), q in zip(fused.named_parameters(), original.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **tolerance, msg=lambda m: f"grad {p_name}\n{m}")
+
+
+@pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_stacked_input_without_grad_same_as_with(dtype, device):
+    """Where x needs no gradient the rewrites stack their input with the one-pass op
+    (fused_ops.depth_stacked_channels_last), else with differentiable copies: the same values
+    (cropped, zero-padded on every side)."""
+    x = torch.rand(2, 3, 6, 7, 8, dtype=dtype, device=device)
+    conv3d = nn.Conv3d(3, 4, 3, padding=(1, 2, 0)).to(device, dtype)
+    transposed = nn.ConvTranspose3d(3, 4, 5, stride=2, padding=2).to(device, dtype)
+    stride1 = nn.ConvTranspose3d(3, 4, (3, 2, 4), padding=(1, 0, 1)).to(device, dtype)
+    rewritten = [
+        lambda x: rewrites.conv3d_max_pool_windows(x, conv3d, nn.MaxPool3d(2), 2.0)[0],
+        lambda x: rewrites.conv_transpose3d_max_pool_windows(x, transposed, nn.MaxPool3d(2), nn.MaxPool3d(3))[0],
+        lambda x: rewrites.conv_transpose3d_stride1(x, stride1),
+    ]
+    for rewrite in rewritten:
+        with torch.no_grad():
+            one_pass = rewrite(x)
+        assert torch.equal(one_pass, rewrite(x.clone().requires_grad_()).detach())
