@@ -318,3 +318,21 @@ def test_stacked_input_without_grad_same_as_with(dtype, device):
         with torch.no_grad():
             one_pass = rewrite(x)
         assert torch.equal(one_pass, rewrite(x.clone().requires_grad_()).detach())
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d).removeprefix("torch."))
+def test_conv_transpose3d_stride1_under_autocast(autocast_dtype, device):
+    """16-bit: the rewritten convolution differentiated by autograd (its weight gradient);
+    the transposed convolution's dtype, and values and parameter gradients within 16-bit
+    rounding of the original's under the same autocast."""
+    conv = nn.ConvTranspose3d(3, 4, (3, 2, 4), padding=(1, 0, 1)).to(device)
+    x = torch.rand(2, 3, 4, 5, 6, device=device)
+    with torch.autocast(device_type=device, dtype=autocast_dtype):
+        y, expected = rewrites.conv_transpose3d_stride1(x, conv), conv(x)
+    assert y.dtype == expected.dtype == autocast_dtype and y.is_contiguous()
+    torch.testing.assert_close(y.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    grad = torch.rand_like(expected)
+    for a, b in zip(torch.autograd.grad(y, list(conv.parameters()), grad),
+                    torch.autograd.grad(expected, list(conv.parameters()), grad)):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
