@@ -53,6 +53,14 @@ print("same outputs")
 """
 
 
+def compiler_runtime() -> dict:
+    """LD_PRELOAD of the C++ runtime of the compiler AOTInductor builds with (c++). On the GPU
+    test image a Python process has an older libstdc++ loaded first, and a compiled model, a
+    plain PyTorch one too, faults as it loads without the runtime it was built against."""
+    path = subprocess.run(["c++", "-print-file-name=libstdc++.so.6"], capture_output=True, text=True).stdout.strip()
+    return {"LD_PRELOAD": path} if os.path.isabs(path) else {}
+
+
 @requires_cuda
 @pytest.mark.parametrize("index", range(len(CONFIGS)), ids=IDS)
 def test_aot_inductor_gives_module_outputs(index, tmp_path):
@@ -60,5 +68,5 @@ def test_aot_inductor_gives_module_outputs(index, tmp_path):
     would end the test session instead of failing one test."""
     result = subprocess.run([sys.executable, "-c", AOT_INDUCTOR_CHECK, str(index), str(tmp_path / "model.pt2")],
                             cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
-                            timeout=600)
+                            timeout=600, env={**os.environ, **compiler_runtime()})
     assert result.returncode == 0 and "same outputs" in result.stdout, result.stdout + result.stderr[-3000:]

@@ -101,11 +101,12 @@ at::Tensor depth_stacked_channels_last_cuda(const at::Tensor& x, int64_t taps, i
       const int64_t unit = std::max<int64_t>(vec * sizeof(out_t), 4);
       int64_t ld = (s.rows() + vec - 1) / vec * vec;
       while (ld * static_cast<int64_t>(sizeof(out_t)) % (2 * unit) == 0) ld += vec;
-      // tile: the most w columns that fit the budget
-      const int64_t columns = kTileBytes / (ld * static_cast<int64_t>(sizeof(out_t)));
-      TORCH_CHECK_VALUE(columns >= 1, what, ": the CUDA kernel needs taps * channels * the output's element size "
-                        "to be at most ", kTileBytes, " bytes, got ", s.taps, " * ", s.channels, " * ",
-                        sizeof(out_t));
+      // tile: the most w columns that fit the budget (at least one: a row over the budget by
+      // its padding alone still fits the 48 KB a block may take without opting in)
+      TORCH_CHECK_VALUE(s.rows() * static_cast<int64_t>(sizeof(out_t)) <= kTileBytes, what,
+                        ": the CUDA kernel needs taps * channels * the output's element size to be at most ",
+                        kTileBytes, " bytes, got ", s.taps, " * ", s.channels, " * ", sizeof(out_t));
+      const int64_t columns = std::max<int64_t>(kTileBytes / (ld * static_cast<int64_t>(sizeof(out_t))), 1);
       const int tile = static_cast<int>(std::min(s.size[2], columns));
       const int w_tiles = static_cast<int>((s.size[2] + tile - 1) / tile);
       const size_t smem = static_cast<size_t>(tile * ld) * sizeof(out_t);
