@@ -140,12 +140,13 @@ def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positio
     spans = [axis.input_span(count) for axis, count in zip(axes, positions)]
     depth, stride, taps = positions[0], axes[0].stride, axes[0].kernel
     height, width = [last - first + 1 for first, last in spans[1:]]
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    if not (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling()):
         stacked = depth_stacked_channels_last(x, taps, stride, [first for first, _ in spans], [depth, height, width],
                                               dtype=dtype)
-    else:  # differentiable: a view or a padded copy, then a copy tap by tap into slices (not
-        # Tensor.unfold, whose backward torch.compile 2.13 gets wrong on the CPU, nor
-        # torch.stack, which torch.compile 2.11 cannot lower into a CPU convolution)
+    else:  # differentiable, and what a compiler fuses itself: a view or a padded copy, then a
+        # copy tap by tap into slices (not Tensor.unfold, whose backward torch.compile 2.13 gets
+        # wrong on the CPU, nor torch.stack, which torch.compile 2.11 cannot lower into a CPU
+        # convolution)
         inside = [slice(max(first, 0), min(last, x.shape[2 + d] - 1) + 1) for d, (first, last) in enumerate(spans)]
         to = [slice(r.start - first, r.stop - first) for r, (first, _) in zip(inside, spans)]
         padded = x[:, :, inside[0], inside[1], inside[2]].permute(0, 2, 3, 4, 1)

@@ -60,12 +60,15 @@ def test_autocast_like_original(name, args, shape, autocast_dtype, train, device
     assert fused_out.dtype == out.dtype and fused_out.shape == out.shape and fused_out.device == out.device
     tolerance = 2 * relative_error(out, ref_out) + 1e-6
     assert relative_error(fused_out, ref_out) <= tolerance, "output"
-    # a parameter's gradient relative to the largest of all (D's conv bias gets one that is
-    # zero up to rounding: a training batch norm removes a per-channel constant)
+    # A parameter's gradient relative to the largest of all, within twice the original's error
+    # or half a unit of the autocast dtype's last place (D's conv bias gets a gradient that is
+    # zero but for rounding, a training batch norm removing a per-channel constant: both
+    # modules' are noise far below the 16-bit resolution, whose ratio means nothing).
     largest = max([g.abs().max().item() for g in ref_grads], default=0.0)
+    resolution = torch.finfo(autocast_dtype).eps / 2
     for (p_name, p), g, fused_g, ref_g in zip(original.named_parameters(), grads, fused_grads, ref_grads):
         assert fused_g.dtype == p.dtype, p_name
-        tolerance = 2 * relative_error(g, ref_g, largest) + 1e-6
+        tolerance = max(2 * relative_error(g, ref_g, largest), resolution)
         assert relative_error(fused_g, ref_g, largest) <= tolerance, f"grad {p_name}"
     if name == "ConvTranspose3dScaleBatchNormGAP":  # the running statistics, updated in training
         for buffer, fused_buffer, ref_buffer in zip(original.buffers(), fused.buffers(), reference.buffers()):
