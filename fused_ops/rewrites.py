@@ -94,6 +94,10 @@ def _transposed_axis(kernel: int, stride: int, padding: int) -> _Axis:
 
 _GATHER_INDICES: dict = {}
 
+# The most bytes of one output position's taps x channels that depth_stacked_channels_last's
+# CUDA kernel holds in its shared tile (kTileBytes in csrc/cuda/depth_stacked_channels_last.cu).
+_STACK_ROW_BYTES = 32 * 1024
+
 
 def _gather_index(axes: tuple[_Axis, _Axis, _Axis], kernel: tuple[int, int, int], device) -> Tensor:
     """(Q, K'd, K'h, K'w) indices into an original kernel flattened to k_d k_h k_w taps plus a
@@ -140,7 +144,8 @@ def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positio
     spans = [axis.input_span(count) for axis, count in zip(axes, positions)]
     depth, stride, taps = positions[0], axes[0].stride, axes[0].kernel
     height, width = [last - first + 1 for first, last in spans[1:]]
-    if not (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling()):
+    one_pass_fits = not x.is_cuda or taps * in_channels * dtype.itemsize <= _STACK_ROW_BYTES
+    if one_pass_fits and not (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling()):
         stacked = depth_stacked_channels_last(x, taps, stride, [first for first, _ in spans], [depth, height, width],
                                               dtype=dtype)
     else:  # differentiable, and what a compiler fuses itself: a view or a padded copy, then a

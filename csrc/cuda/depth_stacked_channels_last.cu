@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <limits>
 #include <optional>
 
 #include "../depth_stacked_channels_last.h"
@@ -84,8 +83,9 @@ at::Tensor depth_stacked_channels_last_cuda(const at::Tensor& x, int64_t taps, i
   const DepthStack& s = args.stack;
   const at::Tensor& out = args.out;
   if (out.numel() == 0) return out;
-  TORCH_CHECK_VALUE(*std::max_element(s.size.begin(), s.size.end()) <= std::numeric_limits<int>::max(), what,
-                    ": sizes of 2^31 or more are not supported by the CUDA kernel, got ", size);
+  // (ItemCursor steps its int digits by up to a size: sizes below 2^30 keep the sums in int)
+  TORCH_CHECK_VALUE(*std::max_element(s.size.begin(), s.size.end()) < (int64_t{1} << 30), what,
+                    ": sizes of 2^30 or more are not supported by the CUDA kernel, got ", size);
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const XStrides xs{x.stride(0), x.stride(1), x.stride(2), x.stride(3), x.stride(4)};
