@@ -5,9 +5,11 @@ Each has the original's constructor, parameters, buffers and state_dict keys
 ``from_module(original)`` wraps an existing instance, sharing its parameters.
 """
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _autocast, reference, rewrites
+from . import _autocast, autotune, reference, rewrites
+from ._derived import derived
 from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean,
                   parity_max_pool3d_cascade_sum, parity_max_pool3d_mean)
 from .sync_batch_norm import sync_batch_norm_gap, sync_process_group
@@ -47,18 +49,84 @@ def _check_input(name: str, x: Tensor, in_channels: int, unbatched_ok: bool) -> 
         raise ValueError(f"{name}: expected {in_channels} input channels, got input of shape {tuple(x.shape)}")
 
 
-def _check_fusable_max_pool(name: str, pool: nn.MaxPool3d, ceil_mode_ok: bool) -> None:
-    if pool.dilation not in (1, (1, 1, 1), [1, 1, 1]) or pool.return_indices or (pool.ceil_mode and not ceil_mode_ok):
-        unsupported = "dilation != 1, return_indices" + ("" if ceil_mode_ok else " or ceil_mode")
-        raise ValueError(f"{name}: the fused max-pool does not support {unsupported}, got {pool}")
+def _fusable_max_pool(pool: nn.MaxPool3d, ceil_mode_ok: bool) -> bool:
+    """Whether the fused max-pool kernels compute `pool` (else the original's ops do)."""
+    return pool.dilation in (1, (1, 1, 1), [1, 1, 1]) and (ceil_mode_ok or not pool.ceil_mode)
 
 
-class Conv2dAvgPoolSigmoidSum(nn.Module):
-    """conv2d -> avg_pool2d -> sigmoid -> sum over (C, H, W). Where the pool's
-    windows do not pad (``fused_ops.rewrites.conv2d_avg_pool``), the pool is
-    folded into the convolution, which runs over space-to-depth input, and
-    the sigmoid and sum follow; otherwise the tail is fused into one kernel
-    (``fused_ops.avg_pool2d_sigmoid_sum``)."""
+def _check_pool_returns_values(name: str, pool: nn.MaxPool3d) -> None:
+    if pool.return_indices:
+        raise ValueError(f"{name}: a max-pool that returns indices gives the next op a tuple, got {pool}")
+
+
+def _conv_config(conv: nn.Module) -> tuple:
+    return (type(conv), conv.weight.shape, conv.weight.dtype, conv.bias is None, conv.stride, conv.padding,
+            conv.dilation, conv.groups, conv.padding_mode, getattr(conv, "output_padding", None))
+
+
+def _pool_config(pool: nn.Module) -> tuple:
+    return (type(pool), pool.kernel_size, pool.stride, pool.padding, getattr(pool, "dilation", None), pool.ceil_mode,
+            getattr(pool, "count_include_pad", None), getattr(pool, "divisor_override", None))
+
+
+def _conv_channels_last(conv: nn.Module, x: Tensor) -> Tensor:
+    """conv(x) with its input and weight channels last (the input converted and cast to the
+    convolution's dtype in one copy, the weight's copy kept while it is unchanged), and so
+    its output: the tuned original's layout."""
+    fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+    weight = conv.weight
+    dtype = _autocast.cast_dtype(x)
+    x = x.to(dtype=dtype or x.dtype, memory_format=fmt)
+    if not weight.is_contiguous(memory_format=fmt) or (dtype is not None and weight.dtype != dtype):
+        weight = derived(("channels_last", dtype), (conv.weight,),
+                         lambda: conv.weight.to(dtype=dtype or conv.weight.dtype, memory_format=fmt))
+    if isinstance(conv, nn.ConvTranspose3d):
+        return F.conv_transpose3d(x, weight, conv.bias, conv.stride, conv.padding, conv.output_padding, conv.groups,
+                                  conv.dilation)
+    return conv._conv_forward(x, weight, conv.bias)
+
+
+class _Formulations:
+    """The formulations of a module's function and the choice among them
+    (``fused_ops.autotune``). A subclass gives `_config()` (what its choice depends on besides
+    the call), `_order(x)` (the formulations to consider, the rule's first: the last always
+    holds) and `_run(name, x)` (the formulation's result, or None where it does not hold)."""
+
+    def _dispatch(self, x: Tensor):
+        return autotune.choose(self, self._config, self._order(x), lambda name: self._run(name, x), x)[1]
+
+    def formulation(self, x: Tensor) -> str | None:
+        """The formulation tuned for a call with x now (the same mode, gradient recording and
+        autocast state), or None where none was tuned (no call yet, the autotuner off, a
+        compiled call, a rule or a forced one)."""
+        x = self._dispatched_input(x)
+        return None if x is None else autotune.kept_choice(autotune.call_key(self, self._config(), x))
+
+    def _dispatched_input(self, x: Tensor) -> Tensor | None:
+        return x
+
+
+# The formulations in the rules' order on a GPU (rewrites first) and on a CPU (the rewrites
+# last but the originals: torch.compile cannot lower them there).
+_ORDER = {"cuda": autotune.FORMULATIONS,
+          "cpu": ("fused", "fused_channels_last", "rewrite", "original_channels_last", "original")}
+
+
+def _order(x: Tensor) -> tuple[str, ...]:
+    if not x.is_cuda and _autocast.cast_dtype(x) is not None:
+        # 16-bit convolutions on a CPU round differently in each layout and formulation, the
+        # rearranged and channels-last ones beyond twice the original's error (tests)
+        return ("fused", "original")
+    return _ORDER["cuda" if x.is_cuda else "cpu"]
+
+
+class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
+    """conv2d -> avg_pool2d -> sigmoid -> sum over (C, H, W). Formulations
+    (``fused_ops.autotune``): ``rewrite`` where the pool's windows do not pad
+    (``fused_ops.rewrites.conv2d_avg_pool``): the pool folded into the convolution, which
+    runs over space-to-depth input, then the sigmoid and the sum; ``fused``: the convolution,
+    then the tail fused into one kernel (``fused_ops.avg_pool2d_sigmoid_sum``); ``original``;
+    and the last two with the convolution channels last."""
 
     def __init__(self, in_channels, out_channels, kernel_size, pool_kernel_size):
         super().__init__()
@@ -76,34 +144,41 @@ class Conv2dAvgPoolSigmoidSum(nn.Module):
                 f"{type(self).__name__}: expected a 4-D input (batch, channels, height, width), "
                 f"got {x.dim()}-D input of shape {tuple(x.shape)}"
             )
+        return self._dispatch(x)
+
+    def _config(self) -> tuple:
+        return _conv_config(self.conv), _pool_config(self.avg_pool)
+
+    def _order(self, x: Tensor) -> tuple[str, ...]:
+        # the rewrite first on a CPU too (where torch.compile lowers it)
+        return ("rewrite", *[name for name in _order(x) if name != "rewrite"])
+
+    def _run(self, name: str, x: Tensor) -> Tensor | None:
         pool = self.avg_pool
-        pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
-        if pooled is not None:
-            return torch.sigmoid(pooled).sum(dim=(1, 2, 3))
-        out = avg_pool2d_sigmoid_sum(
-            self.conv(x),
-            pool.kernel_size,
-            pool.stride,
-            pool.padding,
-            pool.ceil_mode,
-            pool.count_include_pad,
-            pool.divisor_override,
-        )
+        if name == "rewrite":
+            pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
+            return None if pooled is None else torch.sigmoid(pooled).sum(dim=(1, 2, 3))
+        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else self.conv(x)
+        if name.startswith("original"):
+            return torch.sum(torch.sigmoid(pool(y)), dim=[1, 2, 3])
+        out = avg_pool2d_sigmoid_sum(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
+                                     pool.count_include_pad, pool.divisor_override)
         return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
                                            ("aten::avg_pool2d", "aten::sigmoid", "aten::sum.dim_IntList")))
 
 
-class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
+class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBiasSum):
     """conv3d -> / divisor -> max_pool3d -> global average pool -> + bias -> sum
-    over sum_dim. On a GPU, where the pool's windows tile the convolution's
-    output (``fused_ops.rewrites.conv3d_max_pool_windows``), the divisor is folded
-    into the convolution, which computes the windows side by side, and
-    ``fused_ops.parity_max_pool3d_mean`` pools and averages them; otherwise
-    the division, the pool and the average are fused into one kernel over the
-    convolution's output (``fused_ops.max_pool3d_mean``). The bias and the sum
-    are applied to the (B, C, 1, 1, 1) result as the original does. The constructor is the
-    original's (the same members, parameters drawn in the same order);
-    ``global_avg_pool`` stays for its structure, the fused op computes it."""
+    over sum_dim. Formulations (``fused_ops.autotune``) of the (B, C) average:
+    ``rewrite`` where the pool's windows tile the convolution's output
+    (``fused_ops.rewrites.conv3d_max_pool_windows``): the convolution computes the windows
+    side by side, the divisor folded into it where that is exact, and
+    ``fused_ops.parity_max_pool3d_mean`` pools and averages them; ``fused``: the division, the
+    pool and the average fused into one kernel over the convolution's output
+    (``fused_ops.max_pool3d_mean``); ``original``; and the last two with the convolution
+    channels last. The bias and the sum are applied to the (B, C, 1, 1, 1) result as the
+    original does. The constructor is the original's (the same members, parameters drawn in
+    the same order); ``global_avg_pool`` stays for its structure, the fused ops compute it."""
 
     @classmethod
     def from_module(cls, original: nn.Module) -> "Conv3dDivMaxPoolGAPBiasSum":
@@ -113,20 +188,9 @@ class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
     def forward(self, x: Tensor) -> Tensor:
         name = type(self).__name__
         _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
-        pool = self.max_pool
-        _check_fusable_max_pool(name, pool, ceil_mode_ok=True)
+        _check_pool_returns_values(name, self.max_pool)
         batched = x.dim() == 5
-        if not batched:
-            x = x.unsqueeze(0)
-        rewritten = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor) if x.is_cuda else None
-        if rewritten is not None:
-            windows, channel_bias = rewritten
-            mean = parity_max_pool3d_mean(windows)
-            if channel_bias is not None:
-                mean = mean + channel_bias
-        else:
-            mean = max_pool3d_mean(self.conv(x), pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
-                                   self.divisor)
+        mean = self._dispatch(self._dispatched_input(x))
         pooled = mean[:, :, None, None, None] if batched else mean[0, :, None, None, None]
         out = torch.sum(pooled + self.bias, dim=self.sum_dim)
         # the original's dtype: its global average's (the pools' under autocast), plus the bias, summed
@@ -135,17 +199,44 @@ class Conv3dDivMaxPoolGAPBiasSum(reference.Conv3dDivMaxPoolGAPBiasSum):
         return out.to(_autocast.tail_dtype(torch.promote_types(average_dtype, self.bias.dtype), x.device.type,
                                            ("aten::sum.dim_IntList",)))
 
+    def _dispatched_input(self, x: Tensor) -> Tensor:
+        return x if x.dim() == 5 else x.unsqueeze(0)
 
-class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSum):
+    def _config(self) -> tuple:
+        return _conv_config(self.conv), _pool_config(self.max_pool), self.divisor
+
+    def _order(self, x: Tensor) -> tuple[str, ...]:
+        return _order(x)
+
+    def _run(self, name: str, x: Tensor) -> Tensor | None:
+        """The (B, C) average of the pooled maxima of conv(x) / divisor."""
+        pool = self.max_pool
+        if name == "rewrite":
+            rewritten = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor)
+            if rewritten is None:
+                return None
+            windows, channel_bias = rewritten
+            mean = parity_max_pool3d_mean(windows)
+            return mean if channel_bias is None else mean + channel_bias
+        fused = name.startswith("fused")
+        if fused and not _fusable_max_pool(pool, ceil_mode_ok=True):
+            return None
+        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else self.conv(x)
+        if fused:
+            return max_pool3d_mean(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
+        return self.global_avg_pool(pool(y / self.divisor)).flatten(1)
+
+
+class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dMaxPoolMaxPoolSum):
     """conv_transpose3d -> max_pool3d -> max_pool3d -> sum over channels
-    (keepdim). On a GPU, where the first pool's windows are the transposed
-    convolution's stride classes and the second pool's tile its output
-    (``fused_ops.rewrites.conv_transpose3d_max_pool_windows``), a convolution
-    computes the first pool's windows side by side and
-    ``fused_ops.parity_max_pool3d_cascade_sum`` pools and sums them; otherwise
-    the two pools and the sum are fused into one kernel over the transposed
-    convolution's output (``fused_ops.max_pool3d_cascade_sum``). The constructor is the original's
-    (the same members, parameters drawn in the same order)."""
+    (keepdim). Formulations (``fused_ops.autotune``): ``rewrite`` where the first pool's
+    windows are the transposed convolution's stride classes and the second pool's tile its
+    output (``fused_ops.rewrites.conv_transpose3d_max_pool_windows``): a convolution computes
+    the first pool's windows side by side and ``fused_ops.parity_max_pool3d_cascade_sum``
+    pools and sums them; ``fused``: the two pools and the sum fused into one kernel over the
+    transposed convolution's output (``fused_ops.max_pool3d_cascade_sum``); ``original``; and
+    the last two with the convolution channels last. The constructor is the original's (the
+    same members, parameters drawn in the same order)."""
 
     @classmethod
     def from_module(cls, original: nn.Module) -> "ConvTranspose3dMaxPoolMaxPoolSum":
@@ -155,44 +246,66 @@ class ConvTranspose3dMaxPoolMaxPoolSum(reference.ConvTranspose3dMaxPoolMaxPoolSu
     def forward(self, x: Tensor) -> Tensor:
         name = type(self).__name__
         _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=True)
-        first, second = self.max_pool1, self.max_pool2
+        _check_pool_returns_values(name, self.max_pool1)
+        _check_pool_returns_values(name, self.max_pool2)
         if x.dim() == 4:
             # Unbatched, the original's sum over dim 1 adds depth planes, not channels:
-            # its own ops (the fused op sums channels).
-            return torch.sum(second(first(self.conv_transpose(x))), dim=1, keepdim=True)
-        _check_fusable_max_pool(name, first, ceil_mode_ok=False)
-        _check_fusable_max_pool(name, second, ceil_mode_ok=False)
-        rewritten = (rewrites.conv_transpose3d_max_pool_windows(x, self.conv_transpose, first, second)
-                     if x.is_cuda else None)
-        if rewritten is not None:
+            # its own ops (the fused ops sum channels).
+            return self._run("original", x)
+        return self._dispatch(x)
+
+    def _dispatched_input(self, x: Tensor) -> Tensor | None:
+        return x if x.dim() == 5 else None
+
+    def _config(self) -> tuple:
+        return _conv_config(self.conv_transpose), _pool_config(self.max_pool1), _pool_config(self.max_pool2)
+
+    def _order(self, x: Tensor) -> tuple[str, ...]:
+        return _order(x)
+
+    def _run(self, name: str, x: Tensor) -> Tensor | None:
+        first, second = self.max_pool1, self.max_pool2
+        if name == "rewrite":
+            rewritten = rewrites.conv_transpose3d_max_pool_windows(x, self.conv_transpose, first, second)
+            if rewritten is None:
+                return None
             windows, channel_bias = rewritten
             out = parity_max_pool3d_cascade_sum(windows, second.kernel_size)
             if channel_bias is not None:  # each channel's maximum carries its bias into the sum
                 out = out + channel_bias.sum()
-        else:
-            out = max_pool3d_cascade_sum(self.conv_transpose(x), first.kernel_size, second.kernel_size,
-                                         stride1=first.stride, padding1=first.padding, stride2=second.stride,
-                                         padding2=second.padding)
-        return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
-                                           ("aten::max_pool3d", "aten::sum.dim_IntList")))
+            return out.to(self._out_dtype(x))
+        fused = name.startswith("fused")
+        if fused and not (_fusable_max_pool(first, ceil_mode_ok=False) and _fusable_max_pool(second, ceil_mode_ok=False)):
+            return None
+        y = (_conv_channels_last(self.conv_transpose, x) if name.endswith("channels_last")
+             else self.conv_transpose(x))
+        if not fused:
+            return torch.sum(second(first(y)), dim=1, keepdim=True)
+        out = max_pool3d_cascade_sum(y, first.kernel_size, second.kernel_size, stride1=first.stride,
+                                     padding1=first.padding, stride2=second.stride, padding2=second.padding)
+        return out.to(self._out_dtype(x))
+
+    def _out_dtype(self, x: Tensor) -> torch.dtype:
+        return _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, ("aten::max_pool3d", "aten::sum.dim_IntList"))
 
 
-class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGAP):
-    """conv_transpose3d -> * scale_factor -> batch_norm3d -> global average
-    pool; the scale, the batch norm and the pool fused into one op
-    (``fused_ops.batch_norm_gap``), which updates the running statistics as
-    nn.BatchNorm3d does, on the device. Normalizing with running statistics
-    (eval mode), the output is affine in the input's spatial sums where the
-    transposed convolution does not pad (``fused_ops.rewrites.conv_transpose3d_spatial_mean_map``,
-    the batch norm folded in): one reduction of x and a small matmul. With batch
-    statistics on a GPU, a stride-1 transposed convolution runs as a convolution
-    (``fused_ops.rewrites.conv_transpose3d_stride1``). The constructor is the original's (the
-    same members, parameters and buffers, drawn in the same order);
-    ``batch_norm`` holds the parameters, buffers and settings the fused op
-    reads (affine, track_running_stats, momentum, eps), ``global_avg_pool``
-    stays for its structure. An nn.SyncBatchNorm there (convert_sync_batchnorm)
-    takes its training statistics over its process group where nn.SyncBatchNorm
-    would (``fused_ops.sync_batch_norm``), on any device its backend serves."""
+class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dScaleBatchNormGAP):
+    """conv_transpose3d -> * scale_factor -> batch_norm3d -> global average pool.
+    Formulations (``fused_ops.autotune``): ``fused``: the scale, the batch norm and the pool
+    fused into one op (``fused_ops.batch_norm_gap``), which updates the running statistics as
+    nn.BatchNorm3d does, on the device; ``rewrite``: normalizing with running statistics
+    (eval mode), the output is affine in the input's spatial sums where the transposed
+    convolution does not pad (``fused_ops.rewrites.conv_transpose3d_spatial_mean_map``, the
+    batch norm folded in): one reduction of x and a small matmul; with batch statistics, a
+    stride-1 transposed convolution run as a convolution
+    (``fused_ops.rewrites.conv_transpose3d_stride1``), then the fused op; ``original``; and
+    ``fused`` and ``original`` with the convolution channels last. The constructor is the
+    original's (the same members, parameters and buffers, drawn in the same order);
+    ``batch_norm`` holds the parameters, buffers and settings the fused op reads (affine,
+    track_running_stats, momentum, eps), ``global_avg_pool`` stays for its structure. An
+    nn.SyncBatchNorm there (convert_sync_batchnorm) takes its training statistics over its
+    process group where nn.SyncBatchNorm would (``fused_ops.sync_batch_norm``), on any device
+    its backend serves."""
 
     @classmethod
     def from_module(cls, original: nn.Module) -> "ConvTranspose3dScaleBatchNormGAP":
@@ -204,59 +317,82 @@ class ConvTranspose3dScaleBatchNormGAP(reference.ConvTranspose3dScaleBatchNormGA
         _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=False)
         if self.global_avg_pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
             raise ValueError(f"{name}: the fused op pools to (1, 1, 1), got {self.global_avg_pool}")
+        group = sync_process_group(self.batch_norm)
+        if group is not None:  # one formulation: every rank must make the same collective calls
+            y = self.conv_transpose(x)
+            return sync_batch_norm_gap(y, self.scale_factor, self.batch_norm, group).to(self._out_dtype(x))
+        return self._dispatch(x)
+
+    def _config(self) -> tuple:
         bn = self.batch_norm
+        return (_conv_config(self.conv_transpose), self.scale_factor, bn.eps, bn.momentum, bn.affine,
+                bn.track_running_stats, bn.running_mean is None)
+
+    def _batch_stats(self) -> bool:
+        # nn.BatchNorm3d's rule: batch statistics in training mode or without running statistics
+        return self.batch_norm.training or self.batch_norm.running_mean is None
+
+    def _order(self, x: Tensor) -> tuple[str, ...]:
+        order = _order(x) if self._batch_stats() else ("rewrite", *[n for n in _order(x) if n != "rewrite"])
+        if isinstance(self.batch_norm, nn.SyncBatchNorm):  # (which refuses a CPU input)
+            order = tuple([name for name in order if not name.startswith("original")])
+        return order
+
+    def _out_dtype(self, x: Tensor) -> torch.dtype:
+        return _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
+                                    ("aten::batch_norm", "aten::adaptive_avg_pool3d"))
+
+    def _run(self, name: str, x: Tensor) -> Tensor | None:
+        bn = self.batch_norm
+        batch_stats = self._batch_stats()
+        if name == "rewrite" and not batch_stats:
+            mapped = self._running_stats_map(x)
+            if mapped is None:
+                return None
+            weight, shift = mapped
+            out = torch.addmm(shift, rewrites.spatial_sums(x), weight)
+            return out[:, :, None, None, None].to(self._out_dtype(x))
+        if name == "rewrite":
+            y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose)
+            if y is None:
+                return None
+        elif name.endswith("channels_last"):
+            y = _conv_channels_last(self.conv_transpose, x)
+        else:
+            y = self.conv_transpose(x)
+        if name.startswith("original"):
+            return self.global_avg_pool(bn(y * self.scale_factor))
         # nn.BatchNorm3d's rules: the running statistics are normalized with
         # in eval mode and updated in training mode with track_running_stats.
         running = not bn.training or bn.track_running_stats
-        batch_stats = bn.training or bn.running_mean is None
-        out_dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
-                                         ("aten::batch_norm", "aten::adaptive_avg_pool3d"))
-        if not batch_stats:
-            mapped = self._running_stats_map(x)
-            if mapped is not None:
-                weight, shift = mapped
-                out = torch.addmm(shift, rewrites.spatial_sums(x), weight)
-                return out[:, :, None, None, None].to(out_dtype)
-        y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose) if x.is_cuda else None
-        if y is None:
-            y = self.conv_transpose(x)
-        group = sync_process_group(bn)
-        if group is not None:
-            out = sync_batch_norm_gap(y, self.scale_factor, bn, group)
-        else:
-            out = batch_norm_gap(y, self.scale_factor, bn.weight, bn.bias,
-                                 bn.running_mean if running else None, bn.running_var if running else None,
-                                 bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
-                                 training=bn.training, momentum=bn.momentum, eps=bn.eps)
-        return out.to(out_dtype)
+        out = batch_norm_gap(y, self.scale_factor, bn.weight, bn.bias,
+                             bn.running_mean if running else None, bn.running_var if running else None,
+                             bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
+                             training=bn.training, momentum=bn.momentum, eps=bn.eps)
+        return out.to(self._out_dtype(x))
 
     def _running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """(W (I, O), b (O)) in float64 with the output, normalized with the running
         statistics, ``s @ W + b`` for x's spatial sums s (N, I): the spatial mean of the
         transposed convolution is affine in s (``rewrites.conv_transpose3d_spatial_mean_map``)
         and so is the batch norm per channel, out = (scale * mean - running_mean) * rstd *
-        weight + bias. None where the transposed convolution pads. Kept for the next call
-        while the parameters, buffers and x's size stay (their versions), where no gradient
-        is being recorded (a graph would need the parameters') and outside torch.compile."""
+        weight + bias. None where the transposed convolution pads. Kept while the parameters
+        and buffers stay (``fused_ops._derived``), per spatial size and device of x."""
         conv, bn = self.conv_transpose, self.batch_norm
-        tensors = [t for t in (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
-                   if t is not None]
-        keep = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        key = (x.shape[1:], x.device, self.scale_factor, bn.eps,
-               tuple([(t.data_ptr(), t._version) for t in tensors])) if keep else None
-        kept = getattr(self, "_kept_running_stats_map", None)
-        if key is not None and kept is not None and kept[0] == key:
-            return kept[1]
+        tensors = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+        return derived(("running_stats_map", x.shape[2:], x.device, self.scale_factor, bn.eps), tensors,
+                       lambda: self._build_running_stats_map(x))
+
+    def _build_running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        conv, bn = self.conv_transpose, self.batch_norm
         mapped = rewrites.conv_transpose3d_spatial_mean_map(x, conv)
-        if mapped is not None:
-            weight, bias = mapped
-            gain = (bn.running_var.double() + bn.eps).rsqrt()  # rstd * weight
-            if bn.weight is not None:
-                gain = gain * bn.weight.double()
-            shift = (self.scale_factor * bias - bn.running_mean.double()) * gain
-            if bn.bias is not None:
-                shift = shift + bn.bias.double()
-            mapped = weight * (self.scale_factor * gain), shift
-        if key is not None:
-            self._kept_running_stats_map = key, mapped
-        return mapped
+        if mapped is None:
+            return None
+        weight, bias = mapped
+        gain = (bn.running_var.double() + bn.eps).rsqrt()  # rstd * weight
+        if bn.weight is not None:
+            gain = gain * bn.weight.double()
+        shift = (self.scale_factor * bias - bn.running_mean.double()) * gain
+        if bn.bias is not None:
+            shift = shift + bn.bias.double()
+        return weight * (self.scale_factor * gain), shift

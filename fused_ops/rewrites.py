@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _autocast
+from ._derived import derived
 from .ops import _accumulation_dtype, _expand, _pool_triples, _pooled_size, depth_stacked_channels_last
 
 
@@ -119,15 +120,12 @@ def _build_gather_index(axes: tuple[_Axis, _Axis, _Axis], kernel: tuple[int, int
                          for qd in range(d.classes) for qh in range(h.classes) for qw in range(w.classes)])
 
 
-def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positions: tuple[int, int, int]) -> Tensor:
-    """The parity-class convolution: (N, Md, Mh, Mw, O, Q) for `positions` = (Md, Mh, Mw).
-
-    weight: (O, I, k_d, k_h, k_w), the original's taps as a convolution's. Under autocast
-    the rearranged input is written in autocast's dtype as it is copied (one pass; the
-    convolution would cast it otherwise), and the convolution casts the weight."""
+def _parity_kernel(weight: Tensor, axes) -> Tensor:
+    """The parity-class convolution's 2-D kernel (O Q, K'd I, K'h, K'w), channels last:
+    output channel (o, q), input channel (tap a, i), from `weight` (O, I, k_d, k_h, k_w),
+    the original's taps as a convolution's."""
     out_channels, in_channels, *kernel = weight.shape
     classes = math.prod([axis.classes for axis in axes])
-    # the 2-D kernel (O Q, K'd I, K'h, K'w): output channel (o, q), input channel (tap a, i)
     if classes == 1 and all([axis.taps[0] == tuple(range(axis.kernel - 1, -1, -1)) for axis in axes]):
         # a stride-1 transposed convolution's: the taps flipped (no gather, whose backward scatters)
         combined = weight.flip(2, 3, 4).transpose(1, 2).reshape(out_channels, -1, axes[1].kernel, axes[2].kernel)
@@ -137,6 +135,22 @@ def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positio
                                  weight.new_zeros(out_channels, in_channels, 1)], 2)
         combined = weight_taps[:, :, index].permute(0, 2, 3, 1, 4, 5).reshape(
             out_channels * classes, axes[0].kernel * in_channels, axes[1].kernel, axes[2].kernel)
+    return combined.contiguous(memory_format=torch.channels_last)
+
+
+def _kernel_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype a derived kernel is kept in: autocast's for x's convolution (the convolution
+    would cast it on every call), else the weight's own."""
+    return _autocast.cast_dtype(x) or weight.dtype
+
+
+def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positions: tuple[int, int, int]) -> Tensor:
+    """The parity-class convolution: (N, Md, Mh, Mw, O, Q) for `positions` = (Md, Mh, Mw),
+    with `kernel` from _parity_kernel and `bias` per output channel (O Q) or None. Under
+    autocast the rearranged input is written in autocast's dtype as it is copied (one pass;
+    the convolution would cast it otherwise)."""
+    classes = math.prod([axis.classes for axis in axes])
+    out_channels = kernel.shape[0] // classes
     # x cropped (or zero-padded) to the input span the outputs read, channels last, depth-stacked:
     # (N, Md, H', W', K'd, I), written in the convolution's dtype
     n, in_channels = x.shape[:2]
@@ -163,8 +177,7 @@ def _parity_conv3d(x: Tensor, weight: Tensor, bias: Tensor | None, axes, positio
         for a in range(taps):
             stacked[:, :, :, :, a] = padded[:, a:a + stride * (depth - 1) + 1:stride]
     stacked = stacked.reshape(n * depth, height, width, -1).permute(0, 3, 1, 2)
-    y = F.conv2d(stacked, combined.contiguous(memory_format=torch.channels_last),
-                 None if bias is None else bias.repeat_interleave(classes), stride=(axes[1].stride, axes[2].stride))
+    y = F.conv2d(stacked, kernel, bias, stride=(axes[1].stride, axes[2].stride))
     return y.permute(0, 2, 3, 1).reshape(n, *positions, out_channels, classes)
 
 
@@ -205,12 +218,17 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
             or math.prod(classes) > 256:
         return None
     axes = tuple([_conv_pool_axis(kernel[d], padding[d], classes[d]) for d in range(3)])
+    weight, bias, dtype = conv.weight, conv.bias, _kernel_dtype(x, conv.weight)
     if not _folds_exactly(divisor):
         # conv(x) / d rounds twice where d is not a power of two: divide where PyTorch
         # divides, so that values PyTorch computes exactly (and their ties) are ours too
-        return _parity_conv3d(x, conv.weight, conv.bias, axes, positions) / divisor, None
-    bias = None if conv.bias is None else conv.bias / divisor
-    return _parity_conv3d(x, conv.weight / divisor, None, axes, positions), bias
+        taps, class_bias = derived(("conv3d_max_pool", axes, dtype), (weight, bias), lambda: (
+            _parity_kernel(weight.to(dtype), axes),
+            None if bias is None else bias.repeat_interleave(math.prod(classes))))
+        return _parity_conv3d(x, taps, class_bias, axes, positions) / divisor, None
+    taps, channel_bias = derived(("conv3d_max_pool", axes, dtype, divisor), (weight, bias), lambda: (
+        _parity_kernel((weight / divisor).to(dtype), axes), None if bias is None else bias / divisor))
+    return _parity_conv3d(x, taps, None, axes, positions), channel_bias
 
 
 def _folds_exactly(divisor: float) -> bool:
@@ -240,7 +258,10 @@ def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1
     if min(positions) < 1 or math.prod(stride) * math.prod(kernel2) > 256:
         return None
     axes = tuple([_transposed_axis(kernel[d], stride[d], padding[d]) for d in range(3)])
-    return _parity_conv3d(x, conv.weight.transpose(0, 1), None, axes, positions), conv.bias
+    weight, dtype = conv.weight, _kernel_dtype(x, conv.weight)
+    taps = derived(("conv_transpose3d", axes, dtype), (weight,),
+                   lambda: _parity_kernel(weight.transpose(0, 1).to(dtype), axes))
+    return _parity_conv3d(x, taps, None, axes, positions), conv.bias
 
 
 class _TransposedConv3dStride1(torch.autograd.Function):
@@ -251,7 +272,9 @@ class _TransposedConv3dStride1(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, padding, axes, out_size):
-        y = _parity_conv3d(x, weight.transpose(0, 1), bias, axes, out_size)
+        flipped = derived(("conv_transpose3d", axes, weight.dtype), (weight,),
+                          lambda: _parity_kernel(weight.transpose(0, 1), axes))
+        y = _parity_conv3d(x, flipped, bias, axes, out_size)
         return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous()
 
     @staticmethod
@@ -286,7 +309,10 @@ def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | No
         # 16-bit: backward through the rewritten convolution, whose weight gradient cuDNN
         # computes with a Hopper kernel (architecture D, bf16, H200: 1.04 ms against 2.14
         # for the transposed convolution's; the whole training step 4.18 against 4.83 ms)
-        y = _parity_conv3d(x, weight.transpose(0, 1), bias, axes, out_size)
+        kernel_dtype = _kernel_dtype(x, weight)
+        flipped = derived(("conv_transpose3d", axes, kernel_dtype), (weight,),
+                          lambda: _parity_kernel(weight.transpose(0, 1).to(kernel_dtype), axes))
+        y = _parity_conv3d(x, flipped, bias, axes, out_size)
         return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous()
     if dtype is None:
         return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size)
@@ -345,16 +371,11 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     if min(out) < 1 or out != [_pooled_size(c, b, s, 0, pool.ceil_mode) for c, b, s in zip(conv_size, box, stride)]:
         return None
     divisor = pool.divisor_override or box[0] * box[1]
-    weight = conv.weight
-    o, i = weight.shape[:2]
-    # The kernel convolved with the box, in float64 (exact sums; a float64 convolution is never TF32).
-    ones = torch.ones(1, 1, *box, dtype=torch.float64, device=weight.device)
-    kernel_folded = F.conv2d(weight.double().reshape(o * i, 1, *kernel), ones, padding=(box[0] - 1, box[1] - 1)) / divisor
     taps = [-(-folded[d] // stride[d]) for d in range(2)]
-    kernel_folded = F.pad(kernel_folded, (0, taps[1] * stride[1] - folded[1], 0, taps[0] * stride[0] - folded[0]))
-    # (O, I, Th, Sh, Tw, Sw) -> (O, (I, Sh, Sw), Th, Tw): the space-to-depth input's channels
-    s2d_kernel = kernel_folded.reshape(o, i, taps[0], stride[0], taps[1], stride[1]).permute(0, 1, 3, 5, 2, 4).reshape(
-        o, i * stride[0] * stride[1], *taps).to(weight.dtype)
+    weight, bias, dtype = conv.weight, conv.bias, _kernel_dtype(x, conv.weight)
+    s2d_kernel, bias = derived(("conv2d_avg_pool", box, stride, divisor, dtype), (weight, bias), lambda: (
+        _space_to_depth_kernel(weight, box, stride, divisor, taps, dtype),
+        None if bias is None else bias * (box[0] * box[1] / divisor)))  # the box's average of a constant
     # Pad (or crop) x to the blocks the outputs read, then blocks of S x S as channels, channels last.
     blocks = [out[d] - 1 + taps[d] for d in range(2)]
     pad = (padding[1], blocks[1] * stride[1] - padded[1] + padding[1],
@@ -362,9 +383,23 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     if any(pad):
         x = F.pad(x, pad)
     # one copy, in the dtype the convolution computes in (autocast's: cast as it is copied)
-    n = x.shape[0]
+    n, i = x.shape[:2]
     s2d = x.new_empty(n, blocks[0], blocks[1], i, stride[0], stride[1], dtype=_autocast.conv_dtype(x))
     s2d.copy_(x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 2, 4, 1, 3, 5))
     s2d = s2d.reshape(n, blocks[0], blocks[1], -1).permute(0, 3, 1, 2)
-    bias = None if conv.bias is None else conv.bias * (box[0] * box[1] / divisor)  # the box's average of a constant
-    return F.conv2d(s2d, s2d_kernel.contiguous(memory_format=torch.channels_last), bias)
+    return F.conv2d(s2d, s2d_kernel, bias)
+
+
+def _space_to_depth_kernel(weight: Tensor, box: tuple[int, int], stride: tuple[int, int], divisor: float,
+                           taps: list[int], dtype: torch.dtype) -> Tensor:
+    """(O, I Sh Sw, Th, Tw) channels last, in `dtype`: the kernel (O, I, kh, kw) convolved with the box
+    over the divisor, in float64 (exact sums; a float64 convolution is never TF32), zero-padded
+    to taps x stride and split into the space-to-depth input's channels (Sh, Sw)."""
+    o, i, *kernel = weight.shape
+    folded = [kernel[d] + box[d] - 1 for d in range(2)]
+    ones = torch.ones(1, 1, *box, dtype=torch.float64, device=weight.device)
+    kernel_folded = F.conv2d(weight.double().reshape(o * i, 1, *kernel), ones, padding=(box[0] - 1, box[1] - 1)) / divisor
+    kernel_folded = F.pad(kernel_folded, (0, taps[1] * stride[1] - folded[1], 0, taps[0] * stride[0] - folded[0]))
+    # (O, I, Th, Sh, Tw, Sw) -> (O, (I, Sh, Sw), Th, Tw)
+    return kernel_folded.reshape(o, i, taps[0], stride[0], taps[1], stride[1]).permute(0, 1, 3, 5, 2, 4).reshape(
+        o, i * stride[0] * stride[1], *taps).to(dtype).contiguous(memory_format=torch.channels_last)

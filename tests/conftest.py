@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import fused_ops  # noqa: F401  (registers the ops)
+from fused_ops import autotune
 from fused_ops import nn as fnn
 from fused_ops import reference
 
@@ -30,6 +31,18 @@ def full_float32_convolutions():
     with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
                      allow_tf32=False):
         yield
+
+
+@pytest.fixture(autouse=True)
+def rule_formulations():
+    """The modules take their rules' formulations (fused_ops.autotune), so that each test
+    checks the formulation it means to; test_formulations.py forces each of the others and
+    tests the autotuner."""
+    enabled = autotune.is_enabled()
+    autotune.set_enabled(False)
+    yield
+    autotune.set_enabled(enabled)
+    autotune.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import build_pair
+from fused_ops import autotune
 
 # (architecture, constructor arguments, input shape): small, odd sizes, pools that do not
 # divide them; on a GPU A and B take their rewrites, C its pool-folded convolution, D in
@@ -45,7 +46,8 @@ def step(module, x, grad, device, autocast_dtype=None):
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=lambda v: v if isinstance(v, str) else None)
 @pytest.mark.parametrize("autocast_dtype", LOW_PRECISION, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-def test_autocast_like_original(name, args, shape, autocast_dtype, train, device):
+@pytest.mark.parametrize("formulation", autotune.FORMULATIONS)
+def test_autocast_like_original(name, args, shape, autocast_dtype, train, formulation, device):
     original, fused = build_pair(name, args)
     original.to(device).train(train)
     fused.to(device).train(train)
@@ -55,7 +57,8 @@ def test_autocast_like_original(name, args, shape, autocast_dtype, train, device
 
     ref_out, ref_grads = step(reference, x.double(), grad, device)
     out, grads = step(original, x, grad, device, autocast_dtype)
-    fused_out, fused_grads = step(fused, x, grad, device, autocast_dtype)
+    with autotune.force(formulation):
+        fused_out, fused_grads = step(fused, x, grad, device, autocast_dtype)
 
     assert fused_out.dtype == out.dtype and fused_out.shape == out.shape and fused_out.device == out.device
     tolerance = 2 * relative_error(out, ref_out) + 1e-6

@@ -77,9 +77,20 @@ def test_bad_input(device):
         fused(torch.ones(2, 3, 9, 9, 9, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="smaller than the kernel"):
         fused(torch.rand(2, 3, 9, 3, 9, device=device))
-    fused.max_pool.dilation = 2
-    with pytest.raises(ValueError, match="dilation"):
+    fused.max_pool.return_indices = True
+    with pytest.raises(ValueError, match="indices"):
         fused(torch.rand(2, 3, 9, 9, 9, device=device))
+
+
+@pytest.mark.parametrize("attribute, value", [("dilation", 2), ("padding", 1), ("stride", 1)])
+def test_pools_the_fused_kernels_do_not_compute(device, attribute, value):
+    """A pool the fused ops do not compute (dilated) or that no rewrite takes runs as the
+    original's ops: the original's results."""
+    original, fused = (m.to(device, torch.float64) for m in build_pair(NAME, ARGS[0][0]))
+    for module in (original, fused):
+        setattr(module.max_pool, attribute, value)
+    x = torch.rand(2, 3, 9, 9, 9, device=device, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), original(x))
 
 
 @requires_cuda

@@ -89,13 +89,23 @@ def test_bad_input(device):
         fused(torch.ones(2, 3, 7, 7, 7, dtype=torch.int64, device=device))
     with pytest.raises(ValueError, match="smaller than the kernel"):
         fused(torch.rand(2, 3, 7, 2, 7, device=device))  # conv output 3: pooled to 1, then < 3
-    for attribute, value, match in [("dilation", 2, "dilation"), ("ceil_mode", True, "ceil_mode"),
-                                    ("return_indices", True, "return_indices")]:
-        for pool in ("max_pool1", "max_pool2"):
-            fused = fnn.ConvTranspose3dMaxPoolMaxPoolSum(3, 4, 5, 2, 2).to(device)
-            setattr(getattr(fused, pool), attribute, value)
-            with pytest.raises(ValueError, match=match):
-                fused(torch.rand(2, 3, 7, 7, 7, device=device))
+    for pool in ("max_pool1", "max_pool2"):
+        fused = fnn.ConvTranspose3dMaxPoolMaxPoolSum(3, 4, 5, 2, 2).to(device)
+        getattr(fused, pool).return_indices = True
+        with pytest.raises(ValueError, match="indices"):
+            fused(torch.rand(2, 3, 7, 7, 7, device=device))
+
+
+@pytest.mark.parametrize("pool", ["max_pool1", "max_pool2"])
+@pytest.mark.parametrize("attribute, value", [("dilation", 2), ("ceil_mode", True), ("padding", 1)])
+def test_pools_the_fused_kernels_do_not_compute(device, pool, attribute, value):
+    """A pool the fused ops do not compute (dilated, ceil_mode) or that no rewrite takes runs
+    as the original's ops: the original's results."""
+    original, fused = (m.to(device, torch.float64) for m in build_pair(NAME, ARGS[0][0]))
+    for module in (original, fused):
+        setattr(getattr(module, pool), attribute, value)
+    x = torch.rand(2, 3, 11, 11, 11, device=device, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), original(x))
 
 
 @requires_cuda

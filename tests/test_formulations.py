@@ -1,0 +1,198 @@
+"""Each formulation of each drop-in module (fused_ops.autotune) against the original, the
+autotuner's choice, the derived weights kept between calls, and CUDA graph capture."""
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import build_pair, requires_cuda
+from fused_ops import _derived, autotune, reference
+from fused_ops import nn as fnn
+
+# (architecture, constructor arguments, input shape): every formulation holds for each (the
+# rewrites too: A's and B's pools tile the convolution's output, C's pool does not pad, D's
+# transposed convolution has stride 1 and no padding).
+CONFIGS = [
+    ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, -1.5, 2, (4, 1, 1, 1), 1), (2, 3, 9, 10, 11)),
+    ("ConvTranspose3dMaxPoolMaxPoolSum", (3, 4, 5, 2, 2), (2, 3, 7, 6, 7)),
+    ("Conv2dAvgPoolSigmoidSum", (3, 5, 3, 4), (2, 3, 22, 19)),
+    ("ConvTranspose3dScaleBatchNormGAP", (3, 4, 3, 2.0), (3, 3, 4, 5, 6)),
+]
+IDS = ["A", "B", "C", "D"]
+
+
+def pair(name, args, device, dtype=torch.float64, train=True):
+    original, fused = build_pair(name, args)
+    return original.to(device, dtype).train(train), fused.to(device, dtype).train(train)
+
+
+def shared(name, args, device, dtype=torch.float32, train=False):
+    """The original and the drop-in around it (from_module: the same parameters and buffers)."""
+    original = getattr(reference, name)(*args).to(device, dtype).train(train)
+    return original, getattr(fnn, name).from_module(original)
+
+
+def step(module, x, grad):
+    """Output, the input's and every parameter's gradient, and the buffers after one call."""
+    module.zero_grad()
+    x = x.clone().requires_grad_()
+    out = module(x)
+    out.backward(grad)
+    return [out, x.grad, *[p.grad for p in module.parameters()], *module.buffers()]
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("formulation", autotune.FORMULATIONS)
+def test_each_formulation_is_the_original(name, args, shape, train, formulation, device):
+    """float64: the output, every gradient and the running statistics, forced to each formulation."""
+    original, fused = pair(name, args, device, train=train)
+    x = torch.rand(shape, dtype=torch.float64, device=device)
+    grad = torch.rand_like(original(x.clone()))
+    original, fused = pair(name, args, device, train=train)  # (fresh running statistics)
+    expected = step(original, x, grad)
+    with autotune.force(formulation):
+        actual = step(fused, x, grad)
+    assert autotune.last_formulation() == formulation
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_autotuner_keeps_its_choice(name, args, shape, train, device, monkeypatch):
+    """The first call times the formulations, once per key; its buffers are updated once
+    (the timing calls' updates undone); the result is the original's."""
+    autotune.clear()
+    autotune.set_enabled(True)
+    tuned = []
+    tune = autotune._tune
+    monkeypatch.setattr(autotune, "_tune", lambda *a: tuned.append(1) or tune(*a))
+    original, fused = pair(name, args, device, train=train)
+    x = torch.rand(shape, dtype=torch.float64, device=device)
+    grad = torch.rand_like(original(x.clone()))
+    original, fused = pair(name, args, device, train=train)
+    for _ in range(2):
+        expected, actual = step(original, x, grad), step(fused, x, grad)
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+    assert len(tuned) == 1
+    with torch.enable_grad():
+        assert fused.formulation(x.clone().requires_grad_()) == autotune.last_formulation()
+    assert autotune.last_formulation() in autotune.FORMULATIONS
+    with torch.no_grad():  # another key: tuned again
+        fused(x)
+    assert len(tuned) == 2
+
+
+def test_autotuner_passes_over_a_formulation_that_raises(monkeypatch):
+    """A formulation that raises is not taken; where every one raises, the rule's error is."""
+    autotune.clear()
+    autotune.set_enabled(True)
+    name, args, shape = CONFIGS[0]
+    original, fused = pair(name, args, "cpu", train=False)
+    run = fused._run
+
+    def failing(formulation, x):
+        if formulation != "original":
+            raise RuntimeError(f"{formulation} fails")
+        return run(formulation, x)
+
+    monkeypatch.setattr(fused, "_run", failing)
+    x = torch.rand(shape, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), original(x))
+    assert autotune.last_formulation() == "original"
+    monkeypatch.setattr(fused, "_run", lambda formulation, x: failing("rule", x))
+    with pytest.raises(RuntimeError, match="rule fails"), torch.no_grad():
+        fused(torch.rand(1, *shape[1:], dtype=torch.float64))
+
+
+def test_autotuner_off():
+    """Off (the tests' default, conftest), nothing is tuned: each module takes its rule."""
+    name, args, shape = CONFIGS[0]
+    _, fused = pair(name, args, "cpu", train=False)
+    x = torch.rand(shape, dtype=torch.float64)
+    with torch.no_grad():
+        fused(x)
+        assert fused.formulation(x) is None
+    assert autotune.last_formulation() == "fused"  # the CPU's rule
+    for value, enabled in (("0", False), ("off", False), ("1", True)):
+        env = dict(os.environ, FUSED_OPS_AUTOTUNE=value)
+        code = "import fused_ops.autotune as a; print(a.is_enabled())"
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert result.stdout.strip() == str(enabled)
+
+
+def test_derived_weights_follow_the_parameters(device):
+    """The rearranged kernels kept between calls are rebuilt after an in-place update of a
+    parameter (an optimizer step) and after its replacement; none is kept for a call that
+    records the parameters' gradients."""
+    name, args, shape = CONFIGS[0]
+    original, fused = shared(name, args, device, dtype=torch.float64)
+    x = torch.rand(shape, dtype=torch.float64, device=device)
+    with autotune.force("rewrite"), torch.no_grad():
+        torch.testing.assert_close(fused(x), original(x))
+        kept = dict(_derived._KEPT[id(fused.conv.weight)][1])
+        fused(x)
+        assert all([_derived._KEPT[id(fused.conv.weight)][1][kind][1] is value[1] for kind, value in kept.items()])
+        fused.conv.weight.mul_(-2)  # shared with the original
+        torch.testing.assert_close(fused(x), original(x))
+        fused.conv.weight = torch.nn.Parameter(torch.rand_like(fused.conv.weight))  # (the same conv)
+        torch.testing.assert_close(fused(x), original(x))
+    before = dict(_derived._KEPT.get(id(fused.conv.weight), (None, {}))[1])
+    with autotune.force("rewrite"):
+        fused(x)
+    assert dict(_derived._KEPT.get(id(fused.conv.weight), (None, {}))[1]) == before
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("autotuned", [True, False], ids=["autotuned", "rule"])
+def test_cuda_graph_eval(name, args, shape, autotuned):
+    """Captured in a CUDA graph after warm-up calls on a side stream (the serving recipe), a
+    module in eval mode replays the original's result for new inputs, and after an in-place
+    update of its parameters too (nothing derived from them is frozen into the graph)."""
+    autotune.clear()
+    autotune.set_enabled(autotuned)
+    original, fused = shared(name, args, "cuda")
+    static_x = torch.rand(shape, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        for _ in range(3):
+            fused(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        static_out = fused(static_x)
+    for update in range(2):
+        static_x.copy_(torch.rand(shape, device="cuda"))
+        graph.replay()
+        with torch.no_grad():
+            torch.testing.assert_close(static_out, original(static_x), rtol=1e-4, atol=1e-5)
+            for p in fused.parameters():
+                p.mul_(0.5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_make_graphed_callables_training(name, args, shape):
+    """torch.cuda.make_graphed_callables of a module in training mode: its forward and
+    backward replay the original's output and gradients, step after step."""
+    autotune.clear()
+    autotune.set_enabled(True)
+    original, fused = pair(name, args, "cuda", dtype=torch.float32, train=True)
+    sample = torch.rand(shape, device="cuda", requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(fused, (sample,))
+    grad = torch.ones_like(copy.deepcopy(original)(sample))
+    for _ in range(2):
+        x = torch.rand(shape, device="cuda")
+        original.load_state_dict(fused.state_dict())  # (the warm-up calls moved the running statistics)
+        expected = step(original, x, grad)
+        actual = step(graphed, x, grad)
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
