@@ -34,7 +34,7 @@ import torch
 
 from fused_ops import cli
 from fused_ops.architectures import ARCHITECTURES, Architecture
-from timing import device_name, device_slug, median_ms
+from timing import device_name, device_slug, median_ms, warm_up
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SIZES = ("spec", "tiny")
@@ -200,14 +200,14 @@ def reps_for(ms: float, device_type: str) -> int:
 def estimate_s(items: list[tuple[Config, int | str, str]], size: str, reference: dict) -> float:
     """The grid's time on a GPU, guessed from estimate_ms: per item the check (a step of the original and of
     the fused module, and the output gradient's forward) and 30 ms of building and copying, then per variant
-    its warm-up (WARMUP_CALLS calls and at least WARMUP_MS, and median_ms's 3) and its reps_for calls; for
+    its warm-up (WARMUP_CALLS calls and at least WARMUP_MS) and its reps_for calls; for
     tuned also cudnn.benchmark's search of algorithms at the new shape, guessed at 10 calls' time."""
     total = 0.0
     for c, batch, step in items:
         ms = estimate_ms(c, input_shape(c, size, batch), step, reference)
         total += 2 * ms["eager"] + ms["fused"] + 30
         for v in VARIANTS:
-            total += max(WARMUP_CALLS * ms[v], WARMUP_MS) + (3 + reps_for(ms[v], "cuda")) * ms[v]
+            total += max(WARMUP_CALLS * ms[v], WARMUP_MS) + reps_for(ms[v], "cuda") * ms[v]
         total += 10 * ms["tuned"]
     return total / 1e3
 
@@ -224,22 +224,6 @@ def reference_result(autocast_dtype: str | None) -> tuple[str, dict] | None:
 
 
 # ---- the grid ----
-
-def warm_up(call, device: torch.device) -> float:
-    """WARMUP_CALLS calls of call() and, on a GPU, more until WARMUP_MS have passed (a first-call autotuner's
-    first calls on a new shape, cudnn.benchmark's search, the clocks); each synchronized: the fastest call's
-    time in ms."""
-    cuda = device.type == "cuda"
-    began, fastest, calls = time.perf_counter(), math.inf, 0
-    while calls < WARMUP_CALLS or (cuda and (time.perf_counter() - began) * 1e3 < WARMUP_MS):
-        start = time.perf_counter()
-        call()
-        if cuda:
-            torch.cuda.synchronize(device)
-        fastest = min(fastest, (time.perf_counter() - start) * 1e3)
-        calls += 1
-    return fastest
-
 
 def formulation(fused: torch.nn.Module, x: torch.Tensor, train: bool, autocast_dtype) -> str | None:
     """What the fused module computes x with, where it says (its formulation(x), under the step's autograd
@@ -269,11 +253,11 @@ def measure(c: Config, batch: int | str, step: str, args) -> dict:
         for variant, model in models.items():
             call = cli.timed_call(model, x, train, grad, args.autocast)
             with cli.variant_settings(variant, train):
-                per_call = warm_up(call, args.device)
+                per_call = warm_up(call, args.device, WARMUP_MS, WARMUP_CALLS)
                 if variant == "fused":
                     row["formulation"] = formulation(fused, x, train, args.autocast)
                 reps = args.reps or reps_for(per_call, args.device.type)
-                row[f"{variant}_ms"] = median_ms(call, args.device, warmup_ms=0.0, reps=reps)
+                row[f"{variant}_ms"] = median_ms(call, args.device, warmup_ms=0.0, reps=reps, warmup_calls=0)
                 row[f"{variant}_reps"] = reps
         row |= dict(speedup_vs_eager=row["eager_ms"] / row["fused_ms"],
                     speedup_vs_tuned=row["tuned_ms"] / row["fused_ms"])
