@@ -2,12 +2,14 @@
 tests included where there is a GPU), times every fused op against the eager
 PyTorch tail and torch.compile of it, then the four whole models (bench/models.py:
 eval forward and training step, the fused module against the original eager,
-tuned by hand and compiled, peak memory) in float32 and again under bfloat16
-autocast, writes JSON under bench/results/ (and under $OUT when that is set),
-and prints short tables last.
+tuned by hand and compiled, peak memory) and the configuration grid
+(bench/configs.py: 40 constructor configurations at batch 1, 8 and SPEC's, eval
+and training step, fused against eager and tuned), each in float32 and again
+under bfloat16 autocast, writes JSON under bench/results/ (and under $OUT when
+that is set), and prints short tables last.
 
-    python bench/run.py [--skip-build] [--skip-tests] [--only tails|models] [--no-compile] [--max-autotune]
-                        [--no-autocast] [--device cuda]
+    python bench/run.py [--skip-build] [--skip-tests] [--only tails|models|configs] [--no-compile]
+                        [--max-autotune] [--no-autocast] [--device cuda]
 """
 import argparse
 import json
@@ -84,13 +86,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--only", choices=("tails", "models"),
-                        help="time only the tails, or only the whole models (default: both)")
+    parser.add_argument("--only", choices=("tails", "models", "configs"),
+                        help="time only the tails, only the whole models, or only the configuration grid "
+                             "(default: all three)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
     parser.add_argument("--max-autotune", action="store_true",
                         help="whole models: also time torch.compile(mode=\"max-autotune\") (slow to compile)")
     parser.add_argument("--no-autocast", action="store_true",
-                        help="whole models: float32 only (default: float32, then under bfloat16 autocast)")
+                        help="whole models and the grid: float32 only (default: float32, then under bfloat16 "
+                             "autocast)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--batch", type=int, default=None,
                         help="batch size of the tails (default: the SPEC's on a GPU, 2 on a CPU)")
@@ -102,15 +106,18 @@ def main():
 
     import torch
 
+    import configs
     import models
     from timing import device_slug
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tails = None if args.only == "models" else time_tails(device, args.batch, not args.no_compile, tests)
+    tails = None if args.only in ("models", "configs") else time_tails(device, args.batch, not args.no_compile, tests)
     models_argv = (["--device", device] + (["--no-compile"] if args.no_compile else [])
                    + (["--max-autotune"] if args.max_autotune else []))
     precisions = [[]] + ([] if args.no_autocast else [["--autocast", "bfloat16"]])
-    whole_models = [] if args.only == "tails" else [models.run(models_argv + p) for p in precisions]
+    whole_models = [] if args.only in ("tails", "configs") else [models.run(models_argv + p) for p in precisions]
+    grids = ([configs.run(configs.parse_args(["--device", device] + p)) for p in precisions]
+             if args.only in (None, "configs") else [])
     out_dirs = [models.RESULTS] + ([os.environ["OUT"]] if os.environ.get("OUT") else [])
     for out_dir in out_dirs:
         if tails:
@@ -119,12 +126,16 @@ def main():
                 json.dump(tails, f, indent=1)
         for result in whole_models:
             models.write(result, out_dir)
+        for result in grids:
+            configs.write(result, out_dir)
 
     if tails:
         print_tails_table(tails)
     for result in whole_models:
         models.print_table(result)
-    if "failed" in tests or "error" in tests or not all(result["ok"] for result in whole_models):
+    for result in grids:
+        configs.print_table(result)
+    if "failed" in tests or "error" in tests or not all(result["ok"] for result in whole_models + grids):
         sys.exit(1)
 
 

@@ -3,7 +3,7 @@ side by side, the device's measured copy bandwidth; the medians themselves
 (CUDA events on a GPU, the wall clock on a CPU) are fused_ops._timing's."""
 import torch
 
-from fused_ops._timing import device_name, device_slug, median_ms  # noqa: F401  (for run.py, models.py)
+from fused_ops._timing import device_name, device_slug, median_ms, warm_up  # noqa: F401  (for run.py, models.py, ...)
 
 
 def backward_ms(fn, x, device) -> float:

@@ -8,21 +8,32 @@ import time
 import torch
 
 
-def median_ms(fn, device, warmup_ms: float = 50.0, reps: int = 50) -> float:
-    """Median time of fn() in milliseconds: CUDA events around each call on a
-    GPU, the wall clock on a CPU. First fn() runs 3 times and, on a GPU, for
-    at least warmup_ms: right after a correctness check (a few milliseconds of
-    other work and a synchronization), an H200 timed a 0.24 ms kernel at
-    0.27 ms without it (clocks, most likely). The calls are then queued back to
-    back (one synchronization at the end), so that the GPU times the work and
-    not the host's launch latency, as long as the host keeps ahead of the GPU."""
+def warm_up(fn, device, warmup_ms: float = 50.0, calls: int = 3) -> float:
+    """Runs fn() `calls` times and, on a GPU, until warmup_ms have passed, each call synchronized: the fastest
+    call's wall-clock time in milliseconds (the launch latency included: a guide to how many calls to time)."""
     cuda = torch.device(device).type == "cuda"
-    began, calls = time.perf_counter(), 0
-    while calls < 3 or (cuda and (time.perf_counter() - began) * 1e3 < warmup_ms):
+    began, fastest, done = time.perf_counter(), float("inf"), 0
+    while done < calls or (cuda and (time.perf_counter() - began) * 1e3 < warmup_ms):
+        start = time.perf_counter()
         fn()
         if cuda:
             torch.cuda.synchronize()
-        calls += 1
+        fastest = min(fastest, (time.perf_counter() - start) * 1e3)
+        done += 1
+    return fastest
+
+
+def median_ms(fn, device, warmup_ms: float = 50.0, reps: int = 50, warmup_calls: int = 3) -> float:
+    """Median time of fn() in milliseconds: CUDA events around each call on a
+    GPU, the wall clock on a CPU. First fn() runs warmup_calls (3) times and,
+    on a GPU, for at least warmup_ms (warm_up): right after a correctness check
+    (a few milliseconds of other work and a synchronization), an H200 timed a
+    0.24 ms kernel at 0.27 ms without it (clocks, most likely). The calls are
+    then queued back to back (one synchronization at the end), so that the GPU
+    times the work and not the host's launch latency, as long as the host keeps
+    ahead of the GPU."""
+    cuda = torch.device(device).type == "cuda"
+    warm_up(fn, device, warmup_ms, warmup_calls)
     times = []
     if cuda:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]

@@ -291,35 +291,57 @@ def largest(errors: dict[str, float]) -> float:
     return max(errors.values(), key=lambda e: math.inf if math.isnan(e) else e)
 
 
+def prepare(arch, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype, train: bool,
+            autocast_dtype: torch.dtype | None = None):
+    """arch's original (seeded, on device in dtype, in training or eval mode), the input x of `shape`
+    (uniform in [0, 1)), in training the output's gradient (else None), and the fused drop-in around a deep
+    copy of the original made after that gradient's forward (which updates running statistics in training):
+    (original, fused, x, grad)."""
+    torch.manual_seed(SEED)
+    original = arch.build_original().to(device, dtype).train(train)
+    x = torch.rand(shape, device=device, dtype=dtype)
+    grad = None  # the output's gradient, in training
+    if train:
+        with torch.no_grad(), autocast(device, autocast_dtype):
+            grad = torch.rand_like(original(x))
+    fused = arch.fused_from(copy.deepcopy(original))
+    return original, fused, x, grad
+
+
+def verdict(checked: dict, tolerance: float) -> str:
+    """check's result in words: ok or FAILED, the tensors beyond the tolerance, the float64 run's errors and
+    any dtype that differs."""
+    words = "ok" if checked["ok"] else "FAILED"
+    beyond = [name for name, e in checked["errors"].items() if not e <= tolerance]
+    if beyond:
+        words += f"; beyond the tolerance: {', '.join(beyond)}"
+    if "fused_vs_float64" in checked:
+        words += (f" (against float64: fused {largest(checked['fused_vs_float64']):.2e}, "
+                  f"original {largest(checked['original_vs_float64']):.2e})")
+    if "dtype_mismatch" in checked:
+        words += "; dtype differs: " + ", ".join(f"{name} {d}" for name, d in checked["dtype_mismatch"].items())
+    return words
+
+
+@contextlib.contextmanager
+def variant_settings(variant: str, train: bool):
+    """What a variant is timed under: autograd on in training (off in eval), and cudnn_benchmark for "tuned"."""
+    with torch.set_grad_enabled(train), (cudnn_benchmark() if variant == "tuned" else contextlib.nullcontext()):
+        yield
+
+
 def run_architecture(arch, args, train: bool) -> dict:
     """Builds, checks and times one architecture (a training step, or an eval forward): its row of the results."""
     shape = arch.input_shape(args.size, args.batch)
     tag = f"[{arch.letter}]"
     progress(f"{tag} building {arch.name}{arch.args} and its fused drop-in; input {'x'.join(map(str, shape))}")
-    torch.manual_seed(SEED)
-    original = arch.build_original().to(args.device, args.dtype).train(train)
-    x = torch.rand(shape, device=args.device, dtype=args.dtype)
-    grad = None  # the output's gradient, in training
-    if train:
-        with torch.no_grad(), autocast(args.device, args.autocast):
-            grad = torch.rand_like(original(x))
-    # a copy, made after that forward (which updates running statistics in training)
-    fused = arch.fused_from(copy.deepcopy(original))
+    original, fused, x, grad = prepare(arch, shape, args.device, args.dtype, train, args.autocast)
 
     tolerance = check_tolerance(args.autocast or args.dtype, args.device)
     checked = check(original, fused, x, train, grad, tolerance, args.autocast)
     max_err = largest(checked["errors"])
-    verdict = "ok" if checked["ok"] else "FAILED"
-    beyond = [name for name, e in checked["errors"].items() if not e <= tolerance]
-    if beyond:
-        verdict += f"; beyond the tolerance: {', '.join(beyond)}"
-    if "fused_vs_float64" in checked:
-        verdict += (f" (against float64: fused {largest(checked['fused_vs_float64']):.2e}, "
-                    f"original {largest(checked['original_vs_float64']):.2e})")
-    if "dtype_mismatch" in checked:
-        verdict += "; dtype differs: " + ", ".join(f"{name} {d}" for name, d in checked["dtype_mismatch"].items())
     progress(f"{tag} check: max relative error {max_err:.2e} over {len(checked['errors'])} tensor(s), "
-             f"tolerance {tolerance:.0e}: {verdict}")
+             f"tolerance {tolerance:.0e}: {verdict(checked, tolerance)}")
 
     peers = {"eager": original, "tuned": Tuned(original)}
     compile_s = {}
@@ -341,11 +363,10 @@ def run_architecture(arch, args, train: bool) -> dict:
                 torch.cuda.synchronize(args.device)
             compile_s[peer] = time.perf_counter() - start
         progress(f"{tag} compiled in {compile_s[peer]:.1f} s")
-    settings = {"tuned": cudnn_benchmark}  # what a variant runs under, besides autograd's mode
     times, peaks = {}, {}
     for variant, model in (peers | {"fused": fused}).items():
         call = timed_call(model, x, train, grad, args.autocast)
-        with torch.set_grad_enabled(train), settings.get(variant, contextlib.nullcontext)():
+        with variant_settings(variant, train):
             times[variant] = median_ms(call, args.device, reps=args.reps)
             peaks[variant] = peak_extra_mib(call, args.device)
         peak = "" if peaks[variant] is None else f", peak {peaks[variant]:.0f} MiB over what was allocated before"

@@ -1,0 +1,104 @@
+"""bench/configs.py, the configuration-grid benchmark: its list of configurations
+(enough of them, SPEC's four among them, each valid for the original at the tiny
+size), and a run of the grid at tiny sizes on the CPU, in-process: its checks,
+its JSON, its table and its markdown."""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from fused_ops.architectures import ARCHITECTURES
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+ROW_KEYS = {"config", "model", "name", "args", "batch", "spec_batch", "step", "input_shape", "errors", "ok",
+            "max_rel_err", "tolerance", "verdict", "eager_ms", "tuned_ms", "fused_ms", "eager_reps", "tuned_reps",
+            "fused_reps", "speedup_vs_eager", "speedup_vs_tuned", "formulation"}
+
+
+@pytest.fixture(scope="module")
+def configs():
+    """bench/configs.py as a module."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.syspath_prepend(BENCH)  # its imports, as when run as a script
+        spec = importlib.util.spec_from_file_location("bench_configs", os.path.join(BENCH, "configs.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+
+
+def test_the_list(configs):
+    """At least 32 configurations, 8 per architecture, uniquely named; SPEC's own four at SPEC's sizes; every
+    spec-size input at SPEC's batch."""
+    assert len(configs.CONFIGS) >= 32
+    assert len({c.name for c in configs.CONFIGS}) == len(configs.CONFIGS)
+    for a in ARCHITECTURES:
+        mine = [c for c in configs.CONFIGS if c.letter == a.letter]
+        assert len(mine) >= 8 and all(c.arch.name == a.name for c in mine)
+        assert any(c.arch.args == a.args and c.arch.input_shapes["spec"] == a.input_shapes["spec"] for c in mine)
+        assert all(c.arch.input_shapes["spec"][0] == a.input_shapes["spec"][0] for c in mine)
+    b_args = [c.arch.args for c in configs.CONFIGS if c.letter == "B"]
+    assert {s for _, _, _, s, _ in b_args} == {1, 2, 3} and {p for *_, p in b_args} == {0, 1, 2}
+    assert {k for _, _, k, _, _ in b_args} == {3, 4, 5}
+    c_args = [c.arch.args for c in configs.CONFIGS if c.letter == "C"]
+    assert {p for *_, p in c_args} == {2, 3, 4, 5} and {k for _, _, k, _ in c_args} == {1, 3, 5, 7}
+
+
+@pytest.mark.parametrize("size", ["tiny", "spec"])
+def test_every_config_is_valid_for_the_original(configs, size):
+    """Every configuration builds, and its original takes its input: at the tiny size an eval forward on the
+    CPU, finite; at the spec size (batch 1) the shapes alone, on the meta device (the pools' outputs at least
+    1 wide)."""
+    device = "cpu" if size == "tiny" else "meta"
+    for c in configs.CONFIGS:
+        original = c.arch.build_original().to(device).eval()
+        with torch.no_grad():
+            out = original(torch.rand(c.arch.input_shape(size, 1), device=device))
+        assert out.numel() > 0, c.name
+        if size == "tiny":
+            assert out.isfinite().all(), c.name
+
+
+def test_grid_at_tiny_sizes_on_the_cpu(configs, tmp_path, capsys, monkeypatch):
+    """One configuration per architecture at batch 1, both steps: every check passes, the JSON has each row's
+    fields and the worst cases, the table a row each; the fused module's formulation is recorded where it has
+    one (here C's, given one for the test), null elsewhere; --markdown prints the README's table."""
+    from fused_ops import nn as fnn
+
+    monkeypatch.setattr(fnn.Conv2dAvgPoolSigmoidSum, "formulation", lambda self, x: "rewrite-test", raising=False)
+    for cls in (fnn.Conv3dDivMaxPoolGAPBiasSum, fnn.ConvTranspose3dMaxPoolMaxPoolSum,
+                fnn.ConvTranspose3dScaleBatchNormGAP):
+        monkeypatch.delattr(cls, "formulation", raising=False)
+    names = ["A-pool3", "B-s1p0k3", "C-p2k3", "D-k3"]
+    status = configs.main(["--device", "cpu", "--size", "tiny", "--configs", ",".join(names), "--batches", "1",
+                           "--reps", "2", "--out", str(tmp_path)])
+    assert status == 0
+    assert os.listdir(tmp_path) == ["configs-cpu.json"]
+    result = json.loads((tmp_path / "configs-cpu.json").read_text())
+    assert result["device"] == "cpu" and result["size"] == "tiny" and result["autocast"] is None and result["ok"]
+    rows = result["rows"]
+    assert [(r["config"], r["batch"], r["step"]) for r in rows] == [(n, 1, s) for n in names for s in ("eval", "train")]
+    for r in rows:
+        assert ROW_KEYS <= set(r) and "error" not in r and r["ok"], r
+        assert r["eager_ms"] > 0 and r["tuned_ms"] > 0 and r["fused_ms"] > 0 and r["fused_reps"] == 2
+        assert r["speedup_vs_eager"] == pytest.approx(r["eager_ms"] / r["fused_ms"])
+        assert r["formulation"] == ("rewrite-test" if r["model"] == "C" else None)
+        assert (len(r["errors"]) > 1) == (r["step"] == "train")
+    summary = result["summary"]
+    assert summary["timed"] == 8 and summary["rewrites"] == 2 and summary["failed"] == []
+    assert summary["worst_vs_eager"]["speedup"] == min(r["speedup_vs_eager"] for r in rows)
+    assert set(summary["worst_vs_eager_by_model"]) == {"A", "B", "C", "D"}
+    assert summary["worst_vs_tuned_rewrite"]["config"] == "C-p2k3"
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("config "))
+    assert lines[header].split() == ["config", "batch", "step", "eager", "ms", "tuned", "ms", "fused", "ms", "vs",
+                                     "eager", "vs", "tuned", "formulation", "check"]
+    assert [line.split()[0] for line in lines[header + 1:header + 9]] == [n for n in names for _ in range(2)]
+    assert lines[-1].startswith("worst fused/tuned where a rewrite is taken: ")
+
+    assert configs.main(["--markdown", str(tmp_path / "configs-cpu.json")]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "| config | arguments | input at SPEC's batch | batch 1 eval | batch 1 train |"
+    assert [line.split(" | ")[0] for line in table[2:6]] == [f"| {n}" for n in names]
+    assert "†" in table[4] and "†" not in table[2]
