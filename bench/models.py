@@ -76,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the originals")
     parser.add_argument("--max-autotune", action="store_true",
                         help="also time torch.compile(mode=\"max-autotune\") of the originals (slow to compile)")
+    parser.add_argument("--compile-fused", action="store_true",
+                        help="also time torch.compile of the fused module (its eager call's host time)")
     parser.add_argument("--out", default=RESULTS,
                         help="directory for models-<device>[-autocast-<dtype>].json (default: bench/results)")
     args = parser.parse_args(argv)
 
-    cli_argv = [f"--{flag}" for flag in ("no-compile", "max-autotune") if getattr(args, flag.replace("-", "_"))]
+    cli_argv = [f"--{flag}" for flag in ("no-compile", "max-autotune", "compile-fused") if getattr(args, flag.replace("-", "_"))]
     for option in ("device", "size", "reps", "autocast"):
         if getattr(args, option):
             cli_argv += [f"--{option}", getattr(args, option)]

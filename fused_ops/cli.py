@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-autotune", action="store_true",
                         help="also time torch.compile(mode=\"max-autotune\") of the originals (slow to compile: "
                              "it benchmarks candidate kernels)")
+    parser.add_argument("--compile-fused", action="store_true",
+                        help="also time torch.compile of the fused module (how much host time its eager call "
+                             "spends around the kernels)")
     parser.add_argument("--reps", type=positive_int,
                         help=f"timed calls per variant, after 3 warm-up calls (default: {DEFAULT_REPS['cuda']} on a "
                              f"GPU, {DEFAULT_REPS['cpu']} on a CPU)")
@@ -363,8 +366,11 @@ def run_architecture(arch, args, train: bool) -> dict:
                 torch.cuda.synchronize(args.device)
             compile_s[peer] = time.perf_counter() - start
         progress(f"{tag} compiled in {compile_s[peer]:.1f} s")
+    variants = peers | {"fused": fused}
+    if getattr(args, "compile_fused", False):  # not a peer: the fused module's own host time, measured
+        variants["fused_compiled"] = torch.compile(fused)
     times, peaks = {}, {}
-    for variant, model in (peers | {"fused": fused}).items():
+    for variant, model in variants.items():
         call = timed_call(model, x, train, grad, args.autocast)
         with variant_settings(variant, train):
             times[variant] = median_ms(call, args.device, reps=args.reps)
@@ -382,6 +388,9 @@ def run_architecture(arch, args, train: bool) -> dict:
                speedup_vs_compile=speedups.get("speedup_vs_compile"), best_peer=best, best_peer_ms=times[best],
                vs_best_peer=times[best] / times["fused"], eager_peak_mib=peaks["eager"],
                tuned_peak_mib=peaks["tuned"], compile_peak_mib=peaks.get("compile"), fused_peak_mib=peaks["fused"])
+    if "fused_compiled" in times:
+        row |= dict(fused_compiled_ms=times["fused_compiled"], fused_vs_compiled=times["fused_compiled"] / times["fused"])
+        progress(f"{tag} the fused module eager: {row['fused_vs_compiled']:.2f}x the speed of it compiled")
     if "autotune" in peers:
         row |= dict(autotune_ms=times["autotune"], autotune_s=compile_s["autotune"],
                     speedup_vs_autotune=speedups["speedup_vs_autotune"], autotune_peak_mib=peaks["autotune"])
