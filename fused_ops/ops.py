@@ -1,8 +1,11 @@
-"""The fused ops: a thin Python wrapper per op, its fake (meta) implementation
-for torch.compile, and autograd wired to the handwritten backward op.
+"""The fused ops: a thin Python wrapper per op and its fake (meta) implementation
+for torch.compile.
 
 The kernels themselves are registered by the C++ extension under
-``torch.ops.fused_ops`` (schemas in csrc/ops.cpp).
+``torch.ops.fused_ops`` (schemas in csrc/ops.cpp), autograd included: each
+differentiable op's Autograd kernel, wired to its handwritten backward op, is
+in csrc/autograd/ (a Python one, torch.library.register_autograd, cost about
+10 us of host time per call, even under no_grad).
 """
 import math
 from collections.abc import Sequence
@@ -65,38 +68,6 @@ def _check_5d_floating(x: Tensor, what: str) -> None:
     """The fakes' check of the kernels' first input rule: a 5-D floating-point tensor."""
     torch._check(x.dim() == 5, lambda: f"{what}: expected a 5-D input, got {x.dim()}-D")
     torch._check(x.dtype.is_floating_point, lambda: f"{what}: input must be a floating-point tensor, got {x.dtype}")
-
-
-def _register_autograd(op: str, backward, setup_context) -> None:
-    """register_autograd of `op`, whose first output is its one differentiable
-    one. The engine calls a backward with None for that output's gradient
-    where the graph after it gave none (ops are not asked to materialize
-    zeros, see _non_differentiable); no input gets a gradient then."""
-
-    def backward_of_defined(ctx, grad, *grads_of_non_differentiable):
-        if grad is None:
-            return (None,) * len(ctx.needs_input_grad)
-        return backward(ctx, grad, *grads_of_non_differentiable)
-
-    torch.library.register_autograd(op, backward_of_defined, setup_context=setup_context)
-
-
-def _non_differentiable(ctx, *outputs: Tensor) -> None:
-    """Marks outputs that carry no gradient, and keeps autograd from filling
-    zero gradients for them before each backward (by default it materializes
-    one per output: for the avg-pool's saved factor, a 296 MB fill at
-    architecture C's size)."""
-    ctx.mark_non_differentiable(*outputs)
-    ctx.set_materialize_grads(False)
-
-
-def _save_picks_or_input(ctx, indices, x):
-    """Saves the forward's picks for the backward, or x to recompute them from when it saved none,
-    and x's dtype, which the backward op takes the result's gradient in."""
-    _non_differentiable(ctx, indices)
-    saved = indices.dim() == 5
-    ctx.save_for_backward(indices if saved else None, None if saved else x)
-    ctx.input_dtype = x.dtype
 
 
 # --------------------------------------------------------------------------
@@ -162,37 +133,6 @@ def _avg_pool2d_sigmoid_sum_backward_fake(grad_out, grad_factor, input_hw, kerne
     return torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=fmt)
 
 
-def _avg_pool2d_sigmoid_sum_setup_context(ctx, inputs, output):
-    x, kernel_size, stride, padding = inputs[:4]
-    _, grad_factor = output
-    _non_differentiable(ctx, grad_factor)
-    ctx.save_for_backward(grad_factor)
-    ctx.input_hw = tuple(x.shape[2:])
-    ctx.pool = (kernel_size, stride, padding)
-    ctx.channels_last = _is_channels_last(x)
-    ctx.input_dtype = x.dtype
-
-
-def _avg_pool2d_sigmoid_sum_backward(ctx, grad_out, _grad_of_grad_factor):
-    (grad_factor,) = ctx.saved_tensors
-    if grad_factor.dim() != 4:
-        raise RuntimeError(
-            "avg_pool2d_sigmoid_sum: backward needs the forward to run with save_grad_factor=True "
-            "(the fused_ops.avg_pool2d_sigmoid_sum wrapper sets it when x requires grad)"
-        )
-    grad_x = _ops.avg_pool2d_sigmoid_sum_backward(
-        grad_out.to(ctx.input_dtype), grad_factor, ctx.input_hw, *ctx.pool, ctx.channels_last
-    )
-    return grad_x, None, None, None, None, None, None, None, None
-
-
-_register_autograd(
-    "fused_ops::avg_pool2d_sigmoid_sum",
-    _avg_pool2d_sigmoid_sum_backward,
-    setup_context=_avg_pool2d_sigmoid_sum_setup_context,
-)
-
-
 # --------------------------------------------------------------------------
 # max_pool3d_mean
 # --------------------------------------------------------------------------
@@ -247,26 +187,6 @@ def _max_pool3d_mean_fake(x, kernel_size, stride, padding, ceil_mode, divisor, s
 @torch.library.register_fake("fused_ops::max_pool3d_mean_backward")
 def _max_pool3d_mean_backward_fake(grad_mean, indices, x, input_size, kernel_size, stride, padding, ceil_mode, divisor):
     return grad_mean.new_empty((grad_mean.shape[0], grad_mean.shape[1], *input_size))
-
-
-def _max_pool3d_mean_setup_context(ctx, inputs, output):
-    x, kernel_size, stride, padding, ceil_mode, divisor, _, _ = inputs
-    _save_picks_or_input(ctx, output[1], x)
-    ctx.input_size = tuple(x.shape[2:])
-    ctx.pool = (kernel_size, stride, padding, ceil_mode, divisor)
-
-
-def _max_pool3d_mean_backward(ctx, grad_mean, _grad_of_indices):
-    indices, x = ctx.saved_tensors
-    grad_x = _ops.max_pool3d_mean_backward(grad_mean.to(ctx.input_dtype), indices, x, ctx.input_size, *ctx.pool)
-    return grad_x, None, None, None, None, None, None, None
-
-
-_register_autograd(
-    "fused_ops::max_pool3d_mean",
-    _max_pool3d_mean_backward,
-    setup_context=_max_pool3d_mean_setup_context,
-)
 
 
 # --------------------------------------------------------------------------
@@ -340,27 +260,6 @@ def _max_pool3d_cascade_sum_backward_fake(grad_out, indices, x, input_size, kern
     return grad_out.new_empty((grad_out.shape[0], channels, *input_size))
 
 
-def _max_pool3d_cascade_sum_setup_context(ctx, inputs, output):
-    x, *pools, _, _ = inputs
-    _save_picks_or_input(ctx, output[1], x)
-    ctx.input_size = tuple(x.shape[2:])
-    ctx.pools = pools
-
-
-def _max_pool3d_cascade_sum_backward(ctx, grad_out, _grad_of_indices):
-    indices, x = ctx.saved_tensors
-    grad_x = _ops.max_pool3d_cascade_sum_backward(grad_out.to(ctx.input_dtype), indices, x, ctx.input_size,
-                                                  *ctx.pools)
-    return grad_x, None, None, None, None, None, None, None, None
-
-
-_register_autograd(
-    "fused_ops::max_pool3d_cascade_sum",
-    _max_pool3d_cascade_sum_backward,
-    setup_context=_max_pool3d_cascade_sum_setup_context,
-)
-
-
 # --------------------------------------------------------------------------
 # parity_max_pool3d_mean, parity_max_pool3d_cascade_sum
 # --------------------------------------------------------------------------
@@ -409,40 +308,6 @@ def _parity_max_pool3d_mean_backward_fake(grad_mean, picks, parity_classes):
     return grad_mean.new_empty((*picks.shape, parity_classes))
 
 
-def _parity_picks(ctx, y, output) -> None:
-    """Saves the forward's picks for the backward, and y's dtype, which the backward op takes the result's
-    gradient in."""
-    picks = output[1]
-    _non_differentiable(ctx, picks)
-    ctx.save_for_backward(picks)
-    ctx.input_dtype = y.dtype
-
-
-def _picks_or_raise(ctx, what: str) -> Tensor:
-    (picks,) = ctx.saved_tensors
-    if picks.dim() != 5:
-        raise RuntimeError(f"{what}: backward needs the forward to run with save_indices=True "
-                           f"(the fused_ops.{what} wrapper sets it when y requires grad)")
-    return picks
-
-
-def _parity_max_pool3d_mean_setup_context(ctx, inputs, output):
-    _parity_picks(ctx, inputs[0], output)
-    ctx.parity_classes = inputs[0].shape[5]
-
-
-def _parity_max_pool3d_mean_backward(ctx, grad_mean, _grad_of_picks):
-    picks = _picks_or_raise(ctx, "parity_max_pool3d_mean")
-    return _ops.parity_max_pool3d_mean_backward(grad_mean.to(ctx.input_dtype), picks, ctx.parity_classes), None, None
-
-
-_register_autograd(
-    "fused_ops::parity_max_pool3d_mean",
-    _parity_max_pool3d_mean_backward,
-    setup_context=_parity_max_pool3d_mean_setup_context,
-)
-
-
 def parity_max_pool3d_cascade_sum(y: Tensor, kernel_size2, *, dtype: torch.dtype | None = None) -> Tensor:
     """The channel sum of a second max-pool over max-pool windows given side by side.
 
@@ -483,28 +348,6 @@ def _parity_max_pool3d_cascade_sum_backward_fake(grad_out, picks, stage1_size, k
     return grad_out.new_empty((picks.shape[0], *stage1_size, picks.shape[4], parity_classes))
 
 
-def _parity_max_pool3d_cascade_sum_setup_context(ctx, inputs, output):
-    y, kernel2, _, _ = inputs
-    _parity_picks(ctx, y, output)
-    ctx.stage1_size = tuple(y.shape[1:4])
-    ctx.kernel2 = kernel2
-    ctx.parity_classes = y.shape[5]
-
-
-def _parity_max_pool3d_cascade_sum_backward(ctx, grad_out, _grad_of_picks):
-    picks = _picks_or_raise(ctx, "parity_max_pool3d_cascade_sum")
-    grad_y = _ops.parity_max_pool3d_cascade_sum_backward(grad_out.to(ctx.input_dtype), picks, ctx.stage1_size,
-                                                         ctx.kernel2, ctx.parity_classes)
-    return grad_y, None, None, None
-
-
-_register_autograd(
-    "fused_ops::parity_max_pool3d_cascade_sum",
-    _parity_max_pool3d_cascade_sum_backward,
-    setup_context=_parity_max_pool3d_cascade_sum_setup_context,
-)
-
-
 # --------------------------------------------------------------------------
 # depth_stacked_channels_last
 # --------------------------------------------------------------------------
@@ -529,9 +372,7 @@ def depth_stacked_channels_last(x: Tensor, taps: int, stride: int, start, size, 
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"depth_stacked_channels_last: x must be a Tensor, got {type(x).__name__}")
-    if torch.is_grad_enabled() and x.requires_grad:
-        raise RuntimeError("depth_stacked_channels_last: not differentiable, and x requires grad "
-                           "(run it under torch.no_grad() or on a detached x)")
+    # its Autograd kernel refuses an x that requires grad (csrc/autograd/depth_stacked_channels_last.cpp)
     return _ops.depth_stacked_channels_last(x, taps, stride, _expand(start, 3, "start"), _expand(size, 3, "size"),
                                             dtype)
 
@@ -633,6 +474,3 @@ def _batch_norm_gap_backward_fake(grad_out, x, input_size, scale, weight, plane_
 def _batch_norm_update_running_stats_fake(running_mean, running_var, num_batches_tracked, mean, var, count, momentum):
     return None
 
-
-# batch_norm_gap's autograd is registered in C++ (csrc/autograd/batch_norm_gap.cpp):
-# its GPU time is below the host time of a Python autograd wrapper.

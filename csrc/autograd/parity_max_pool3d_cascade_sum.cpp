@@ -1,0 +1,75 @@
+// Autograd of parity_max_pool3d_cascade_sum, in C++ (was torch.library.register_autograd
+// in fused_ops/ops.py: ~10 us of Python host time per call, even under no_grad).
+// Backward (the math: ../parity_max_pool3d.h): each output's gradient goes, per channel, to its saved pick,
+//   grad_y[n, m, c, q] = grad_out[n, 0, o] where (off, q) is (n, o, c)'s pick, m = k2 o + off; else 0.
+#include <torch/library.h>
+
+#include "autograd_util.h"
+
+namespace fused_ops::autograd {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> call_parity_max_pool3d_cascade_sum(const at::Tensor& y, at::IntArrayRef kernel2,
+                                                                      bool save_indices,
+                                                                      std::optional<at::ScalarType> dtype) {
+  static const auto op =
+      typed_op<decltype(call_parity_max_pool3d_cascade_sum)>("fused_ops::parity_max_pool3d_cascade_sum");
+  return op.call(y, kernel2, save_indices, dtype);
+}
+
+at::Tensor call_parity_max_pool3d_cascade_sum_backward(const at::Tensor& grad_out, const at::Tensor& picks,
+                                                       c10::SymIntArrayRef stage1_size, at::IntArrayRef kernel2,
+                                                       int64_t parity_classes) {
+  static const auto op = typed_op<decltype(call_parity_max_pool3d_cascade_sum_backward)>(
+      "fused_ops::parity_max_pool3d_cascade_sum_backward");
+  return op.call(grad_out, picks, stage1_size, kernel2, parity_classes);
+}
+
+// Differentiable in y (the picks output is not).
+class ParityMaxPool3dCascadeSumFunction : public torch::autograd::Function<ParityMaxPool3dCascadeSumFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& y, at::IntArrayRef kernel2,
+                               bool save_indices, std::optional<at::ScalarType> dtype) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, picks] = call_parity_max_pool3d_cascade_sum(y, kernel2, save_indices, dtype);
+    mark_non_differentiable(ctx, {picks});
+    save_input_dtype(ctx, y);
+    ctx->saved_data["stage1_size"] = y.sym_sizes().slice(1, 3);
+    ctx->saved_data["kernel2"] = kernel2;
+    // an int in the backward op's schema
+    ctx->saved_data["parity_classes"] = y.sym_size(5).guard_int(__FILE__, __LINE__);
+    ctx->save_for_backward({picks});
+    return {out, picks};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    constexpr size_t num_inputs = 4;
+    if (!grads[0].defined()) return variable_list(num_inputs);
+    const at::Tensor picks = ctx->get_saved_variables()[0];
+    check_saved(picks, 5, "parity_max_pool3d_cascade_sum", "save_indices", "y");
+    auto& data = ctx->saved_data;
+    return first_input_gradient(
+        call_parity_max_pool3d_cascade_sum_backward(grad_in_input_dtype(ctx, grads[0]), picks,
+                                                    data["stage1_size"].toSymIntVector(),
+                                                    data["kernel2"].toIntVector(), data["parity_classes"].toInt()),
+        num_inputs);
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_cascade_sum_autograd(const at::Tensor& y,
+                                                                          at::IntArrayRef kernel2, bool save_indices,
+                                                                          std::optional<at::ScalarType> dtype) {
+  if (!records_grad(y)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_parity_max_pool3d_cascade_sum(y, kernel2, save_indices, dtype);
+  }
+  return as_pair(ParityMaxPool3dCascadeSumFunction::apply(y, kernel2, save_indices, dtype));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
+  m.impl("parity_max_pool3d_cascade_sum", &parity_max_pool3d_cascade_sum_autograd);
+}
+
+}  // namespace fused_ops::autograd

@@ -1,0 +1,67 @@
+// Autograd of parity_max_pool3d_mean, in C++ (was torch.library.register_autograd
+// in fused_ops/ops.py: ~10 us of Python host time per call, even under no_grad).
+// Backward (the math: ../parity_max_pool3d.h): each window's gradient goes to its saved pick alone,
+//   grad_y[n, m, c, q] = grad_mean[n, c] / (Md Mh Mw) where q is (n, m, c)'s pick, else 0.
+#include <torch/library.h>
+
+#include "autograd_util.h"
+
+namespace fused_ops::autograd {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> call_parity_max_pool3d_mean(const at::Tensor& y, bool save_indices,
+                                                               std::optional<at::ScalarType> dtype) {
+  static const auto op = typed_op<decltype(call_parity_max_pool3d_mean)>("fused_ops::parity_max_pool3d_mean");
+  return op.call(y, save_indices, dtype);
+}
+
+at::Tensor call_parity_max_pool3d_mean_backward(const at::Tensor& grad_mean, const at::Tensor& picks,
+                                                int64_t parity_classes) {
+  static const auto op =
+      typed_op<decltype(call_parity_max_pool3d_mean_backward)>("fused_ops::parity_max_pool3d_mean_backward");
+  return op.call(grad_mean, picks, parity_classes);
+}
+
+// Differentiable in y (the picks output is not).
+class ParityMaxPool3dMeanFunction : public torch::autograd::Function<ParityMaxPool3dMeanFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& y, bool save_indices,
+                               std::optional<at::ScalarType> dtype) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [mean, picks] = call_parity_max_pool3d_mean(y, save_indices, dtype);
+    mark_non_differentiable(ctx, {picks});
+    save_input_dtype(ctx, y);
+    // an int in the backward op's schema
+    ctx->saved_data["parity_classes"] = y.sym_size(5).guard_int(__FILE__, __LINE__);
+    ctx->save_for_backward({picks});
+    return {mean, picks};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    constexpr size_t num_inputs = 3;
+    if (!grads[0].defined()) return variable_list(num_inputs);
+    const at::Tensor picks = ctx->get_saved_variables()[0];
+    check_saved(picks, 5, "parity_max_pool3d_mean", "save_indices", "y");
+    return first_input_gradient(
+        call_parity_max_pool3d_mean_backward(grad_in_input_dtype(ctx, grads[0]), picks,
+                                             ctx->saved_data["parity_classes"].toInt()),
+        num_inputs);
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_mean_autograd(const at::Tensor& y, bool save_indices,
+                                                                   std::optional<at::ScalarType> dtype) {
+  if (!records_grad(y)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_parity_max_pool3d_mean(y, save_indices, dtype);
+  }
+  return as_pair(ParityMaxPool3dMeanFunction::apply(y, save_indices, dtype));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
+  m.impl("parity_max_pool3d_mean", &parity_max_pool3d_mean_autograd);
+}
+
+}  // namespace fused_ops::autograd
