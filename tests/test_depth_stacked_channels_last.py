@@ -155,6 +155,22 @@ def test_bad_argument_lengths(device):
         OP(x, 2, 1, [0, 0, 0], [2, 2], None)
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["wrapper", "raw"])
+def test_refuses_an_input_requiring_grad(raw, device):
+    """Not differentiable: its Autograd kernel (C++) refuses an x that requires grad under grad mode,
+    and runs the copy under no_grad or on a detached x."""
+    x = make_input((1, 2, 3, 4, 5), torch.float32, device, requires_grad=True)
+    call = (lambda t: OP(t, 2, 1, [0, 0, 0], [2, 4, 5], None)) if raw else (
+        lambda t: depth_stacked_channels_last(t, 2, 1, 0, (2, 4, 5)))
+    with pytest.raises(RuntimeError, match=r"depth_stacked_channels_last: not differentiable, and x requires grad "
+                       r"\(run it under torch.no_grad\(\) or on a detached x\)"):
+        call(x)
+    expected = call(x.detach())
+    with torch.no_grad():
+        assert torch.equal(call(x), expected)
+    assert not expected.requires_grad
+
+
 def test_opcheck(device):
     x = make_input((2, 3, 5, 6, 7), torch.float32, device)
     torch.library.opcheck(OP, (x, 3, 2, [-1, -1, -1], [3, 8, 9], None))

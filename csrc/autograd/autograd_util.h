@@ -31,11 +31,18 @@ inline std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// Whether autograd records a call on x, the one input these ops differentiate
-// in: the Function where it does; else the forward alone, below autograd (as
-// torch.library's autograd kernels do).
-inline bool records_grad(const at::Tensor& x) {
-  return at::GradMode::is_enabled() && x.requires_grad();
+// Whether autograd records a call on these inputs (an input the op differentiates
+// in requires grad, under grad mode): the Function where it does, else the
+// forward alone, below autograd (as torch.library's autograd kernels do).
+inline bool requires_grad(const at::Tensor& t) {
+  return t.requires_grad();
+}
+inline bool requires_grad(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->requires_grad();
+}
+template <typename... Tensors>
+bool records_grad(const Tensors&... inputs) {
+  return at::GradMode::is_enabled() && (requires_grad(inputs) || ...);
 }
 
 // Marks the outputs that carry no gradient (saved picks, factors, statistics),

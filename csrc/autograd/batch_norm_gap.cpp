@@ -1,28 +1,20 @@
 // Autograd of batch_norm_gap, in C++: the op's forward through the dispatcher
-// below autograd, its backward through batch_norm_gap_backward. (The other ops
-// register theirs from Python with torch.library.register_autograd; this op's
-// forward and backward take about 0.07 and 0.11 ms on a GPU at architecture
-// D's size, less than the Python autograd wrapper's host time, so that path
-// bounded them.)
-#include <torch/autograd.h>
+// below autograd, its backward through batch_norm_gap_backward. (Its forward
+// and backward take about 0.07 and 0.11 ms on a GPU at architecture D's size,
+// less than a Python autograd wrapper's host time, so that path bounded them;
+// the other ops' autograd kernels are beside it, for the same reason.)
 #include <torch/library.h>
 
-#include <optional>
-#include <tuple>
+#include "autograd_util.h"
 
-namespace fused_ops {
+namespace fused_ops::autograd {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_batch_norm_gap(
     const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
     const std::optional<at::Tensor>& running_var, double eps, std::optional<at::ScalarType> dtype) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fused_ops::batch_norm_gap", "")
-                             .typed<decltype(call_batch_norm_gap)>();
+  static const auto op = typed_op<decltype(call_batch_norm_gap)>("fused_ops::batch_norm_gap");
   return op.call(x, scale, weight, bias, running_mean, running_var, eps, dtype);
 }
 
@@ -30,14 +22,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_batch_norm_gap_backward(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& x, c10::SymIntArrayRef input_size, double scale,
     const std::optional<at::Tensor>& weight, const at::Tensor& plane_dev, const at::Tensor& mean,
     const at::Tensor& rstd, bool batch_stats, bool grad_input) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fused_ops::batch_norm_gap_backward", "")
-                             .typed<decltype(call_batch_norm_gap_backward)>();
+  static const auto op = typed_op<decltype(call_batch_norm_gap_backward)>("fused_ops::batch_norm_gap_backward");
   return op.call(grad_out, x, input_size, scale, weight, plane_dev, mean, rstd, batch_stats, grad_input);
-}
-
-std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
 // Differentiable in x, weight and bias (the statistics outputs are not):
@@ -52,18 +38,13 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [out, plane_dev, mean, rstd, var] =
         call_batch_norm_gap(x, scale, weight, bias, running_mean, running_var, eps, dtype);
-    ctx->mark_non_differentiable({plane_dev, mean, rstd, var});
-    // No zero gradients filled for them before each backward (four small
-    // launches otherwise): grads[0], out's, is the only one backward reads,
-    // and it is undefined where the graph after out gave it none.
-    ctx->set_materialize_grads(false);
+    // (no zero gradients filled for them before each backward: four small launches)
+    mark_non_differentiable(ctx, {plane_dev, mean, rstd, var});
     const bool batch_stats = !running_mean.has_value();
     ctx->saved_data["batch_stats"] = batch_stats;
     ctx->saved_data["scale"] = scale;
-    // The backward op takes out's gradient in x's dtype: it is cast to it
-    // (out, and so its gradient, may be float32 for a 16-bit x: dtype).
-    ctx->saved_data["x_dtype"] = x.scalar_type();
-    for (int i = 0; i < 3; ++i) ctx->saved_data["size" + std::to_string(i)] = x.sym_size(2 + i);
+    save_input_dtype(ctx, x);
+    ctx->saved_data["input_size"] = x.sym_sizes().slice(2);
     // Whether bias is an input (its gradient's edge follows x's and weight's, when given).
     ctx->saved_data["has_bias"] = bias.has_value();
     // x only where grad_x goes through the batch statistics (with running
@@ -81,14 +62,11 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
     const bool grad_input = ctx->needs_input_grad(0);
     const bool grad_weight_needed = has_weight && ctx->needs_input_grad(1);
     const bool grad_bias_needed = has_bias && ctx->needs_input_grad(has_weight ? 2 : 1);
-    const std::vector<c10::SymInt> input_size{ctx->saved_data["size0"].toSymInt(),
-                                              ctx->saved_data["size1"].toSymInt(),
-                                              ctx->saved_data["size2"].toSymInt()};
-    const at::Tensor grad_out = grads[0].to(ctx->saved_data["x_dtype"].toScalarType());
+    const at::Tensor grad_out = grad_in_input_dtype(ctx, grads[0]);
     auto [grad_x, grad_weight, grad_bias] = call_batch_norm_gap_backward(
-        grad_out, defined_or_none(saved[0]), input_size, ctx->saved_data["scale"].toDouble(),
-        defined_or_none(saved[1]), saved[2], saved[3], saved[4], ctx->saved_data["batch_stats"].toBool(),
-        grad_input);
+        grad_out, defined_or_none(saved[0]), ctx->saved_data["input_size"].toSymIntVector(),
+        ctx->saved_data["scale"].toDouble(), defined_or_none(saved[1]), saved[2], saved[3], saved[4],
+        ctx->saved_data["batch_stats"].toBool(), grad_input);
     return {grad_input ? grad_x : at::Tensor(), at::Tensor(), grad_weight_needed ? grad_weight : at::Tensor(),
             grad_bias_needed ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -98,6 +76,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_nor
     const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
     const std::optional<at::Tensor>& running_var, double eps, std::optional<at::ScalarType> dtype) {
+  if (!records_grad(x, weight, bias, running_mean, running_var)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_batch_norm_gap(x, scale, weight, bias, running_mean, running_var, eps, dtype);
+  }
   const auto out = BatchNormGapFunction::apply(x, scale, weight, bias, running_mean, running_var, eps, dtype);
   return {out[0], out[1], out[2], out[3], out[4]};
 }
@@ -108,4 +90,4 @@ TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
   m.impl("batch_norm_gap", &batch_norm_gap_autograd);
 }
 
-}  // namespace fused_ops
+}  // namespace fused_ops::autograd
