@@ -9,6 +9,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
+#include <cstddef>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -31,19 +32,45 @@ inline std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-// Whether autograd records a call on these inputs (an input the op differentiates
-// in requires grad, under grad mode): the Function where it does, else the
-// forward alone, below autograd (as torch.library's autograd kernels do).
+// Whether autograd records a call on these inputs: under grad mode, where a
+// tensor among them requires grad (the others are not tensors).
 inline bool requires_grad(const at::Tensor& t) {
   return t.requires_grad();
 }
 inline bool requires_grad(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->requires_grad();
 }
-template <typename... Tensors>
-bool records_grad(const Tensors&... inputs) {
+template <typename T>
+bool requires_grad(const T&) {
+  return false;
+}
+template <typename... Args>
+bool records_grad(const Args&... inputs) {
   return at::GradMode::is_enabled() && (requires_grad(inputs) || ...);
 }
+
+template <typename Tuple, size_t... I>
+Tuple as_tuple(const variable_list& outputs, std::index_sequence<I...>) {
+  return Tuple(outputs[I]...);
+}
+
+// The Autograd kernel of an op whose forward, `call` (through the dispatcher),
+// returns a tuple of tensors: Function::apply where autograd records the call,
+// else `call` alone below autograd (as torch.library's autograd kernels do).
+// Registered as m.impl("op", &AutogradKernel<OpFunction, &call_op>::kernel).
+template <typename Function, auto call>
+struct AutogradKernel;
+
+template <typename Function, typename Result, typename... Args, Result (*call)(Args...)>
+struct AutogradKernel<Function, call> {
+  static Result kernel(Args... args) {
+    if (!records_grad(args...)) {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      return call(args...);
+    }
+    return as_tuple<Result>(Function::apply(args...), std::make_index_sequence<std::tuple_size_v<Result>>());
+  }
+};
 
 // Marks the outputs that carry no gradient (saved picks, factors, statistics),
 // and keeps autograd from filling zero gradients for them before each backward
@@ -77,17 +104,15 @@ inline const at::Tensor& check_saved(const at::Tensor& saved, int64_t dim, const
   return saved;
 }
 
-// The gradients of an op's num_inputs inputs, differentiable in its first
-// only: grad_x (undefined for none), then none.
-inline variable_list first_input_gradient(at::Tensor grad_x, size_t num_inputs) {
-  variable_list grads(num_inputs);
-  grads[0] = std::move(grad_x);
-  return grads;
-}
-
-// A Function's two outputs as the op's schema returns them.
-inline std::tuple<at::Tensor, at::Tensor> as_pair(const variable_list& outputs) {
-  return {outputs[0], outputs[1]};
+// The backward of an op differentiable in its first input only, x, with
+// num_inputs inputs: grad_x(the result's gradient in x's dtype), then none; no
+// gradient at all where the graph after the result gave it none.
+template <typename GradX>
+variable_list first_input_backward(AutogradContext* ctx, const variable_list& grads, size_t num_inputs,
+                                   GradX grad_x) {
+  variable_list grad_inputs(num_inputs);
+  if (grads[0].defined()) grad_inputs[0] = grad_x(grad_in_input_dtype(ctx, grads[0]));
+  return grad_inputs;
 }
 
 }  // namespace fused_ops::autograd

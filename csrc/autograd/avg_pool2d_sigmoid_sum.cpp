@@ -52,39 +52,22 @@ class AvgPool2dSigmoidSumFunction : public torch::autograd::Function<AvgPool2dSi
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    constexpr size_t num_inputs = 9;
-    if (!grads[0].defined()) return variable_list(num_inputs);
-    const at::Tensor grad_factor = ctx->get_saved_variables()[0];
-    check_saved(grad_factor, 4, "avg_pool2d_sigmoid_sum", "save_grad_factor", "x");
-    auto& data = ctx->saved_data;
-    return first_input_gradient(
-        call_avg_pool2d_sigmoid_sum_backward(grad_in_input_dtype(ctx, grads[0]), grad_factor,
-                                             data["input_hw"].toSymIntVector(), data["kernel_size"].toIntVector(),
-                                             data["stride"].toIntVector(), data["padding"].toIntVector(),
-                                             data["channels_last"].toBool()),
-        num_inputs);
+    return first_input_backward(ctx, grads, 9, [ctx](const at::Tensor& grad_out) {
+      const at::Tensor grad_factor = ctx->get_saved_variables()[0];
+      check_saved(grad_factor, 4, "avg_pool2d_sigmoid_sum", "save_grad_factor", "x");
+      auto& data = ctx->saved_data;
+      return call_avg_pool2d_sigmoid_sum_backward(grad_out, grad_factor, data["input_hw"].toSymIntVector(),
+                                                  data["kernel_size"].toIntVector(), data["stride"].toIntVector(),
+                                                  data["padding"].toIntVector(), data["channels_last"].toBool());
+    });
   }
 };
-
-std::tuple<at::Tensor, at::Tensor> avg_pool2d_sigmoid_sum_autograd(const at::Tensor& x, at::IntArrayRef kernel_size,
-                                                                   at::IntArrayRef stride, at::IntArrayRef padding,
-                                                                   bool ceil_mode, bool count_include_pad,
-                                                                   std::optional<int64_t> divisor_override,
-                                                                   bool save_grad_factor,
-                                                                   std::optional<at::ScalarType> dtype) {
-  if (!records_grad(x)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_avg_pool2d_sigmoid_sum(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                       divisor_override, save_grad_factor, dtype);
-  }
-  return as_pair(AvgPool2dSigmoidSumFunction::apply(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
-                                                    divisor_override, save_grad_factor, dtype));
-}
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  m.impl("avg_pool2d_sigmoid_sum", &avg_pool2d_sigmoid_sum_autograd);
+  m.impl("avg_pool2d_sigmoid_sum",
+         &AutogradKernel<AvgPool2dSigmoidSumFunction, &call_avg_pool2d_sigmoid_sum>::kernel);
 }
 
 }  // namespace fused_ops::autograd

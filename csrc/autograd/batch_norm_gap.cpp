@@ -72,22 +72,10 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
   }
 };
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_autograd(
-    const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
-    const std::optional<at::Tensor>& running_var, double eps, std::optional<at::ScalarType> dtype) {
-  if (!records_grad(x, weight, bias, running_mean, running_var)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_batch_norm_gap(x, scale, weight, bias, running_mean, running_var, eps, dtype);
-  }
-  const auto out = BatchNormGapFunction::apply(x, scale, weight, bias, running_mean, running_var, eps, dtype);
-  return {out[0], out[1], out[2], out[3], out[4]};
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  m.impl("batch_norm_gap", &batch_norm_gap_autograd);
+  m.impl("batch_norm_gap", &AutogradKernel<BatchNormGapFunction, &call_batch_norm_gap>::kernel);
 }
 
 }  // namespace fused_ops::autograd

@@ -54,37 +54,22 @@ class MaxPool3dCascadeSumFunction : public torch::autograd::Function<MaxPool3dCa
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    constexpr size_t num_inputs = 9;
-    if (!grads[0].defined()) return variable_list(num_inputs);
-    const auto saved = ctx->get_saved_variables();
-    std::vector<int64_t> pools[6];
-    for (int i = 0; i < 6; ++i) pools[i] = ctx->saved_data[kPoolArgs[i]].toIntVector();
-    return first_input_gradient(
-        call_max_pool3d_cascade_sum_backward(grad_in_input_dtype(ctx, grads[0]), defined_or_none(saved[0]),
-                                             defined_or_none(saved[1]),
-                                             ctx->saved_data["input_size"].toSymIntVector(), pools[0], pools[1],
-                                             pools[2], pools[3], pools[4], pools[5]),
-        num_inputs);
+    return first_input_backward(ctx, grads, 9, [ctx](const at::Tensor& grad_out) {
+      const auto saved = ctx->get_saved_variables();
+      std::vector<int64_t> pools[6];
+      for (int i = 0; i < 6; ++i) pools[i] = ctx->saved_data[kPoolArgs[i]].toIntVector();
+      return call_max_pool3d_cascade_sum_backward(grad_out, defined_or_none(saved[0]), defined_or_none(saved[1]),
+                                                  ctx->saved_data["input_size"].toSymIntVector(), pools[0],
+                                                  pools[1], pools[2], pools[3], pools[4], pools[5]);
+    });
   }
 };
-
-std::tuple<at::Tensor, at::Tensor> max_pool3d_cascade_sum_autograd(
-    const at::Tensor& x, at::IntArrayRef kernel1, at::IntArrayRef stride1, at::IntArrayRef padding1,
-    at::IntArrayRef kernel2, at::IntArrayRef stride2, at::IntArrayRef padding2, bool save_indices,
-    std::optional<at::ScalarType> dtype) {
-  if (!records_grad(x)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_max_pool3d_cascade_sum(x, kernel1, stride1, padding1, kernel2, stride2, padding2, save_indices,
-                                       dtype);
-  }
-  return as_pair(MaxPool3dCascadeSumFunction::apply(x, kernel1, stride1, padding1, kernel2, stride2, padding2,
-                                                    save_indices, dtype));
-}
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  m.impl("max_pool3d_cascade_sum", &max_pool3d_cascade_sum_autograd);
+  m.impl("max_pool3d_cascade_sum",
+         &AutogradKernel<MaxPool3dCascadeSumFunction, &call_max_pool3d_cascade_sum>::kernel);
 }
 
 }  // namespace fused_ops::autograd

@@ -50,36 +50,21 @@ class MaxPool3dMeanFunction : public torch::autograd::Function<MaxPool3dMeanFunc
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    constexpr size_t num_inputs = 8;
-    if (!grads[0].defined()) return variable_list(num_inputs);
-    const auto saved = ctx->get_saved_variables();
-    auto& data = ctx->saved_data;
-    return first_input_gradient(
-        call_max_pool3d_mean_backward(grad_in_input_dtype(ctx, grads[0]), defined_or_none(saved[0]),
-                                      defined_or_none(saved[1]), data["input_size"].toSymIntVector(),
-                                      data["kernel_size"].toIntVector(), data["stride"].toIntVector(),
-                                      data["padding"].toIntVector(), data["ceil_mode"].toBool(),
-                                      data["divisor"].toDouble()),
-        num_inputs);
+    return first_input_backward(ctx, grads, 8, [ctx](const at::Tensor& grad_mean) {
+      const auto saved = ctx->get_saved_variables();
+      auto& data = ctx->saved_data;
+      return call_max_pool3d_mean_backward(grad_mean, defined_or_none(saved[0]), defined_or_none(saved[1]),
+                                           data["input_size"].toSymIntVector(), data["kernel_size"].toIntVector(),
+                                           data["stride"].toIntVector(), data["padding"].toIntVector(),
+                                           data["ceil_mode"].toBool(), data["divisor"].toDouble());
+    });
   }
 };
-
-std::tuple<at::Tensor, at::Tensor> max_pool3d_mean_autograd(const at::Tensor& x, at::IntArrayRef kernel_size,
-                                                            at::IntArrayRef stride, at::IntArrayRef padding,
-                                                            bool ceil_mode, double divisor, bool save_indices,
-                                                            std::optional<at::ScalarType> dtype) {
-  if (!records_grad(x)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_max_pool3d_mean(x, kernel_size, stride, padding, ceil_mode, divisor, save_indices, dtype);
-  }
-  return as_pair(
-      MaxPool3dMeanFunction::apply(x, kernel_size, stride, padding, ceil_mode, divisor, save_indices, dtype));
-}
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  m.impl("max_pool3d_mean", &max_pool3d_mean_autograd);
+  m.impl("max_pool3d_mean", &AutogradKernel<MaxPool3dMeanFunction, &call_max_pool3d_mean>::kernel);
 }
 
 }  // namespace fused_ops::autograd

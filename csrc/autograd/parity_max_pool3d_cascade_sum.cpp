@@ -43,33 +43,22 @@ class ParityMaxPool3dCascadeSumFunction : public torch::autograd::Function<Parit
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    constexpr size_t num_inputs = 4;
-    if (!grads[0].defined()) return variable_list(num_inputs);
-    const at::Tensor picks = ctx->get_saved_variables()[0];
-    check_saved(picks, 5, "parity_max_pool3d_cascade_sum", "save_indices", "y");
-    auto& data = ctx->saved_data;
-    return first_input_gradient(
-        call_parity_max_pool3d_cascade_sum_backward(grad_in_input_dtype(ctx, grads[0]), picks,
-                                                    data["stage1_size"].toSymIntVector(),
-                                                    data["kernel2"].toIntVector(), data["parity_classes"].toInt()),
-        num_inputs);
+    return first_input_backward(ctx, grads, 4, [ctx](const at::Tensor& grad_out) {
+      const at::Tensor picks = ctx->get_saved_variables()[0];
+      check_saved(picks, 5, "parity_max_pool3d_cascade_sum", "save_indices", "y");
+      auto& data = ctx->saved_data;
+      return call_parity_max_pool3d_cascade_sum_backward(grad_out, picks, data["stage1_size"].toSymIntVector(),
+                                                         data["kernel2"].toIntVector(),
+                                                         data["parity_classes"].toInt());
+    });
   }
 };
-
-std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_cascade_sum_autograd(const at::Tensor& y,
-                                                                          at::IntArrayRef kernel2, bool save_indices,
-                                                                          std::optional<at::ScalarType> dtype) {
-  if (!records_grad(y)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_parity_max_pool3d_cascade_sum(y, kernel2, save_indices, dtype);
-  }
-  return as_pair(ParityMaxPool3dCascadeSumFunction::apply(y, kernel2, save_indices, dtype));
-}
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  m.impl("parity_max_pool3d_cascade_sum", &parity_max_pool3d_cascade_sum_autograd);
+  m.impl("parity_max_pool3d_cascade_sum",
+         &AutogradKernel<ParityMaxPool3dCascadeSumFunction, &call_parity_max_pool3d_cascade_sum>::kernel);
 }
 
 }  // namespace fused_ops::autograd

@@ -38,30 +38,19 @@ class ParityMaxPool3dMeanFunction : public torch::autograd::Function<ParityMaxPo
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    constexpr size_t num_inputs = 3;
-    if (!grads[0].defined()) return variable_list(num_inputs);
-    const at::Tensor picks = ctx->get_saved_variables()[0];
-    check_saved(picks, 5, "parity_max_pool3d_mean", "save_indices", "y");
-    return first_input_gradient(
-        call_parity_max_pool3d_mean_backward(grad_in_input_dtype(ctx, grads[0]), picks,
-                                             ctx->saved_data["parity_classes"].toInt()),
-        num_inputs);
+    return first_input_backward(ctx, grads, 3, [ctx](const at::Tensor& grad_mean) {
+      const at::Tensor picks = ctx->get_saved_variables()[0];
+      check_saved(picks, 5, "parity_max_pool3d_mean", "save_indices", "y");
+      return call_parity_max_pool3d_mean_backward(grad_mean, picks, ctx->saved_data["parity_classes"].toInt());
+    });
   }
 };
-
-std::tuple<at::Tensor, at::Tensor> parity_max_pool3d_mean_autograd(const at::Tensor& y, bool save_indices,
-                                                                   std::optional<at::ScalarType> dtype) {
-  if (!records_grad(y)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_parity_max_pool3d_mean(y, save_indices, dtype);
-  }
-  return as_pair(ParityMaxPool3dMeanFunction::apply(y, save_indices, dtype));
-}
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  m.impl("parity_max_pool3d_mean", &parity_max_pool3d_mean_autograd);
+  m.impl("parity_max_pool3d_mean",
+         &AutogradKernel<ParityMaxPool3dMeanFunction, &call_parity_max_pool3d_mean>::kernel);
 }
 
 }  // namespace fused_ops::autograd
