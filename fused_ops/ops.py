@@ -372,7 +372,9 @@ def depth_stacked_channels_last(x: Tensor, taps: int, stride: int, start, size, 
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"depth_stacked_channels_last: x must be a Tensor, got {type(x).__name__}")
-    # its Autograd kernel refuses an x that requires grad (csrc/autograd/depth_stacked_channels_last.cpp)
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise RuntimeError("depth_stacked_channels_last: not differentiable, and x requires grad "
+                           "(run it under torch.no_grad() or on a detached x)")
     return _ops.depth_stacked_channels_last(x, taps, stride, _expand(start, 3, "start"), _expand(size, 3, "size"),
                                             dtype)
 

@@ -55,7 +55,7 @@ def test_no_gradient_from_the_graph_after(op, device):
     assert torch.equal(x.grad, torch.ones_like(x))
 
 
-@pytest.mark.parametrize("op", [*OPS, "depth_stacked_channels_last"])
+@pytest.mark.parametrize("op", OPS)
 def test_autograd_kernel_in_cpp(op):
     """The op's Autograd kernel is registered from its C++ file (csrc/autograd/<op>.cpp), not
     from Python (torch.library.register_autograd: ~10 us of host time per call)."""
