@@ -86,6 +86,14 @@ def _conv_channels_last(conv: nn.Module, x: Tensor) -> Tensor:
     return conv._conv_forward(x, weight, conv.bias)
 
 
+def _as_original(out: Tensor, x: Tensor, ops: tuple[str, ...]) -> Tensor:
+    """A fused op's result in the dtype the original's tail `ops` return for x: the same as
+    the fused op's but under autocast (``fused_ops._autocast``)."""
+    if _autocast.cast_dtype(x) is None:
+        return out
+    return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, ops))
+
+
 class _Formulations:
     """The formulations of a module's function and the choice among them
     (``fused_ops.autotune``). A subclass gives `_config()` (what its choice depends on besides
@@ -157,14 +165,18 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
         pool = self.avg_pool
         if name == "rewrite":
             pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
-            return None if pooled is None else torch.sigmoid(pooled).sum(dim=(1, 2, 3))
+            if pooled is None:
+                return None
+            # the sigmoid and the sum in one pass: the fused tail with a pool of one
+            return _as_original(avg_pool2d_sigmoid_sum(pooled, 1), x, self._TAIL_OPS)
         y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else self.conv(x)
         if name.startswith("original"):
             return torch.sum(torch.sigmoid(pool(y)), dim=[1, 2, 3])
         out = avg_pool2d_sigmoid_sum(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
                                      pool.count_include_pad, pool.divisor_override)
-        return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
-                                           ("aten::avg_pool2d", "aten::sigmoid", "aten::sum.dim_IntList")))
+        return _as_original(out, x, self._TAIL_OPS)
+
+    _TAIL_OPS = ("aten::avg_pool2d", "aten::sigmoid", "aten::sum.dim_IntList")
 
 
 class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBiasSum):
@@ -189,11 +201,12 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         name = type(self).__name__
         _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
         _check_pool_returns_values(name, self.max_pool)
-        batched = x.dim() == 5
         mean = self._dispatch(self._dispatched_input(x))
-        pooled = mean[:, :, None, None, None] if batched else mean[0, :, None, None, None]
+        pooled = mean.view((mean.shape if x.dim() == 5 else mean.shape[1:]) + (1, 1, 1))  # (B,) C, 1, 1, 1
         out = torch.sum(pooled + self.bias, dim=self.sum_dim)
-        # the original's dtype: its global average's (the pools' under autocast), plus the bias, summed
+        if _autocast.cast_dtype(x) is None:  # (every formulation gives the original's dtype)
+            return out
+        # the original's dtype under autocast: its global average's (the pools'), plus the bias, summed
         average_dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
                                              ("aten::max_pool3d", "aten::adaptive_avg_pool3d"))
         return out.to(_autocast.tail_dtype(torch.promote_types(average_dtype, self.bias.dtype), x.device.type,
@@ -224,7 +237,7 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else self.conv(x)
         if fused:
             return max_pool3d_mean(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
-        return self.global_avg_pool(pool(y / self.divisor)).flatten(1)
+        return self.global_avg_pool(pool(y / self.divisor)).view(y.shape[:2])
 
 
 class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dMaxPoolMaxPoolSum):
@@ -273,7 +286,7 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
             out = parity_max_pool3d_cascade_sum(windows, second.kernel_size)
             if channel_bias is not None:  # each channel's maximum carries its bias into the sum
                 out = out + channel_bias.sum()
-            return out.to(self._out_dtype(x))
+            return _as_original(out, x, self._TAIL_OPS)
         fused = name.startswith("fused")
         if fused and not (_fusable_max_pool(first, ceil_mode_ok=False) and _fusable_max_pool(second, ceil_mode_ok=False)):
             return None
@@ -283,10 +296,9 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
             return torch.sum(second(first(y)), dim=1, keepdim=True)
         out = max_pool3d_cascade_sum(y, first.kernel_size, second.kernel_size, stride1=first.stride,
                                      padding1=first.padding, stride2=second.stride, padding2=second.padding)
-        return out.to(self._out_dtype(x))
+        return _as_original(out, x, self._TAIL_OPS)
 
-    def _out_dtype(self, x: Tensor) -> torch.dtype:
-        return _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, ("aten::max_pool3d", "aten::sum.dim_IntList"))
+    _TAIL_OPS = ("aten::max_pool3d", "aten::sum.dim_IntList")
 
 
 class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dScaleBatchNormGAP):
@@ -320,7 +332,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         group = sync_process_group(self.batch_norm)
         if group is not None:  # one formulation: every rank must make the same collective calls
             y = self.conv_transpose(x)
-            return sync_batch_norm_gap(y, self.scale_factor, self.batch_norm, group).to(self._out_dtype(x))
+            return _as_original(sync_batch_norm_gap(y, self.scale_factor, self.batch_norm, group), x, self._TAIL_OPS)
         return self._dispatch(x)
 
     def _config(self) -> tuple:
@@ -338,9 +350,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             order = tuple([name for name in order if not name.startswith("original")])
         return order
 
-    def _out_dtype(self, x: Tensor) -> torch.dtype:
-        return _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
-                                    ("aten::batch_norm", "aten::adaptive_avg_pool3d"))
+    _TAIL_OPS = ("aten::batch_norm", "aten::adaptive_avg_pool3d")
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         bn = self.batch_norm
@@ -350,8 +360,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             if mapped is None:
                 return None
             weight, shift = mapped
-            out = torch.addmm(shift, rewrites.spatial_sums(x), weight)
-            return out[:, :, None, None, None].to(self._out_dtype(x))
+            out = torch.addmm(shift, rewrites.spatial_sums(x), weight)  # (float64)
+            dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
+            return out.view(out.shape + (1, 1, 1)).to(dtype)
         if name == "rewrite":
             y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose)
             if y is None:
@@ -369,7 +380,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
                              bn.running_mean if running else None, bn.running_var if running else None,
                              bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
                              training=bn.training, momentum=bn.momentum, eps=bn.eps)
-        return out.to(self._out_dtype(x))
+        return _as_original(out, x, self._TAIL_OPS)
 
     def _running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """(W (I, O), b (O)) in float64 with the output, normalized with the running
