@@ -80,6 +80,13 @@ def _conv_channels_last(conv: nn.Module, x: Tensor) -> Tensor:
     if not weight.is_contiguous(memory_format=fmt) or (dtype is not None and weight.dtype != dtype):
         weight = derived(("channels_last", dtype), (conv.weight,),
                          lambda: conv.weight.to(dtype=dtype or conv.weight.dtype, memory_format=fmt))
+    return _conv(conv, x, weight)
+
+
+def _conv(conv: nn.Module, x: Tensor, weight: Tensor | None = None) -> Tensor:
+    """conv(x) (with `weight` for conv.weight where given), the functional op called directly:
+    a module call's host time (its hooks' checks) counts where a whole call is host-bound."""
+    weight = conv.weight if weight is None else weight
     if isinstance(conv, nn.ConvTranspose3d):
         return F.conv_transpose3d(x, weight, conv.bias, conv.stride, conv.padding, conv.output_padding, conv.groups,
                                   conv.dilation)
@@ -92,6 +99,10 @@ def _as_original(out: Tensor, x: Tensor, ops: tuple[str, ...]) -> Tensor:
     if _autocast.cast_dtype(x) is None:
         return out
     return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, ops))
+
+
+def _max_pool3d(pool: nn.MaxPool3d, y: Tensor) -> Tensor:
+    return F.max_pool3d(y, pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
 
 
 class _Formulations:
@@ -169,9 +180,11 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
                 return None
             # the sigmoid and the sum in one pass: the fused tail with a pool of one
             return _as_original(avg_pool2d_sigmoid_sum(pooled, 1), x, self._TAIL_OPS)
-        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else self.conv(x)
+        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
         if name.startswith("original"):
-            return torch.sum(torch.sigmoid(pool(y)), dim=[1, 2, 3])
+            y = F.avg_pool2d(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, pool.count_include_pad,
+                             pool.divisor_override)
+            return torch.sum(torch.sigmoid(y), dim=[1, 2, 3])
         out = avg_pool2d_sigmoid_sum(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
                                      pool.count_include_pad, pool.divisor_override)
         return _as_original(out, x, self._TAIL_OPS)
@@ -234,10 +247,11 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         fused = name.startswith("fused")
         if fused and not _fusable_max_pool(pool, ceil_mode_ok=True):
             return None
-        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else self.conv(x)
+        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
         if fused:
             return max_pool3d_mean(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
-        return self.global_avg_pool(pool(y / self.divisor)).view(y.shape[:2])
+        y = _max_pool3d(pool, y / self.divisor)
+        return F.adaptive_avg_pool3d(y, self.global_avg_pool.output_size).view(y.shape[:2])
 
 
 class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dMaxPoolMaxPoolSum):
@@ -291,9 +305,9 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
         if fused and not (_fusable_max_pool(first, ceil_mode_ok=False) and _fusable_max_pool(second, ceil_mode_ok=False)):
             return None
         y = (_conv_channels_last(self.conv_transpose, x) if name.endswith("channels_last")
-             else self.conv_transpose(x))
+             else _conv(self.conv_transpose, x))
         if not fused:
-            return torch.sum(second(first(y)), dim=1, keepdim=True)
+            return torch.sum(_max_pool3d(second, _max_pool3d(first, y)), dim=1, keepdim=True)
         out = max_pool3d_cascade_sum(y, first.kernel_size, second.kernel_size, stride1=first.stride,
                                      padding1=first.padding, stride2=second.stride, padding2=second.padding)
         return _as_original(out, x, self._TAIL_OPS)
@@ -331,7 +345,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             raise ValueError(f"{name}: the fused op pools to (1, 1, 1), got {self.global_avg_pool}")
         group = sync_process_group(self.batch_norm)
         if group is not None:  # one formulation: every rank must make the same collective calls
-            y = self.conv_transpose(x)
+            y = _conv(self.conv_transpose, x)
             return _as_original(sync_batch_norm_gap(y, self.scale_factor, self.batch_norm, group), x, self._TAIL_OPS)
         return self._dispatch(x)
 
@@ -370,9 +384,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         elif name.endswith("channels_last"):
             y = _conv_channels_last(self.conv_transpose, x)
         else:
-            y = self.conv_transpose(x)
+            y = _conv(self.conv_transpose, x)
         if name.startswith("original"):
-            return self.global_avg_pool(bn(y * self.scale_factor))
+            return F.adaptive_avg_pool3d(bn(y * self.scale_factor), self.global_avg_pool.output_size)
         # nn.BatchNorm3d's rules: the running statistics are normalized with
         # in eval mode and updated in training mode with track_running_stats.
         running = not bn.training or bn.track_running_stats
