@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, exact_pair, in_layout_5d, make_input,
-                      poison_cuda_allocator, requires_cuda)
+from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, exact_pair, grad_memory_format, in_layout_5d,
+                      make_input, poison_cuda_allocator, requires_cuda)
 from fused_ops import max_pool3d_cascade_sum
 
 OP = torch.ops.fused_ops.max_pool3d_cascade_sum.default
@@ -110,7 +110,7 @@ def test_layouts(layout, pools, device, dtype):
     base = make_input((2, 5, 12, 13, 14), dtype, device)
     x = in_layout_5d(base, layout, sliced=(slice(None), slice(1, 4), slice(None), slice(1, None), slice(None, None, 1)))
     grad_x = check_forward_backward(x, *pools, dtype)
-    assert grad_x.is_contiguous()
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
 
 
 TIE_CASES = [
@@ -180,6 +180,44 @@ def test_reads_only_what_reaches_the_output(device):
     clean = fused(x, dict(kernel_size=2), dict(kernel_size=3))
     x[:, :, 60:] = x[:, :, :, 60:] = x[:, :, :, :, 60:] = float("nan")
     assert torch.equal(fused(x, dict(kernel_size=2), dict(kernel_size=3)), clean)
+
+
+# channels_last_3d inputs, which the CPU kernels read in vectors over channels:
+# channel counts the vector width does not divide (3, 13, 37), each backward path.
+CHANNELS_LAST_CONFIGS = [
+    ((1, 37, 13, 12, 14), dict(kernel_size=2), dict(kernel_size=3)),  # B's tail: disjoint, stored over zeros
+    ((2, 13, 9, 10, 11), dict(kernel_size=3, stride=1, padding=1), dict(kernel_size=3, stride=2, padding=1)),
+    ((2, 3, 17, 18, 19), dict(kernel_size=2, stride=3), dict(kernel_size=2, stride=3)),  # gaps
+    ((1, 13, 12, 11, 12), dict(kernel_size=3, stride=2), dict(kernel_size=(3, 2, 3))),  # picks recomputed
+]
+
+
+@pytest.mark.parametrize("shape,first,second", CHANNELS_LAST_CONFIGS,
+                         ids=[f"{s}-{sorted(a.items())}-{sorted(b.items())}" for s, a, b in CHANNELS_LAST_CONFIGS])
+def test_channels_last(shape, first, second, device, dtype):
+    """Forward and backward against PyTorch; grad_x channels_last_3d on the CPU; the forward
+    without autograd (values only) equal to the one that saves the picks."""
+    x = make_input(shape, dtype, device).to(memory_format=torch.channels_last_3d)
+    grad_x = check_forward_backward(x, first, second, dtype)
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
+    with torch.no_grad():
+        values_only = fused(x, first, second)
+    saving = fused(x.detach().requires_grad_(), first, second)
+    assert torch.equal(values_only, saving.detach())
+
+
+@pytest.mark.parametrize("channels", [3, 13, 37])
+@pytest.mark.parametrize("shape,first,second", TIE_CASES, ids=[f"{a}-{b}" for _, a, b in TIE_CASES])
+def test_channels_last_ties_match_pytorch_exactly(shape, first, second, channels, device, dtype):
+    """test_ties_match_pytorch_exactly on channels_last_3d inputs, PyTorch's in the same layout."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-2, 3, (shape[0], channels, *shape[2:]), generator=g).to(dtype=dtype, device=device)
+    x[:, :1, 2:8, 1:7, :] = 1.0
+    x[-1, -1] = 0.0
+    x = x.to(memory_format=torch.channels_last_3d)
+    out, ref, grad_x, grad_ref = exact_pair(x, lambda t: fused(t, first, second), lambda t: eager(t, first, second))
+    torch.testing.assert_close(out, ref)
+    assert torch.equal(grad_x, grad_ref), "picks differ from PyTorch's"
 
 
 def test_gradcheck(device):

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, in_layout_5d, make_input, poison_cuda_allocator,
-                      requires_cuda)
+from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, grad_memory_format, in_layout_5d, make_input,
+                      poison_cuda_allocator, requires_cuda)
 from fused_ops import max_pool3d_mean
 
 OP = torch.ops.fused_ops.max_pool3d_mean.default
@@ -83,7 +83,7 @@ def test_layouts(layout, pool, device, dtype):
     base = make_input((2, 5, 6, 8, 10), dtype, device)
     x = in_layout_5d(base, layout)
     grad_x = check_forward_backward(x, pool, -2.0, dtype)
-    assert grad_x.is_contiguous()
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
 
 
 def exact_pair(x, divisor, pool):
@@ -138,6 +138,44 @@ def test_nan_and_inf_match_pytorch(device, dtype):
         torch.testing.assert_close(out, ref, equal_nan=True)
         assert out[0, 0].isnan() and not out[1, 2].isnan()
         assert out[1, 1].isnan() if divisor > 0 else out[1, 1] == float("inf")
+        assert torch.equal(grad_x, grad_ref), f"divisor {divisor}: picks differ from PyTorch's"
+
+
+# channels_last_3d inputs, which the CPU kernels read in vectors over channels:
+# channel counts the vector width does not divide (3, 13, 37: one partial
+# block, one full and a partial one, several), each backward path.
+CHANNELS_LAST_CONFIGS = [
+    ((2, 13, 6, 9, 11), dict(kernel_size=2), 2.0),  # disjoint windows: filled, then the picks stored
+    ((1, 37, 5, 7, 9), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), -1.5),  # overlapping: counts
+    ((2, 3, 7, 8, 9), dict(kernel_size=(1, 2, 2), stride=3), 0.3),  # gaps between windows
+    ((1, 13, 8, 9, 10), dict(kernel_size=7, stride=(1, 2, 3), padding=(0, 1, 2)), -2.0),  # picks recomputed
+]
+
+
+@pytest.mark.parametrize("shape,pool,divisor", CHANNELS_LAST_CONFIGS,
+                         ids=[f"{s}-{sorted(p.items())}-{d}" for s, p, d in CHANNELS_LAST_CONFIGS])
+def test_channels_last(shape, pool, divisor, device, dtype):
+    """Forward and backward against PyTorch; grad_x channels_last_3d on the CPU; the forward
+    without autograd (values only) equal to the one that saves the picks."""
+    x = make_input(shape, dtype, device).to(memory_format=torch.channels_last_3d)
+    grad_x = check_forward_backward(x, pool, divisor, dtype)
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
+    with torch.no_grad():
+        values_only = max_pool3d_mean(x, divisor=divisor, **pool)
+    saving = max_pool3d_mean(x.detach().requires_grad_(), divisor=divisor, **pool)
+    assert torch.equal(values_only, saving.detach())
+
+
+@pytest.mark.parametrize("channels", [3, 13, 37])
+@pytest.mark.parametrize("shape,pool", TIE_CASES, ids=[str(p) for _, p in TIE_CASES])
+def test_channels_last_ties_match_pytorch_exactly(shape, pool, channels, device, dtype):
+    """test_ties_match_pytorch_exactly on channels_last_3d inputs, PyTorch's in the same layout."""
+    g = torch.Generator().manual_seed(5)
+    for divisor in (2.0, -0.5):
+        x = torch.randint(-2, 3, (shape[0], channels, *shape[2:]), generator=g).to(dtype=dtype, device=device)
+        x = x.to(memory_format=torch.channels_last_3d)
+        out, ref, grad_x, grad_ref = exact_pair(x, divisor, pool)
+        torch.testing.assert_close(out, ref)
         assert torch.equal(grad_x, grad_ref), f"divisor {divisor}: picks differ from PyTorch's"
 
 
