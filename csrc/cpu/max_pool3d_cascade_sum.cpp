@@ -117,10 +117,8 @@ void pick_cascades_along_w(const at::Tensor& x, const MaxPool3dCascade& g, index
 
 // channels_last_3d x, parallel over (b, output position), in vectors over
 // blocks of kLanes channels: stage 2 offered, in its scan order, the stage-1
-// picks of its window's elements, each stage-1 window's elements read in scan
-// order, all channel blocks of an element in turn (the C channels of an
-// element are adjacent); the blocks' picked values added lane by lane, the
-// lanes then added.
+// picks (pick_window_channels) of its window's elements; the blocks' picked
+// values added lane by lane, the lanes then added.
 template <typename scalar_t, typename index_t, typename out_t, bool WithOffsets>
 void pick_cascades_channels_last(const at::Tensor& x, const MaxPool3dCascade& g, index_t* picks,
                                  PickStrides ps, out_t* out) {
@@ -148,26 +146,8 @@ void pick_cascades_channels_last(const at::Tensor& x, const MaxPool3dCascade& g,
       for (int d1 = s.d.begin(od); d1 < s.d.end(od); ++d1) {
         for (int h1 = s.h.begin(oh); h1 < s.h.end(oh); ++h1) {
           for (int w1 = s.w.begin(ow); w1 < s.w.end(ow); ++w1) {
-            // stage 1's window (d1, h1, w1)
-            const int e0 = f.d.origin(d1), f0 = f.h.origin(h1), g0 = f.w.origin(w1);
-            bool first1 = true;
-            for (int d = f.d.begin(d1); d < f.d.end(d1); ++d) {
-              for (int h = f.h.begin(h1); h < f.h.end(h1); ++h) {
-                for (int w = f.w.begin(w1); w < f.w.end(w1); ++w) {
-                  const scalar_t* element = xb + d * xs[2] + h * xs[3] + w * xs[4];
-                  const Vec offset1(static_cast<acc_t>(f.offset(d - e0, h - f0, w - g0)));
-                  for (int64_t k = 0; k < blocks; ++k) {
-                    const Vec v = CV::load(element + k * kLanes, k + 1 < blocks ? kLanes : tail);
-                    if (first1) {
-                      stage1[k].first(v, offset1);
-                    } else {
-                      stage1[k].update(v, offset1);
-                    }
-                  }
-                  first1 = false;
-                }
-              }
-            }
+            pick_window_channels<scalar_t, WithOffsets>(f, d1, h1, w1, xb, xs[2], xs[3], xs[4], blocks, tail,
+                                                        SameValues{}, stage1.data());
             const Vec offset2(static_cast<acc_t>(s.offset(d1 - d0, h1 - h0, w1 - w0)) * volume1);
             for (int64_t k = 0; k < blocks; ++k) {
               const Vec number = WithOffsets ? offset2 + stage1[k].offset : offset2;
@@ -203,19 +183,12 @@ void pick_cascades_channels_last(const at::Tensor& x, const MaxPool3dCascade& g,
 template <typename scalar_t, typename index_t, typename out_t>
 void pick_cascades(const at::Tensor& x, const MaxPool3dCascade& g, index_t* picks, PickStrides ps, out_t* out) {
   const bool lanes_exact = g.pick_volume() < kMaxLanePickNumber;
-  auto run = [&](auto path) {
-    if (picks != nullptr) {
-      path(std::true_type{});
-    } else {
-      path(std::false_type{});
-    }
-  };
   if (lanes_exact && is_channels_last_3d(x)) {
-    run([&](auto with_offsets) {
+    dispatch_with_offsets(picks != nullptr, [&](auto with_offsets) {
       pick_cascades_channels_last<scalar_t, index_t, out_t, decltype(with_offsets)::value>(x, g, picks, ps, out);
     });
   } else if (lanes_exact && x.stride(4) == 1) {
-    run([&](auto with_offsets) {
+    dispatch_with_offsets(picks != nullptr, [&](auto with_offsets) {
       pick_cascades_along_w<scalar_t, index_t, out_t, decltype(with_offsets)::value>(x, g, picks, ps, out);
     });
   } else {

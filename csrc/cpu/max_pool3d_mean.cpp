@@ -90,7 +90,7 @@ void pick_windows_along_w(const at::Tensor& x, const MaxPool3dGeometry& g, doubl
 }
 
 // channels_last_3d x: rows of windows (b, od, oh) in parallel, each window
-// picked in vectors over channels (pick_window_lanes); picks (when
+// picked in vectors over channels (pick_window_channels); picks (when
 // WithOffsets) channels_last_3d. Each row's sums per channel go to a buffer,
 // added per plane in row order (the same sum at any number of threads).
 template <typename scalar_t, typename index_t, bool WithOffsets>
@@ -106,23 +106,26 @@ void pick_windows_channels_last(const at::Tensor& x, const MaxPool3dGeometry& g,
   const TrueDivideVec<scalar_t> divide(divisor);
   const int64_t rows_per_plane = static_cast<int64_t>(g.d.out) * g.h.out;
   std::vector<acc_t> row_sum(plane_sum == nullptr ? 0 : B * rows_per_plane * C);
+  const int64_t blocks = (C + kLanes - 1) / kLanes;
+  const int tail = static_cast<int>(C - (blocks - 1) * kLanes);  // the last block's channels
   at::parallel_for(0, B * rows_per_plane, 1, [&](int64_t begin, int64_t end) {
+    std::vector<VecPick<acc_t, WithOffsets>> window(blocks);
     __at_align__ acc_t offsets[kLanes];
     for (int64_t r = begin; r < end; ++r) {
       const int64_t b = r / rows_per_plane;
       const int od = static_cast<int>(r % rows_per_plane / g.h.out), oh = static_cast<int>(r % g.h.out);
-      const scalar_t* xb = xp + b * xs[0];
       acc_t* sums = row_sum.empty() ? nullptr : row_sum.data() + r * C;
       if (sums != nullptr) std::fill(sums, sums + C, acc_t(0));
       for (int ow = 0; ow < g.w.out; ++ow) {
         const int64_t p = (static_cast<int64_t>(od) * g.h.out + oh) * g.w.out + ow;
-        for (int64_t c = 0; c < C; c += kLanes) {
-          const int count = static_cast<int>(std::min<int64_t>(kLanes, C - c));
-          const auto pick = pick_window_lanes<scalar_t, WithOffsets>(g, od, oh, ow, xb + c, xs[2], xs[3],
-                                                                     xs[4], count, divide);
-          if (sums != nullptr) (Vec::loadu(sums + c, count) + pick.value).store(sums + c, count);
+        pick_window_channels<scalar_t, WithOffsets>(g, od, oh, ow, xp + b * xs[0], xs[2], xs[3], xs[4], blocks,
+                                                    tail, divide, window.data());
+        for (int64_t k = 0; k < blocks; ++k) {
+          const int64_t c = k * kLanes;
+          const int count = k + 1 < blocks ? kLanes : tail;
+          if (sums != nullptr) (Vec::loadu(sums + c, count) + window[k].value).store(sums + c, count);
           if constexpr (WithOffsets) {
-            pick.offset.store(offsets);
+            window[k].offset.store(offsets);
             index_t* out = picks + b * ps.batch + c * ps.channel + p * ps.position;
             for (int i = 0; i < count; ++i) out[i * ps.channel] = static_cast<index_t>(offsets[i]);
           }
@@ -153,20 +156,13 @@ template <typename scalar_t, typename index_t>
 void pick_windows(const at::Tensor& x, const MaxPool3dGeometry& g, double divisor, index_t* picks,
                   PickStrides ps, at::opmath_type<scalar_t>* plane_sum) {
   const bool lanes_exact = g.kernel_volume() < kMaxLanePickNumber;
-  auto run = [&](auto path) {
-    if (picks != nullptr) {
-      path(std::true_type{});
-    } else {
-      path(std::false_type{});
-    }
-  };
   if (lanes_exact && is_channels_last_3d(x)) {
-    run([&](auto with_offsets) {
+    dispatch_with_offsets(picks != nullptr, [&](auto with_offsets) {
       pick_windows_channels_last<scalar_t, index_t, decltype(with_offsets)::value>(x, g, divisor, picks, ps,
                                                                                   plane_sum);
     });
   } else if (lanes_exact && x.stride(4) == 1) {
-    run([&](auto with_offsets) {
+    dispatch_with_offsets(picks != nullptr, [&](auto with_offsets) {
       pick_windows_along_w<scalar_t, index_t, decltype(with_offsets)::value>(x, g, divisor, picks, ps, plane_sum);
     });
   } else {

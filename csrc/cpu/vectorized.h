@@ -147,32 +147,47 @@ struct VecPick {
 // The largest pick number the vector kernels carry in a float lane exactly.
 constexpr int64_t kMaxLanePickNumber = int64_t{1} << 24;
 
-// The picks of window (od, oh, ow) for `count` adjacent lanes from `base`
-// (kLanes channels of a channels_last_3d x; steps sd, sh, sw between input
-// positions), each element transformed as it is read, offered in scan order.
+// The picks of window (od, oh, ow) for all channels from `base` (channel 0
+// of one batch of a channels_last_3d x; steps sd, sh, sw between input
+// positions) in blocks of kLanes channels, the last one of `tail`, into
+// picks[0, blocks): the window's elements offered in scan order, each
+// element's blocks in turn (its channels are adjacent), transformed as read.
 template <typename scalar_t, bool WithOffsets, typename Transform>
-VecPick<at::opmath_type<scalar_t>, WithOffsets> pick_window_lanes(
-    const MaxPool3dGeometry& g, int od, int oh, int ow, const scalar_t* base, int64_t sd, int64_t sh,
-    int64_t sw, int count, const Transform& transform) {
+void pick_window_channels(const MaxPool3dGeometry& g, int od, int oh, int ow, const scalar_t* base,
+                          int64_t sd, int64_t sh, int64_t sw, int64_t blocks, int tail,
+                          const Transform& transform, VecPick<at::opmath_type<scalar_t>, WithOffsets>* picks) {
   using acc_t = at::opmath_type<scalar_t>;
+  using CV = ChannelVec<scalar_t>;
   const int d0 = g.d.origin(od), h0 = g.h.origin(oh), w0 = g.w.origin(ow);
-  VecPick<acc_t, WithOffsets> pick;
   bool first = true;
   for (int d = g.d.begin(od); d < g.d.end(od); ++d) {
     for (int h = g.h.begin(oh); h < g.h.end(oh); ++h) {
       for (int w = g.w.begin(ow); w < g.w.end(ow); ++w) {
-        const auto v = transform(ChannelVec<scalar_t>::load(base + d * sd + h * sh + w * sw, count));
-        const at::vec::Vectorized<acc_t> element(static_cast<acc_t>(g.offset(d - d0, h - h0, w - w0)));
-        if (first) {
-          pick.first(v, element);
-          first = false;
-        } else {
-          pick.update(v, element);
+        const scalar_t* element = base + d * sd + h * sh + w * sw;
+        const typename CV::Vec offset(static_cast<acc_t>(g.offset(d - d0, h - h0, w - w0)));
+        for (int64_t k = 0; k < blocks; ++k) {
+          const auto v = transform(CV::load(element + k * CV::kLanes, k + 1 < blocks ? CV::kLanes : tail));
+          if (first) {
+            picks[k].first(v, offset);
+          } else {
+            picks[k].update(v, offset);
+          }
         }
+        first = false;
       }
     }
   }
-  return pick;
+}
+
+// Calls f(std::true_type{}) where the picks' offsets are wanted, else
+// f(std::false_type{}) (the values alone: VecPick's WithOffsets).
+template <typename F>
+void dispatch_with_offsets(bool with_offsets, F&& f) {
+  if (with_offsets) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
 }
 
 // The picks of output row (od, oh) of one plane whose elements along w are
