@@ -86,10 +86,11 @@ def test_layouts(layout, pool, device, dtype):
     assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
 
 
-def exact_pair(x, divisor, pool):
-    """(fused, eager) forward and grad_x for grad_out = 1 (x's dtype and device)."""
+def exact_pair(x, divisor, pool, eager_layout=torch.preserve_format):
+    """(fused, eager) forward and grad_x for grad_out = 1 (x's dtype and device); eager on a
+    copy of x in eager_layout (x's own by default)."""
     a = x.detach().clone().requires_grad_()
-    b = x.detach().clone().requires_grad_()
+    b = x.detach().clone(memory_format=eager_layout).requires_grad_()
     out, ref = max_pool3d_mean(a, divisor=divisor, **pool), eager(b, divisor, **pool)
     out.sum().backward()
     ref.sum().backward()
@@ -119,10 +120,14 @@ def test_ties_match_pytorch_exactly(shape, pool, device, dtype):
         assert torch.equal(grad_x, grad_ref), f"divisor {divisor}: picks differ from PyTorch's"
 
 
-def test_nan_and_inf_match_pytorch(device, dtype):
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last_3d],
+                         ids=["contiguous", "channels_last_3d"])
+def test_nan_and_inf_match_pytorch(memory_format, device, dtype):
     """NaN propagates and the last NaN of a window is its pick; +-inf pick
     like any value; a window of -inf picks its first element; +inf and -inf in
-    one plane average to NaN."""
+    one plane average to NaN. Against PyTorch on a contiguous copy: its
+    channels_last_3d max_pool3d (torch 2.13 CPU) routes a window of -inf's
+    gradient to the element at depth 0 of the window's (h, w), outside the window."""
     nan, inf = float("nan"), float("inf")
     g = torch.Generator().manual_seed(2)
     x = torch.randint(-2, 3, (2, 3, 4, 4, 5), generator=g).to(dtype=dtype, device=device)
@@ -133,8 +138,9 @@ def test_nan_and_inf_match_pytorch(device, dtype):
     x[1, 1, 0, 0, 0] = inf
     x[1, 1, 2:4, 2:4, 2:4] = -inf  # maxima +inf and -inf: the mean is NaN (+inf for a negative divisor)
     x[1, 2, 1, 1, 4] = nan  # in the last column, outside every window
+    x = x.contiguous(memory_format=memory_format)
     for divisor in (2.0, -0.5):
-        out, ref, grad_x, grad_ref = exact_pair(x, divisor, dict(kernel_size=2))
+        out, ref, grad_x, grad_ref = exact_pair(x, divisor, dict(kernel_size=2), torch.contiguous_format)
         torch.testing.assert_close(out, ref, equal_nan=True)
         assert out[0, 0].isnan() and not out[1, 2].isnan()
         assert out[1, 1].isnan() if divisor > 0 else out[1, 1] == float("inf")
