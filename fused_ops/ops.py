@@ -107,11 +107,22 @@ def _non_differentiable(ctx, *outputs: Tensor) -> None:
 
 def _save_picks_or_input(ctx, indices, x):
     """Saves the forward's picks for the backward, or x to recompute them from when it saved none,
-    and x's dtype, which the backward op takes the result's gradient in."""
+    x's dtype, which the backward op takes the result's gradient in, and the memory format its
+    gradient is returned in (_in_input_format)."""
     _non_differentiable(ctx, indices)
     saved = indices.dim() == 5
     ctx.save_for_backward(indices if saved else None, None if saved else x)
     ctx.input_dtype = x.dtype
+    ctx.input_format = _kernel_memory_format(x)
+
+
+def _in_input_format(ctx, grad_x: Tensor) -> Tensor:
+    """grad_x in the memory format the kernels lay x's gradient out in. The backward op takes it
+    from the picks' layout, which cannot show it where a plane's picks are one element (their
+    strides then say contiguous and channels_last_3d alike): a copy there only."""
+    if not grad_x.is_contiguous(memory_format=ctx.input_format):
+        return grad_x.contiguous(memory_format=ctx.input_format)
+    return grad_x
 
 
 # --------------------------------------------------------------------------
@@ -275,7 +286,7 @@ def _max_pool3d_mean_setup_context(ctx, inputs, output):
 def _max_pool3d_mean_backward(ctx, grad_mean, _grad_of_indices):
     indices, x = ctx.saved_tensors
     grad_x = _ops.max_pool3d_mean_backward(grad_mean.to(ctx.input_dtype), indices, x, ctx.input_size, *ctx.pool)
-    return grad_x, None, None, None, None, None, None, None
+    return _in_input_format(ctx, grad_x), None, None, None, None, None, None, None
 
 
 _register_autograd(
@@ -367,7 +378,7 @@ def _max_pool3d_cascade_sum_backward(ctx, grad_out, _grad_of_indices):
     indices, x = ctx.saved_tensors
     grad_x = _ops.max_pool3d_cascade_sum_backward(grad_out.to(ctx.input_dtype), indices, x, ctx.input_size,
                                                   *ctx.pools)
-    return grad_x, None, None, None, None, None, None, None, None
+    return _in_input_format(ctx, grad_x), None, None, None, None, None, None, None, None
 
 
 _register_autograd(

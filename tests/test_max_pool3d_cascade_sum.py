@@ -195,6 +195,7 @@ CHANNELS_LAST_CONFIGS = [
     ((2, 13, 9, 10, 11), dict(kernel_size=3, stride=1, padding=1), dict(kernel_size=3, stride=2, padding=1)),
     ((2, 3, 17, 18, 19), dict(kernel_size=2, stride=3), dict(kernel_size=2, stride=3)),  # gaps
     ((1, 13, 12, 11, 12), dict(kernel_size=3, stride=2), dict(kernel_size=(3, 2, 3))),  # picks recomputed
+    ((2, 13, 11, 12, 13), dict(kernel_size=2, stride=3), dict(kernel_size=2, stride=3)),  # one output per plane
 ]
 
 

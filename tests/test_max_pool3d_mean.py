@@ -155,6 +155,7 @@ CHANNELS_LAST_CONFIGS = [
     ((1, 37, 5, 7, 9), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), -1.5),  # overlapping: counts
     ((2, 3, 7, 8, 9), dict(kernel_size=(1, 2, 2), stride=3), 0.3),  # gaps between windows
     ((1, 13, 8, 9, 10), dict(kernel_size=7, stride=(1, 2, 3), padding=(0, 1, 2)), -2.0),  # picks recomputed
+    ((2, 13, 4, 5, 6), dict(kernel_size=(4, 5, 6)), 2.0),  # one window per plane: picks (2, 13, 1, 1, 1)
 ]
 
 
