@@ -254,8 +254,10 @@ def test_opcheck(device):
     grad = torch.rand(2, 3, 1, 1, 1, device=device)
     for batch_stats in (True, False):
         for grad_input in (True, False):
-            torch.library.opcheck(BACKWARD, (grad, x.detach(), [5, 6, 7], 2.0, weight, plane_dev, mean, rstd,
-                                             batch_stats, grad_input))
+            # x contiguous and channels_last_3d (grad_x laid out as x on the CPU)
+            for t in (x, x.to(memory_format=torch.channels_last_3d)):
+                torch.library.opcheck(BACKWARD, (grad, t.detach(), [5, 6, 7], 2.0, weight, plane_dev, mean, rstd,
+                                                 batch_stats, grad_input))
     torch.library.opcheck(BACKWARD, (grad, None, [5, 6, 7], 2.0, None, plane_dev, mean, rstd, False, True))
     for counter, momentum, count in [(nbt, 0.1, 420), (nbt, None, 420), (None, 0.3, 420), (nbt, None, 0)]:
         torch.library.opcheck(UPDATE, (rm, rv, counter, mean, var, count, momentum))

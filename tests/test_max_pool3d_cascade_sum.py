@@ -249,10 +249,12 @@ def test_opcheck(device):
         # without saved picks the backward recomputes them from x
         torch.library.opcheck(OP, (t, *args, False))
     args = op_args(dict(kernel_size=2), dict(kernel_size=3))
-    out, indices = OP(x, *args, True)
-    grad_out = torch.rand(out.shape, device=device)
-    torch.library.opcheck(BACKWARD, (grad_out, indices, None, [12, 13, 14], *args))
-    torch.library.opcheck(BACKWARD, (grad_out, None, x.detach(), [12, 13, 14], *args))
+    # x contiguous and channels_last_3d: the picks and grad_x laid out as x on the CPU
+    for t in (x, x.to(memory_format=torch.channels_last_3d)):
+        out, indices = OP(t, *args, True)
+        grad_out = torch.rand(out.shape, device=device)
+        torch.library.opcheck(BACKWARD, (grad_out, indices, None, [12, 13, 14], *args))
+        torch.library.opcheck(BACKWARD, (grad_out, None, t.detach(), [12, 13, 14], *args))
 
 
 def test_empty_batch(device):

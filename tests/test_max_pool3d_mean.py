@@ -207,10 +207,14 @@ def test_opcheck(device):
         torch.library.opcheck(OP, (t, *args, True))
         # without saved picks the backward recomputes them from x
         torch.library.opcheck(OP, (t, *args, False))
-    indices = OP(x, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, True)[1]
     grad_mean = torch.rand(2, 3, device=device)
-    torch.library.opcheck(BACKWARD, (grad_mean, indices, None, [5, 6, 7], [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0))
-    torch.library.opcheck(BACKWARD, (grad_mean, None, x.detach(), [5, 6, 7], [3, 2, 3], [1, 2, 2], [1, 1, 0], True, -0.5))
+    # x contiguous and channels_last_3d: the picks and grad_x laid out as x on the CPU
+    for t in (x, x.to(memory_format=torch.channels_last_3d)):
+        indices = OP(t, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, True)[1]
+        torch.library.opcheck(BACKWARD, (grad_mean, indices, None, [5, 6, 7], [2, 2, 2], [2, 2, 2], [0, 0, 0], False,
+                                         2.0))
+        torch.library.opcheck(BACKWARD, (grad_mean, None, t.detach(), [5, 6, 7], [3, 2, 3], [1, 2, 2], [1, 1, 0], True,
+                                         -0.5))
 
 
 def test_empty_batch(device):
