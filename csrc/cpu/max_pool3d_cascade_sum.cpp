@@ -288,12 +288,7 @@ at::Tensor max_pool3d_cascade_sum_backward_cpu(
     const std::optional<at::Tensor>& x, at::IntArrayRef input_size, at::IntArrayRef kernel1,
     at::IntArrayRef stride1, at::IntArrayRef padding1, at::IntArrayRef kernel2,
     at::IntArrayRef stride2, at::IntArrayRef padding2) {
-  // grad_x, and the picks, laid out as the picks' source is (the forward's
-  // picks are laid out as its x)
-  const bool saved = indices.has_value() && indices->defined();
-  const bool given_x = x.has_value() && x->defined();
-  const auto format = saved ? grad_memory_format(*indices)
-                            : given_x ? grad_memory_format(*x) : at::MemoryFormat::Contiguous;
+  const auto format = picks_memory_format(indices, x);
   auto args = max_pool3d_cascade_sum_backward_setup(
       grad_out, indices, x, input_size, {kernel1, stride1, padding1, kernel2, stride2, padding2}, format);
   const PickStrides ps = PickStrides::of(args.picks);

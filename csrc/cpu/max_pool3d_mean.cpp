@@ -267,12 +267,7 @@ at::Tensor max_pool3d_mean_backward_cpu(const at::Tensor& grad_mean,
                                         at::IntArrayRef input_size, at::IntArrayRef kernel_size,
                                         at::IntArrayRef stride, at::IntArrayRef padding,
                                         bool ceil_mode, double divisor) {
-  // grad_x, and the picks, laid out as the picks' source is (the forward's
-  // picks are laid out as its x)
-  const bool saved = indices.has_value() && indices->defined();
-  const bool given_x = x.has_value() && x->defined();
-  const auto format = saved ? grad_memory_format(*indices)
-                            : given_x ? grad_memory_format(*x) : at::MemoryFormat::Contiguous;
+  const auto format = picks_memory_format(indices, x);
   auto args = max_pool3d_mean_backward_setup(grad_mean, indices, x, input_size, kernel_size,
                                              stride, padding, ceil_mode, divisor, format);
   const MaxPool3dGeometry& g = args.g;
