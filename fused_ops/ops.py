@@ -31,6 +31,21 @@ def _is_channels_last(x: Tensor) -> bool:
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
+def _kernel_memory_format(x: Tensor) -> torch.memory_format:
+    """The memory format a 5-D op lays out its picks and its input's gradient in, x being the
+    op's input (or the picks): channels_last_3d for such an x on the CPU, whose kernels read it
+    in vectors over channels (csrc/cpu/vectorized.h, grad_memory_format), else contiguous."""
+    channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
+    return torch.channels_last_3d if x.device.type == "cpu" and channels_last else torch.contiguous_format
+
+
+def _empty_5d(shape, like: Tensor, layout_of: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+    """An empty 5-D tensor on like's device (in like's dtype unless given), laid out by
+    _kernel_memory_format(layout_of) (contiguous where layout_of is None)."""
+    fmt = torch.contiguous_format if layout_of is None else _kernel_memory_format(layout_of)
+    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device, memory_format=fmt)
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -92,11 +107,22 @@ def _non_differentiable(ctx, *outputs: Tensor) -> None:
 
 def _save_picks_or_input(ctx, indices, x):
     """Saves the forward's picks for the backward, or x to recompute them from when it saved none,
-    and x's dtype, which the backward op takes the result's gradient in."""
+    x's dtype, which the backward op takes the result's gradient in, and the memory format its
+    gradient is returned in (_in_input_format)."""
     _non_differentiable(ctx, indices)
     saved = indices.dim() == 5
     ctx.save_for_backward(indices if saved else None, None if saved else x)
     ctx.input_dtype = x.dtype
+    ctx.input_format = _kernel_memory_format(x)
+
+
+def _in_input_format(ctx, grad_x: Tensor) -> Tensor:
+    """grad_x in the memory format the kernels lay x's gradient out in. The backward op takes it
+    from the picks' layout, which cannot show it where a plane's picks are one element (their
+    strides then say contiguous and channels_last_3d alike): a copy there only."""
+    if not grad_x.is_contiguous(memory_format=ctx.input_format):
+        return grad_x.contiguous(memory_format=ctx.input_format)
+    return grad_x
 
 
 # --------------------------------------------------------------------------
@@ -241,12 +267,13 @@ def _max_pool3d_mean_fake(x, kernel_size, stride, padding, ceil_mode, divisor, s
     mean = x.new_empty((x.shape[0], x.shape[1]), dtype=_result_dtype(x, dtype, "max_pool3d_mean"))
     if not save_indices:
         return mean, x.new_empty((0,), dtype=torch.uint8)
-    return mean, x.new_empty((x.shape[0], x.shape[1], *pooled), dtype=torch.uint8)
+    return mean, _empty_5d((x.shape[0], x.shape[1], *pooled), x, x, dtype=torch.uint8)
 
 
 @torch.library.register_fake("fused_ops::max_pool3d_mean_backward")
 def _max_pool3d_mean_backward_fake(grad_mean, indices, x, input_size, kernel_size, stride, padding, ceil_mode, divisor):
-    return grad_mean.new_empty((grad_mean.shape[0], grad_mean.shape[1], *input_size))
+    return _empty_5d((grad_mean.shape[0], grad_mean.shape[1], *input_size), grad_mean,
+                     indices if indices is not None else x)
 
 
 def _max_pool3d_mean_setup_context(ctx, inputs, output):
@@ -259,7 +286,7 @@ def _max_pool3d_mean_setup_context(ctx, inputs, output):
 def _max_pool3d_mean_backward(ctx, grad_mean, _grad_of_indices):
     indices, x = ctx.saved_tensors
     grad_x = _ops.max_pool3d_mean_backward(grad_mean.to(ctx.input_dtype), indices, x, ctx.input_size, *ctx.pool)
-    return grad_x, None, None, None, None, None, None, None
+    return _in_input_format(ctx, grad_x), None, None, None, None, None, None, None
 
 
 _register_autograd(
@@ -330,14 +357,14 @@ def _max_pool3d_cascade_sum_fake(x, kernel1, stride1, padding1, kernel2, stride2
     out = x.new_empty((x.shape[0], 1, *out_size), dtype=_result_dtype(x, dtype, "max_pool3d_cascade_sum"))
     if not save_indices:
         return out, x.new_empty((0,), dtype=torch.uint8)
-    return out, x.new_empty((x.shape[0], x.shape[1], *out_size), dtype=torch.uint8)
+    return out, _empty_5d((x.shape[0], x.shape[1], *out_size), x, x, dtype=torch.uint8)
 
 
 @torch.library.register_fake("fused_ops::max_pool3d_cascade_sum_backward")
 def _max_pool3d_cascade_sum_backward_fake(grad_out, indices, x, input_size, kernel1, stride1, padding1, kernel2,
                                           stride2, padding2):
-    channels = (indices if indices is not None else x).shape[1]
-    return grad_out.new_empty((grad_out.shape[0], channels, *input_size))
+    source = indices if indices is not None else x
+    return _empty_5d((grad_out.shape[0], source.shape[1], *input_size), grad_out, source)
 
 
 def _max_pool3d_cascade_sum_setup_context(ctx, inputs, output):
@@ -351,7 +378,7 @@ def _max_pool3d_cascade_sum_backward(ctx, grad_out, _grad_of_indices):
     indices, x = ctx.saved_tensors
     grad_x = _ops.max_pool3d_cascade_sum_backward(grad_out.to(ctx.input_dtype), indices, x, ctx.input_size,
                                                   *ctx.pools)
-    return grad_x, None, None, None, None, None, None, None, None
+    return _in_input_format(ctx, grad_x), None, None, None, None, None, None, None, None
 
 
 _register_autograd(
@@ -624,7 +651,7 @@ def _batch_norm_gap_fake(x, scale, weight, bias, running_mean, running_var, eps,
 def _batch_norm_gap_backward_fake(grad_out, x, input_size, scale, weight, plane_dev, mean, rstd, batch_stats,
                                   grad_input):
     batch, channels = plane_dev.shape
-    grad_x = grad_out.new_empty((batch, channels, *input_size) if grad_input else (0,))
+    grad_x = _empty_5d((batch, channels, *input_size), grad_out, x) if grad_input else grad_out.new_empty((0,))
     param_dtype = grad_out.dtype if weight is None else weight.dtype
     return grad_x, grad_out.new_empty((channels,), dtype=param_dtype), grad_out.new_empty((channels,), dtype=param_dtype)
 
