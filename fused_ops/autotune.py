@@ -15,9 +15,8 @@ dtype and device; train or eval; whether gradients are recorded, and for which o
 and the parameters; the autocast state) times every formulation that holds for it, its
 forward or, where gradients are recorded, its forward and backward (the module's buffers
 restored after), and keeps the fastest for the key in this process; the later calls with
-that key run it. On a GPU each candidate's convolutions run with cudnn.benchmark on, as
-the tuned original would: where a rewrite is kept it beat the original run channels last
-with cudnn.benchmark too.
+that key run it. On a GPU a rewrite's convolutions run with cudnn.benchmark on (its own
+numerics, tested); the other formulations run under the user's settings, as the original.
 
 Nothing is timed, and each module takes its rule (the first formulation of its list that
 holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
@@ -139,9 +138,10 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Sequenc
 
 
 def _run_benchmarked(run, name: str, x: Tensor) -> Tensor | None:
-    """run(name) with cudnn.benchmark on for its convolutions on a GPU (a tuned formulation
-    was timed so); the user's setting back after."""
-    if not x.is_cuda or torch._C._get_cudnn_benchmark():
+    """run(name), a rewrite's with cudnn.benchmark on for its convolutions on a GPU (the
+    others run under the user's settings, the original's numerics); the user's setting back
+    after."""
+    if name != "rewrite" or not x.is_cuda or torch._C._get_cudnn_benchmark():
         return run(name)
     torch._C._set_cudnn_benchmark(True)
     try:
@@ -179,7 +179,7 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
 
     def step(name):
         def call():
-            out = run(name)
+            out = _run_benchmarked(run, name, x)
             if out is not None and out.requires_grad:
                 inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
                 with torch.autocast(device.type, enabled=False):
@@ -188,9 +188,6 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
         return call
 
     steps, errors = {}, []
-    benchmark = x.is_cuda and not torch._C._get_cudnn_benchmark()  # (as _run_benchmarked runs them)
-    if benchmark:
-        torch._C._set_cudnn_benchmark(True)
     try:
         for name in formulations:
             call = step(name)
@@ -209,8 +206,6 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
             for name, (call, calls, times) in steps.items():
                 times.append(_time_ms(call, calls, device) / calls)
     finally:
-        if benchmark:
-            torch._C._set_cudnn_benchmark(False)
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)
