@@ -53,6 +53,29 @@ def shared_libstdcxx() -> list[str]:
     return [path] if os.path.isabs(path) else []
 
 
+def cpu_vector_flags() -> list[str]:
+    """The instruction set the CPU kernels' at::vec::Vectorized code is compiled for.
+    FUSED_OPS_CPU_VEC=avx2 (AVX2 and FMA: 8 float lanes), =default (PyTorch's portable
+    Vectorized: plain loops over 8 lanes), or =auto (the default): avx2 where the building
+    machine is an x86-64 Linux one with AVX2 and FMA (the extension is built where it runs:
+    pip install from source), default otherwise. A build for avx2 does not load on a CPU without it."""
+    mode = os.environ.get("FUSED_OPS_CPU_VEC", "auto").lower()
+    if mode not in ("auto", "avx2", "default"):
+        raise RuntimeError(f"FUSED_OPS_CPU_VEC must be auto, avx2 or default, got {mode!r}")
+    if mode == "auto":
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+        mode = "avx2" if {"avx2", "fma"} <= set(flags) else "default"
+    if mode == "avx2":
+        # ATen's vec headers pick their AVX2 Vectorized by these macros (PyTorch builds its own
+        # kernels once per CPU capability in namespace at::vec::<CAPABILITY>)
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
+    return []
+
+
 def sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", pattern)))
 
@@ -62,7 +85,7 @@ def extension():
     # -fopenmp: at::parallel_for runs on torch's threads only in code compiled with OpenMP
     # (without it the CPU kernels ran on one thread).
     openmp = ["-fopenmp"] if sys.platform == "linux" else []
-    cxx = ["-O3", *openmp]
+    cxx = ["-O3", *openmp, *cpu_vector_flags()]
     srcs = sources("*.cpp") + sources("autograd/*.cpp") + sources("autocast/*.cpp") + sources("cpu/*.cpp")
     if build_with_cuda():
         nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]

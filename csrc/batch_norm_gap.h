@@ -229,8 +229,9 @@ inline BatchNormGapForward batch_norm_gap_setup(const at::Tensor& x,
           at::empty({C}, acc), at::empty({C}, acc), batch_stats, param_dtype};
 }
 
-// The backward's checked arguments: grad_x (B, C, *input_size) contiguous, or
-// an empty tensor without grad_input; grad_weight and grad_bias (C) in
+// The backward's checked arguments: grad_x (B, C, *input_size) in `format`
+// (contiguous; the CPU kernels write a channels_last_3d x's gradient
+// channels_last_3d), or an empty tensor without grad_input; grad_weight and grad_bias (C) in
 // weight's dtype (grad_out's without a weight).
 struct BatchNormGapBackward {
   at::Tensor grad_x, grad_weight, grad_bias;
@@ -241,7 +242,8 @@ struct BatchNormGapBackward {
 inline BatchNormGapBackward batch_norm_gap_backward_setup(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& x, c10::IntArrayRef input_size,
     const std::optional<at::Tensor>& weight, const at::Tensor& plane_dev, const at::Tensor& mean,
-    const at::Tensor& rstd, bool batch_stats, bool grad_input) {
+    const at::Tensor& rstd, bool batch_stats, bool grad_input,
+    at::MemoryFormat format = at::MemoryFormat::Contiguous) {
   constexpr const char* what = "batch_norm_gap_backward";
   TORCH_CHECK_TYPE(at::isFloatingType(grad_out.scalar_type()), what,
                    ": grad_out must be a floating-point tensor, got ", grad_out.scalar_type());
@@ -281,7 +283,8 @@ inline BatchNormGapBackward batch_norm_gap_backward_setup(
       check_channel_tensors(what, "grad_out", grad_out, C, {{"weight", &weight}});
   const int64_t S = input_size[0] * input_size[1] * input_size[2];
   at::Tensor grad_x =
-      grad_input ? at::empty({B, C, input_size[0], input_size[1], input_size[2]}, grad_out.options())
+      grad_input ? at::empty({B, C, input_size[0], input_size[1], input_size[2]},
+                             grad_out.options().memory_format(format))
                  : at::empty({0}, grad_out.options());
   const auto param_options = grad_out.options().dtype(param_dtype);
   return {grad_x, at::empty({C}, param_options), at::empty({C}, param_options), param_dtype, S};

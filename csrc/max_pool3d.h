@@ -224,15 +224,16 @@ class PickPositions {
   }
 
   // Calls f(p, position) for every output p (D', H', W' row-major) of one
-  // plane, in order, with its pick's plane position; `picks` is that plane's.
+  // plane, in order, with its pick's plane position; `picks` is that plane's,
+  // output p's at picks[p * pick_step].
   template <typename index_t, typename F>
-  void for_each(const index_t* picks, F&& f) const {
+  void for_each(const index_t* picks, F&& f, int64_t pick_step = 1) const {
     int64_t p = 0;
     for (int od = 0; od < out_[0]; ++od) {
       for (int oh = 0; oh < out_[1]; ++oh) {
         const int64_t row = shift_ + od * window_step_[0] + oh * window_step_[1];
         for (int ow = 0; ow < out_[2]; ++ow, ++p) {
-          f(p, row + ow * window_step_[2] + delta(static_cast<int64_t>(picks[p])));
+          f(p, row + ow * window_step_[2] + delta(static_cast<int64_t>(picks[p * pick_step])));
         }
       }
     }

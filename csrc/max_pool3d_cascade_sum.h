@@ -97,24 +97,28 @@ inline MaxPool3dCascade max_pool3d_cascade_sum_geometry(const at::Tensor& x, con
 
 // The forward's outputs: out (B, 1, D'', H'', W'') in the result's dtype
 // (x's, or its accumulation type: result_dtype), and the picks (B, C, D'',
-// H'', W'') as uint8, contiguous, or an empty uint8 tensor when not saved.
+// H'', W'') as uint8 in `format` (contiguous; the CPU kernels lay them out as
+// a channels_last_3d x), or an empty uint8 tensor when not saved.
 inline std::pair<at::Tensor, at::Tensor> max_pool3d_cascade_sum_outputs(
     const at::Tensor& x, const MaxPool3dCascade& g, bool save_indices,
-    std::optional<at::ScalarType> dtype) {
+    std::optional<at::ScalarType> dtype, at::MemoryFormat format = at::MemoryFormat::Contiguous) {
   const auto& s = g.second;
   at::Tensor out =
       at::empty({x.size(0), 1, s.d.out, s.h.out, s.w.out},
                 x.options().dtype(result_dtype("max_pool3d_cascade_sum", x.scalar_type(), dtype)));
   const auto byte_options = x.options().dtype(at::kByte);
   at::Tensor indices =
-      save_indices ? at::empty({x.size(0), x.size(1), s.d.out, s.h.out, s.w.out}, byte_options)
+      save_indices ? at::empty({x.size(0), x.size(1), s.d.out, s.h.out, s.w.out},
+                               byte_options.memory_format(format))
                    : at::empty({0}, byte_options);
   return {out, indices};
 }
 
 // The backward's checked arguments: the geometry; grad_out, contiguous; the
-// picks, (B, C, D'', H'', W'') contiguous: the forward's saved ones, or
-// (recompute) a buffer to fill from x first; and grad_x to fill (contiguous).
+// picks, (B, C, D'', H'', W'') in `format`: the forward's saved ones, or
+// (recompute) a buffer to fill from x first; and grad_x to fill, in `format`
+// (contiguous; the CPU kernels write a channels_last_3d x's gradient
+// channels_last_3d).
 struct MaxPool3dCascadeBackward {
   MaxPool3dCascade g;
   at::Tensor grad_out;
@@ -126,7 +130,8 @@ struct MaxPool3dCascadeBackward {
 
 inline MaxPool3dCascadeBackward max_pool3d_cascade_sum_backward_setup(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& indices,
-    const std::optional<at::Tensor>& x, c10::IntArrayRef input_size, const CascadeArgs& a) {
+    const std::optional<at::Tensor>& x, c10::IntArrayRef input_size, const CascadeArgs& a,
+    at::MemoryFormat format = at::MemoryFormat::Contiguous) {
   constexpr const char* what = "max_pool3d_cascade_sum_backward";
   TORCH_CHECK_TYPE(at::isFloatingType(grad_out.scalar_type()), what,
                    ": grad_out must be a floating-point tensor, got ", grad_out.scalar_type());
@@ -162,11 +167,12 @@ inline MaxPool3dCascadeBackward max_pool3d_cascade_sum_backward_setup(
     TORCH_CHECK_VALUE(x->sizes().slice(2) == input_size, what, ": x of shape ", x->sizes(),
                       " does not match input_size ", input_size);
   }
-  at::Tensor grad_x =
-      at::empty({B, C, input_size[0], input_size[1], input_size[2]}, grad_out.options());
-  if (saved) return {g, grad_out.contiguous(), indices->contiguous(), false, at::Tensor(), grad_x};
+  at::Tensor grad_x = at::empty({B, C, input_size[0], input_size[1], input_size[2]},
+                                grad_out.options().memory_format(format));
+  if (saved) return {g, grad_out.contiguous(), indices->contiguous(format), false, at::Tensor(), grad_x};
   const auto pick_dtype = g.pick_volume() <= kMaxSavedKernelVolume ? at::kByte : at::kInt;
-  at::Tensor picks = at::empty({B, C, s.d.out, s.h.out, s.w.out}, x->options().dtype(pick_dtype));
+  at::Tensor picks = at::empty({B, C, s.d.out, s.h.out, s.w.out},
+                               x->options().dtype(pick_dtype).memory_format(format));
   return {g, grad_out.contiguous(), picks, true, *x, grad_x};
 }
 

@@ -49,22 +49,24 @@ inline MaxPool3dGeometry max_pool3d_mean_geometry(const at::Tensor& x,
 
 // The forward's outputs: mean (B, C) in the result's dtype (x's, or its
 // accumulation type: result_dtype), and the picks (B, C, D', H', W') as
-// uint8, contiguous, or an empty uint8 tensor when not saved.
+// uint8 in `format` (contiguous; the CPU kernels lay them out as a
+// channels_last_3d x), or an empty uint8 tensor when not saved.
 inline std::pair<at::Tensor, at::Tensor> max_pool3d_mean_outputs(
     const at::Tensor& x, const MaxPool3dGeometry& g, bool save_indices,
-    std::optional<at::ScalarType> dtype) {
+    std::optional<at::ScalarType> dtype, at::MemoryFormat format = at::MemoryFormat::Contiguous) {
   at::Tensor mean = at::empty({x.size(0), x.size(1)},
                               x.options().dtype(result_dtype("max_pool3d_mean", x.scalar_type(), dtype)));
   const auto byte_options = x.options().dtype(at::kByte);
   at::Tensor indices = save_indices ? at::empty({x.size(0), x.size(1), g.d.out, g.h.out, g.w.out},
-                                                byte_options)
+                                                byte_options.memory_format(format))
                                     : at::empty({0}, byte_options);
   return {mean, indices};
 }
 
 // The backward's checked arguments: the geometry; the picks, (B, C, D', H',
-// W') contiguous: the forward's saved ones, or (recompute) a buffer to fill
-// from x first; and grad_x to fill (contiguous).
+// W') in `format`: the forward's saved ones, or (recompute) a buffer to fill
+// from x first; and grad_x to fill, in `format` (contiguous; the CPU kernels
+// write a channels_last_3d x's gradient channels_last_3d).
 struct MaxPool3dMeanBackward {
   MaxPool3dGeometry g;
   at::Tensor picks;
@@ -77,7 +79,7 @@ inline MaxPool3dMeanBackward max_pool3d_mean_backward_setup(
     const at::Tensor& grad_mean, const std::optional<at::Tensor>& indices,
     const std::optional<at::Tensor>& x, c10::IntArrayRef input_size,
     c10::IntArrayRef kernel_size, c10::IntArrayRef stride, c10::IntArrayRef padding,
-    bool ceil_mode, double divisor) {
+    bool ceil_mode, double divisor, at::MemoryFormat format = at::MemoryFormat::Contiguous) {
   constexpr const char* what = "max_pool3d_mean_backward";
   TORCH_CHECK_TYPE(at::isFloatingType(grad_mean.scalar_type()), what,
                    ": grad_mean must be a floating-point tensor, got ", grad_mean.scalar_type());
@@ -111,10 +113,11 @@ inline MaxPool3dMeanBackward max_pool3d_mean_backward_setup(
                       ", ", C, ") and input_size ", input_size);
   }
   at::Tensor grad_x = at::empty({B, C, input_size[0], input_size[1], input_size[2]},
-                                grad_mean.options());
-  if (saved) return {g, indices->contiguous(), false, at::Tensor(), grad_x};
+                                grad_mean.options().memory_format(format));
+  if (saved) return {g, indices->contiguous(format), false, at::Tensor(), grad_x};
   const auto pick_dtype = g.kernel_volume() <= kMaxSavedKernelVolume ? at::kByte : at::kInt;
-  at::Tensor picks = at::empty({B, C, g.d.out, g.h.out, g.w.out}, x->options().dtype(pick_dtype));
+  at::Tensor picks = at::empty({B, C, g.d.out, g.h.out, g.w.out},
+                               x->options().dtype(pick_dtype).memory_format(format));
   return {g, picks, true, *x, grad_x};
 }
 

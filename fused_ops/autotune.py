@@ -15,9 +15,8 @@ dtype and device; train or eval; whether gradients are recorded, and for which o
 and the parameters; the autocast state) times every formulation that holds for it, its
 forward or, where gradients are recorded, its forward and backward (the module's buffers
 restored after), and keeps the fastest for the key in this process; the later calls with
-that key run it. On a GPU each candidate's convolutions run with cudnn.benchmark on, as
-the tuned original would: where a rewrite is kept it beat the original run channels last
-with cudnn.benchmark too.
+that key run it. On a GPU a rewrite's convolutions run with cudnn.benchmark on (its own
+numerics, tested); the other formulations run under the user's settings, as the original.
 
 Nothing is timed, and each module takes its rule (the first formulation of its list that
 holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
@@ -43,6 +42,7 @@ _ENABLED = os.environ.get("FUSED_OPS_AUTOTUNE", "1").strip().lower() not in ("0"
 _CHOICES: dict[tuple, str] = {}
 _FORCED: list[str] = []
 _LAST = [None]  # the formulation the latest call ran
+_GENERATION = [0]  # advanced by clear() and set_enabled(): the modules' remembered choices lapse
 # Each candidate is timed over ROUNDS rounds (candidates interleaved), each round a run of
 # calls at least ROUND_MS long (at most MAX_CALLS calls), after one warm-up call; the median
 # round decides.
@@ -54,6 +54,7 @@ def set_enabled(enabled: bool) -> None:
     sets the start value)."""
     global _ENABLED
     _ENABLED = bool(enabled)
+    _GENERATION[0] += 1
 
 
 def is_enabled() -> bool:
@@ -63,6 +64,7 @@ def is_enabled() -> bool:
 def clear() -> None:
     """Forgets every choice made so far."""
     _CHOICES.clear()
+    _GENERATION[0] += 1
 
 
 @contextlib.contextmanager
@@ -80,15 +82,19 @@ def _capturing(x: Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def call_key(module: nn.Module, config: tuple, x: Tensor) -> tuple:
-    """The key of a call: what the choice depends on (module docstring)."""
+def _signature(module: nn.Module, x: Tensor) -> tuple:
+    """What a call's choice depends on that may change from call to call of one module."""
     device_type = x.device.type
-    recording = torch.is_grad_enabled()
-    autocast = (device_type in ("cpu", "cuda") and torch.is_autocast_enabled(device_type)
-                and torch.get_autocast_dtype(device_type))
-    grads = (x.requires_grad, *[p.requires_grad for p in module.parameters()]) if recording else ()
-    return (type(module), config, tuple(x.shape), x.stride(), x.dtype, x.device, module.training, grads,
+    autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+    return (x.shape, x.stride(), x.dtype, x.device, module.training, torch.is_grad_enabled(), x.requires_grad,
             torch.is_inference_mode_enabled(), autocast)
+
+
+def call_key(module: nn.Module, config: tuple, x: Tensor) -> tuple:
+    """The key of a call in the choices shared by all modules: the module's class and
+    configuration, the call's signature, and which parameters require gradients."""
+    grads = tuple([p.requires_grad for p in module.parameters()]) if torch.is_grad_enabled() else ()
+    return type(module), config, _signature(module, x), grads
 
 
 def choose(module: nn.Module, config: Callable[[], tuple], formulations: Sequence[str],
@@ -96,23 +102,52 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Sequenc
     """(name, result) of the formulation the call takes: forced, kept from an earlier call
     with its key (call_key of `config()`), timed now (the first call with it), or the rule
     (the first of `formulations`, in order, whose `run(name)` is not None: the last must
-    always hold)."""
+    always hold). The module remembers its latest call's signature and choice, so that a
+    call like the one before takes it without building the key (host time: at a batch of
+    one a whole call on a GPU takes about 0.1 ms)."""
     if _FORCED:
         name, out = _run_first(run, [f for f in _FORCED[-1:] if f in formulations] + list(formulations))
-    elif torch.compiler.is_compiling():
+        _LAST[0] = name
+        return name, out
+    if torch.compiler.is_compiling():
         return _run_first(run, formulations)
+    signature = _signature(module, x)
+    memo = module.__dict__.get("_fused_ops_choice")
+    if memo is not None and memo[0] == _GENERATION[0] and memo[1] == signature:
+        name = memo[2]
+        out = _run_benchmarked(run, name, x)
+        if out is not None:  # (else the configuration changed since: choose again)
+            _LAST[0] = name
+            return name, out
+    tuned = _ENABLED and len(formulations) > 1
+    key = (type(module), config(), signature,
+           tuple([p.requires_grad for p in module.parameters()]) if signature[5] else ()) if tuned else None
+    name = _CHOICES.get(key) if tuned else None
+    if name is None and (not tuned or _capturing(x)):
+        name, out = _run_first(run, formulations)
     else:
-        key = call_key(module, config(), x) if _ENABLED and len(formulations) > 1 else None
-        name = _CHOICES.get(key)
-        if name is None and (key is None or _capturing(x)):
+        if name is None:
+            name = _CHOICES[key] = _tune(module, formulations, run, x)
+        out = _run_benchmarked(run, name, x)
+        if out is None:
             name, out = _run_first(run, formulations)
-        else:
-            if name is None:
-                name = _CHOICES[key] = _tune(module, formulations, run, x)
-            with _cudnn_benchmark(x):
-                out = run(name)
+    if not _capturing(x):
+        module.__dict__["_fused_ops_choice"] = (_GENERATION[0], signature, name)
     _LAST[0] = name
     return name, out
+
+
+def _run_benchmarked(run, name: str, x: Tensor) -> Tensor | None:
+    """run(name), a rewrite's with cudnn.benchmark on for its convolutions on a GPU (the
+    others run under the user's settings, the original's numerics); the user's setting back
+    after."""
+    if name != "rewrite" or not x.is_cuda or torch._C._get_cudnn_benchmark():
+        return run(name)
+    torch._C._set_cudnn_benchmark(True)
+    try:
+        return run(name)
+    finally:
+        torch._C._set_cudnn_benchmark(False)
 
 
 def last_formulation() -> str | None:
@@ -133,20 +168,6 @@ def _run_first(run, formulations) -> tuple[str, Tensor]:
     raise AssertionError(f"no formulation of {list(formulations)} holds")  # the last always does
 
 
-@contextlib.contextmanager
-def _cudnn_benchmark(x: Tensor):
-    """cudnn.benchmark on for a tuned formulation's convolutions on a GPU (not while
-    compiling); the user's setting back after."""
-    if not x.is_cuda or torch.backends.cudnn.benchmark:
-        yield
-        return
-    torch.backends.cudnn.benchmark = True
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = False
-
-
 def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str:
     """The fastest of the formulations that hold, timed as the call is made: the forward,
     and where the result records gradients, the backward to what requires them. The
@@ -158,7 +179,7 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
 
     def step(name):
         def call():
-            out = run(name)
+            out = _run_benchmarked(run, name, x)
             if out is not None and out.requires_grad:
                 inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
                 with torch.autocast(device.type, enabled=False):
@@ -168,23 +189,22 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
 
     steps, errors = {}, []
     try:
-        with _cudnn_benchmark(x):
-            for name in formulations:
-                call = step(name)
-                began = time.perf_counter()
-                try:
-                    if call() is None:  # does not hold
-                        continue
-                except Exception as error:  # (a limit of one formulation: the others may hold)
-                    errors.append(error)
+        for name in formulations:
+            call = step(name)
+            began = time.perf_counter()
+            try:
+                if call() is None:  # does not hold
                     continue
-                _synchronize(device)
-                first_ms = (time.perf_counter() - began) * 1e3
-                calls = max(1, min(MAX_CALLS, int(ROUND_MS / max(first_ms, 1e-3))))
-                steps[name] = (call, calls, [])
-            for _ in range(ROUNDS):
-                for name, (call, calls, times) in steps.items():
-                    times.append(_time_ms(call, calls, device) / calls)
+            except Exception as error:  # (a limit of one formulation: the others may hold)
+                errors.append(error)
+                continue
+            _synchronize(device)
+            first_ms = (time.perf_counter() - began) * 1e3
+            calls = max(1, min(MAX_CALLS, int(ROUND_MS / max(first_ms, 1e-3))))
+            steps[name] = (call, calls, [])
+        for _ in range(ROUNDS):
+            for name, (call, calls, times) in steps.items():
+                times.append(_time_ms(call, calls, device) / calls)
     finally:
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):

@@ -80,10 +80,29 @@ def _conv_channels_last(conv: nn.Module, x: Tensor) -> Tensor:
     if not weight.is_contiguous(memory_format=fmt) or (dtype is not None and weight.dtype != dtype):
         weight = derived(("channels_last", dtype), (conv.weight,),
                          lambda: conv.weight.to(dtype=dtype or conv.weight.dtype, memory_format=fmt))
+    return _conv(conv, x, weight)
+
+
+def _conv(conv: nn.Module, x: Tensor, weight: Tensor | None = None) -> Tensor:
+    """conv(x) (with `weight` for conv.weight where given), the functional op called directly:
+    a module call's host time (its hooks' checks) counts where a whole call is host-bound."""
+    weight = conv.weight if weight is None else weight
     if isinstance(conv, nn.ConvTranspose3d):
         return F.conv_transpose3d(x, weight, conv.bias, conv.stride, conv.padding, conv.output_padding, conv.groups,
                                   conv.dilation)
     return conv._conv_forward(x, weight, conv.bias)
+
+
+def _as_original(out: Tensor, x: Tensor, ops: tuple[str, ...]) -> Tensor:
+    """A fused op's result in the dtype the original's tail `ops` return for x: the same as
+    the fused op's but under autocast (``fused_ops._autocast``)."""
+    if _autocast.cast_dtype(x) is None:
+        return out
+    return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, ops))
+
+
+def _max_pool3d(pool: nn.MaxPool3d, y: Tensor) -> Tensor:
+    return F.max_pool3d(y, pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
 
 
 class _Formulations:
@@ -157,14 +176,20 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
         pool = self.avg_pool
         if name == "rewrite":
             pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
-            return None if pooled is None else torch.sigmoid(pooled).sum(dim=(1, 2, 3))
-        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else self.conv(x)
+            if pooled is None:
+                return None
+            # the sigmoid and the sum in one pass: the fused tail with a pool of one
+            return _as_original(avg_pool2d_sigmoid_sum(pooled, 1), x, self._TAIL_OPS)
+        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
         if name.startswith("original"):
-            return torch.sum(torch.sigmoid(pool(y)), dim=[1, 2, 3])
+            y = F.avg_pool2d(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, pool.count_include_pad,
+                             pool.divisor_override)
+            return torch.sum(torch.sigmoid(y), dim=[1, 2, 3])
         out = avg_pool2d_sigmoid_sum(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
                                      pool.count_include_pad, pool.divisor_override)
-        return out.to(_autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
-                                           ("aten::avg_pool2d", "aten::sigmoid", "aten::sum.dim_IntList")))
+        return _as_original(out, x, self._TAIL_OPS)
+
+    _TAIL_OPS = ("aten::avg_pool2d", "aten::sigmoid", "aten::sum.dim_IntList")
 
 
 class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBiasSum):
@@ -189,11 +214,12 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         name = type(self).__name__
         _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
         _check_pool_returns_values(name, self.max_pool)
-        batched = x.dim() == 5
         mean = self._dispatch(self._dispatched_input(x))
-        pooled = mean[:, :, None, None, None] if batched else mean[0, :, None, None, None]
+        pooled = mean.view((mean.shape if x.dim() == 5 else mean.shape[1:]) + (1, 1, 1))  # (B,) C, 1, 1, 1
         out = torch.sum(pooled + self.bias, dim=self.sum_dim)
-        # the original's dtype: its global average's (the pools' under autocast), plus the bias, summed
+        if _autocast.cast_dtype(x) is None:  # (every formulation gives the original's dtype)
+            return out
+        # the original's dtype under autocast: its global average's (the pools'), plus the bias, summed
         average_dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
                                              ("aten::max_pool3d", "aten::adaptive_avg_pool3d"))
         return out.to(_autocast.tail_dtype(torch.promote_types(average_dtype, self.bias.dtype), x.device.type,
@@ -221,10 +247,11 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         fused = name.startswith("fused")
         if fused and not _fusable_max_pool(pool, ceil_mode_ok=True):
             return None
-        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else self.conv(x)
+        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
         if fused:
             return max_pool3d_mean(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
-        return self.global_avg_pool(pool(y / self.divisor)).flatten(1)
+        y = _max_pool3d(pool, y / self.divisor)
+        return F.adaptive_avg_pool3d(y, self.global_avg_pool.output_size).view(y.shape[:2])
 
 
 class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dMaxPoolMaxPoolSum):
@@ -273,20 +300,19 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
             out = parity_max_pool3d_cascade_sum(windows, second.kernel_size)
             if channel_bias is not None:  # each channel's maximum carries its bias into the sum
                 out = out + channel_bias.sum()
-            return out.to(self._out_dtype(x))
+            return _as_original(out, x, self._TAIL_OPS)
         fused = name.startswith("fused")
         if fused and not (_fusable_max_pool(first, ceil_mode_ok=False) and _fusable_max_pool(second, ceil_mode_ok=False)):
             return None
         y = (_conv_channels_last(self.conv_transpose, x) if name.endswith("channels_last")
-             else self.conv_transpose(x))
+             else _conv(self.conv_transpose, x))
         if not fused:
-            return torch.sum(second(first(y)), dim=1, keepdim=True)
+            return torch.sum(_max_pool3d(second, _max_pool3d(first, y)), dim=1, keepdim=True)
         out = max_pool3d_cascade_sum(y, first.kernel_size, second.kernel_size, stride1=first.stride,
                                      padding1=first.padding, stride2=second.stride, padding2=second.padding)
-        return out.to(self._out_dtype(x))
+        return _as_original(out, x, self._TAIL_OPS)
 
-    def _out_dtype(self, x: Tensor) -> torch.dtype:
-        return _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, ("aten::max_pool3d", "aten::sum.dim_IntList"))
+    _TAIL_OPS = ("aten::max_pool3d", "aten::sum.dim_IntList")
 
 
 class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dScaleBatchNormGAP):
@@ -319,8 +345,8 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             raise ValueError(f"{name}: the fused op pools to (1, 1, 1), got {self.global_avg_pool}")
         group = sync_process_group(self.batch_norm)
         if group is not None:  # one formulation: every rank must make the same collective calls
-            y = self.conv_transpose(x)
-            return sync_batch_norm_gap(y, self.scale_factor, self.batch_norm, group).to(self._out_dtype(x))
+            y = _conv(self.conv_transpose, x)
+            return _as_original(sync_batch_norm_gap(y, self.scale_factor, self.batch_norm, group), x, self._TAIL_OPS)
         return self._dispatch(x)
 
     def _config(self) -> tuple:
@@ -338,9 +364,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             order = tuple([name for name in order if not name.startswith("original")])
         return order
 
-    def _out_dtype(self, x: Tensor) -> torch.dtype:
-        return _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type,
-                                    ("aten::batch_norm", "aten::adaptive_avg_pool3d"))
+    _TAIL_OPS = ("aten::batch_norm", "aten::adaptive_avg_pool3d")
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         bn = self.batch_norm
@@ -350,8 +374,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             if mapped is None:
                 return None
             weight, shift = mapped
-            out = torch.addmm(shift, rewrites.spatial_sums(x), weight)
-            return out[:, :, None, None, None].to(self._out_dtype(x))
+            out = torch.addmm(shift, rewrites.spatial_sums(x), weight)  # (float64)
+            dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
+            return out.view(out.shape + (1, 1, 1)).to(dtype)
         if name == "rewrite":
             y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose)
             if y is None:
@@ -359,9 +384,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         elif name.endswith("channels_last"):
             y = _conv_channels_last(self.conv_transpose, x)
         else:
-            y = self.conv_transpose(x)
+            y = _conv(self.conv_transpose, x)
         if name.startswith("original"):
-            return self.global_avg_pool(bn(y * self.scale_factor))
+            return F.adaptive_avg_pool3d(bn(y * self.scale_factor), self.global_avg_pool.output_size)
         # nn.BatchNorm3d's rules: the running statistics are normalized with
         # in eval mode and updated in training mode with track_running_stats.
         running = not bn.training or bn.track_running_stats
@@ -369,7 +394,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
                              bn.running_mean if running else None, bn.running_var if running else None,
                              bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
                              training=bn.training, momentum=bn.momentum, eps=bn.eps)
-        return out.to(self._out_dtype(x))
+        return _as_original(out, x, self._TAIL_OPS)
 
     def _running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """(W (I, O), b (O)) in float64 with the output, normalized with the running

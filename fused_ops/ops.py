@@ -34,6 +34,21 @@ def _is_channels_last(x: Tensor) -> bool:
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
+def _kernel_memory_format(x: Tensor) -> torch.memory_format:
+    """The memory format a 5-D op lays out its picks and its input's gradient in, x being the
+    op's input (or the picks): channels_last_3d for such an x on the CPU, whose kernels read it
+    in vectors over channels (csrc/cpu/vectorized.h, grad_memory_format), else contiguous."""
+    channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
+    return torch.channels_last_3d if x.device.type == "cpu" and channels_last else torch.contiguous_format
+
+
+def _empty_5d(shape, like: Tensor, layout_of: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
+    """An empty 5-D tensor on like's device (in like's dtype unless given), laid out by
+    _kernel_memory_format(layout_of) (contiguous where layout_of is None)."""
+    fmt = torch.contiguous_format if layout_of is None else _kernel_memory_format(layout_of)
+    return torch.empty(shape, dtype=like.dtype if dtype is None else dtype, device=like.device, memory_format=fmt)
+
+
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -181,12 +196,13 @@ def _max_pool3d_mean_fake(x, kernel_size, stride, padding, ceil_mode, divisor, s
     mean = x.new_empty((x.shape[0], x.shape[1]), dtype=_result_dtype(x, dtype, "max_pool3d_mean"))
     if not save_indices:
         return mean, x.new_empty((0,), dtype=torch.uint8)
-    return mean, x.new_empty((x.shape[0], x.shape[1], *pooled), dtype=torch.uint8)
+    return mean, _empty_5d((x.shape[0], x.shape[1], *pooled), x, x, dtype=torch.uint8)
 
 
 @torch.library.register_fake("fused_ops::max_pool3d_mean_backward")
 def _max_pool3d_mean_backward_fake(grad_mean, indices, x, input_size, kernel_size, stride, padding, ceil_mode, divisor):
-    return grad_mean.new_empty((grad_mean.shape[0], grad_mean.shape[1], *input_size))
+    return _empty_5d((grad_mean.shape[0], grad_mean.shape[1], *input_size), grad_mean,
+                     indices if indices is not None else x)
 
 
 # --------------------------------------------------------------------------
@@ -250,14 +266,14 @@ def _max_pool3d_cascade_sum_fake(x, kernel1, stride1, padding1, kernel2, stride2
     out = x.new_empty((x.shape[0], 1, *out_size), dtype=_result_dtype(x, dtype, "max_pool3d_cascade_sum"))
     if not save_indices:
         return out, x.new_empty((0,), dtype=torch.uint8)
-    return out, x.new_empty((x.shape[0], x.shape[1], *out_size), dtype=torch.uint8)
+    return out, _empty_5d((x.shape[0], x.shape[1], *out_size), x, x, dtype=torch.uint8)
 
 
 @torch.library.register_fake("fused_ops::max_pool3d_cascade_sum_backward")
 def _max_pool3d_cascade_sum_backward_fake(grad_out, indices, x, input_size, kernel1, stride1, padding1, kernel2,
                                           stride2, padding2):
-    channels = (indices if indices is not None else x).shape[1]
-    return grad_out.new_empty((grad_out.shape[0], channels, *input_size))
+    source = indices if indices is not None else x
+    return _empty_5d((grad_out.shape[0], source.shape[1], *input_size), grad_out, source)
 
 
 # --------------------------------------------------------------------------
@@ -467,7 +483,7 @@ def _batch_norm_gap_fake(x, scale, weight, bias, running_mean, running_var, eps,
 def _batch_norm_gap_backward_fake(grad_out, x, input_size, scale, weight, plane_dev, mean, rstd, batch_stats,
                                   grad_input):
     batch, channels = plane_dev.shape
-    grad_x = grad_out.new_empty((batch, channels, *input_size) if grad_input else (0,))
+    grad_x = _empty_5d((batch, channels, *input_size), grad_out, x) if grad_input else grad_out.new_empty((0,))
     param_dtype = grad_out.dtype if weight is None else weight.dtype
     return grad_x, grad_out.new_empty((channels,), dtype=param_dtype), grad_out.new_empty((channels,), dtype=param_dtype)
 

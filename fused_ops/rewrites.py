@@ -380,8 +380,10 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     blocks = [out[d] - 1 + taps[d] for d in range(2)]
     pad = (padding[1], blocks[1] * stride[1] - padded[1] + padding[1],
            padding[0], blocks[0] * stride[0] - padded[0] + padding[0])
-    if any(pad):
+    if any([p > 0 for p in pad]):
         x = F.pad(x, pad)
+    elif any(pad):  # only cropping: a view, read by the one copy below
+        x = x[:, :, :x.shape[2] + pad[3], :x.shape[3] + pad[1]]
     # one copy, in the dtype the convolution computes in (autocast's: cast as it is copied)
     n, i = x.shape[:2]
     s2d = x.new_empty(n, blocks[0], blocks[1], i, stride[0], stride[1], dtype=_autocast.conv_dtype(x))

@@ -187,6 +187,15 @@ def exact_pair(x, fused, ref):
 LAYOUTS_5D = ["channels_last_3d", "transposed", "sliced", "misaligned", "expanded"]
 
 
+def grad_memory_format(x):
+    """The memory format the fused ops write a 5-D input's gradient in: channels_last_3d on the CPU
+    for an x in that layout (and not plainly contiguous), as PyTorch's max_pool3d backward returns
+    its input's format; contiguous otherwise (and on CUDA)."""
+    if x.device.type == "cpu" and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return torch.contiguous_format
+
+
 def in_layout_5d(base, layout, sliced=(slice(None), slice(1, 4), slice(1, None), slice(None), slice(None, None, 2))):
     """base (B, C, D, H, W) in one of LAYOUTS_5D, the strides the ops must read
     in place; `sliced` is the view the "sliced" layout takes."""

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import (DTYPES, LAYOUTS_5D, RTOL, assert_close_to_reference, in_layout_5d, make_input,
-                      poison_cuda_allocator, requires_cuda)
+from conftest import (DTYPES, LAYOUTS_5D, RTOL, assert_close_to_reference, grad_memory_format, in_layout_5d,
+                      make_input, poison_cuda_allocator, requires_cuda)
 from fused_ops import batch_norm_gap
 
 OP = torch.ops.fused_ops.batch_norm_gap.default
@@ -129,7 +129,18 @@ def test_layouts(layout, training, device, dtype):
     base = make_input((2, 5, 6, 8, 10), dtype, device)
     x = in_layout_5d(base, layout)
     grad_x = check_forward_backward(x, -2.0, make_params(x.shape[1], dtype, device), training, 0.1, dtype)
-    assert grad_x.is_contiguous()
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 6, 7), (1, 13, 6, 9, 11), (3, 37, 4, 5, 70)])
+@pytest.mark.parametrize("training", [True, False])
+def test_channels_last(shape, training, device, dtype):
+    """channels_last_3d inputs, which the CPU kernels read in vectors over channels: channel
+    counts the vector width does not divide, planes of more than one block of moments
+    (4 * 5 * 70 elements); grad_x channels_last_3d on the CPU."""
+    x = make_input(shape, dtype, device).to(memory_format=torch.channels_last_3d)
+    grad_x = check_forward_backward(x, 1.5, make_params(shape[1], dtype, device), training, 0.1, dtype)
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
 
 
 def test_large_mean_float32(device):
@@ -243,8 +254,10 @@ def test_opcheck(device):
     grad = torch.rand(2, 3, 1, 1, 1, device=device)
     for batch_stats in (True, False):
         for grad_input in (True, False):
-            torch.library.opcheck(BACKWARD, (grad, x.detach(), [5, 6, 7], 2.0, weight, plane_dev, mean, rstd,
-                                             batch_stats, grad_input))
+            # x contiguous and channels_last_3d (grad_x laid out as x on the CPU)
+            for t in (x, x.to(memory_format=torch.channels_last_3d)):
+                torch.library.opcheck(BACKWARD, (grad, t.detach(), [5, 6, 7], 2.0, weight, plane_dev, mean, rstd,
+                                                 batch_stats, grad_input))
     torch.library.opcheck(BACKWARD, (grad, None, [5, 6, 7], 2.0, None, plane_dev, mean, rstd, False, True))
     for counter, momentum, count in [(nbt, 0.1, 420), (nbt, None, 420), (None, 0.3, 420), (nbt, None, 0)]:
         torch.library.opcheck(UPDATE, (rm, rv, counter, mean, var, count, momentum))

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, exact_pair, in_layout_5d, make_input,
-                      poison_cuda_allocator, requires_cuda)
+from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, exact_pair, grad_memory_format, in_layout_5d,
+                      make_input, poison_cuda_allocator, requires_cuda)
 from fused_ops import max_pool3d_cascade_sum
 
 OP = torch.ops.fused_ops.max_pool3d_cascade_sum.default
@@ -110,7 +110,7 @@ def test_layouts(layout, pools, device, dtype):
     base = make_input((2, 5, 12, 13, 14), dtype, device)
     x = in_layout_5d(base, layout, sliced=(slice(None), slice(1, 4), slice(None), slice(1, None), slice(None, None, 1)))
     grad_x = check_forward_backward(x, *pools, dtype)
-    assert grad_x.is_contiguous()
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
 
 
 TIE_CASES = [
@@ -137,11 +137,16 @@ def test_ties_match_pytorch_exactly(shape, first, second, device, dtype):
 @pytest.mark.parametrize("pools", [(dict(kernel_size=2), dict(kernel_size=3)),
                                    (dict(kernel_size=3, stride=1, padding=1), dict(kernel_size=2, stride=2, padding=1))],
                          ids=["2-3", "overlapping"])
-def test_nan_and_inf_match_pytorch(pools, device, dtype):
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last_3d],
+                         ids=["contiguous", "channels_last_3d"])
+def test_nan_and_inf_match_pytorch(pools, memory_format, device, dtype):
     """NaN propagates and the last NaN wins at each stage (several NaNs in one
     stage-1 window, and in several stage-1 windows of one stage-2 window); +-inf
     pick like any value; a region of -inf picks its first element; +inf and
-    -inf in one output's channel sum give NaN."""
+    -inf in one output's channel sum give NaN. Against PyTorch on a contiguous
+    copy: its channels_last_3d max_pool3d (torch 2.13 CPU) routes a window of
+    -inf's gradient to the element at depth 0 of the window's (h, w), outside
+    the window."""
     nan, inf = float("nan"), float("inf")
     g = torch.Generator().manual_seed(2)
     x = torch.randint(-2, 3, (2, 3, 12, 12, 13), generator=g).to(dtype=dtype, device=device)
@@ -152,7 +157,8 @@ def test_nan_and_inf_match_pytorch(pools, device, dtype):
     x[1, 1, 6:12, 0:6, 0:6] = inf
     x[1, 2, 6:12, 0:6, 0:6] = -inf  # +inf and -inf summed: NaN
     x[1, 2, 1, 1, 12] = nan  # in the last column, outside every box of 2 then 3
-    out, ref, grad_x, grad_ref = exact_pair(x, lambda t: fused(t, *pools), lambda t: eager(t, *pools))
+    x = x.contiguous(memory_format=memory_format)
+    out, ref, grad_x, grad_ref = exact_pair(x, lambda t: fused(t, *pools), lambda t: eager(t.contiguous(), *pools))
     torch.testing.assert_close(out, ref, equal_nan=True)
     assert out[0, 0, 0, 0, 0].isnan()
     assert torch.equal(grad_x, grad_ref), "picks differ from PyTorch's"
@@ -182,6 +188,45 @@ def test_reads_only_what_reaches_the_output(device):
     assert torch.equal(fused(x, dict(kernel_size=2), dict(kernel_size=3)), clean)
 
 
+# channels_last_3d inputs, which the CPU kernels read in vectors over channels:
+# channel counts the vector width does not divide (3, 13, 37), each backward path.
+CHANNELS_LAST_CONFIGS = [
+    ((1, 37, 13, 12, 14), dict(kernel_size=2), dict(kernel_size=3)),  # B's tail: disjoint, stored over zeros
+    ((2, 13, 9, 10, 11), dict(kernel_size=3, stride=1, padding=1), dict(kernel_size=3, stride=2, padding=1)),
+    ((2, 3, 17, 18, 19), dict(kernel_size=2, stride=3), dict(kernel_size=2, stride=3)),  # gaps
+    ((1, 13, 12, 11, 12), dict(kernel_size=3, stride=2), dict(kernel_size=(3, 2, 3))),  # picks recomputed
+    ((2, 13, 11, 12, 13), dict(kernel_size=2, stride=3), dict(kernel_size=2, stride=3)),  # one output per plane
+]
+
+
+@pytest.mark.parametrize("shape,first,second", CHANNELS_LAST_CONFIGS,
+                         ids=[f"{s}-{sorted(a.items())}-{sorted(b.items())}" for s, a, b in CHANNELS_LAST_CONFIGS])
+def test_channels_last(shape, first, second, device, dtype):
+    """Forward and backward against PyTorch; grad_x channels_last_3d on the CPU; the forward
+    without autograd (values only) equal to the one that saves the picks."""
+    x = make_input(shape, dtype, device).to(memory_format=torch.channels_last_3d)
+    grad_x = check_forward_backward(x, first, second, dtype)
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
+    with torch.no_grad():
+        values_only = fused(x, first, second)
+    saving = fused(x.detach().requires_grad_(), first, second)
+    assert torch.equal(values_only, saving.detach())
+
+
+@pytest.mark.parametrize("channels", [3, 13, 37])
+@pytest.mark.parametrize("shape,first,second", TIE_CASES, ids=[f"{a}-{b}" for _, a, b in TIE_CASES])
+def test_channels_last_ties_match_pytorch_exactly(shape, first, second, channels, device, dtype):
+    """test_ties_match_pytorch_exactly on channels_last_3d inputs, PyTorch's in the same layout."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-2, 3, (shape[0], channels, *shape[2:]), generator=g).to(dtype=dtype, device=device)
+    x[:, :1, 2:8, 1:7, :] = 1.0
+    x[-1, -1] = 0.0
+    x = x.to(memory_format=torch.channels_last_3d)
+    out, ref, grad_x, grad_ref = exact_pair(x, lambda t: fused(t, first, second), lambda t: eager(t, first, second))
+    torch.testing.assert_close(out, ref)
+    assert torch.equal(grad_x, grad_ref), "picks differ from PyTorch's"
+
+
 def test_gradcheck(device):
     for first, second in [(dict(kernel_size=2), dict(kernel_size=3)),
                           (dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, stride=1, padding=1)),
@@ -204,10 +249,12 @@ def test_opcheck(device):
         # without saved picks the backward recomputes them from x
         torch.library.opcheck(OP, (t, *args, False))
     args = op_args(dict(kernel_size=2), dict(kernel_size=3))
-    out, indices = OP(x, *args, True)
-    grad_out = torch.rand(out.shape, device=device)
-    torch.library.opcheck(BACKWARD, (grad_out, indices, None, [12, 13, 14], *args))
-    torch.library.opcheck(BACKWARD, (grad_out, None, x.detach(), [12, 13, 14], *args))
+    # x contiguous and channels_last_3d: the picks and grad_x laid out as x on the CPU
+    for t in (x, x.to(memory_format=torch.channels_last_3d)):
+        out, indices = OP(t, *args, True)
+        grad_out = torch.rand(out.shape, device=device)
+        torch.library.opcheck(BACKWARD, (grad_out, indices, None, [12, 13, 14], *args))
+        torch.library.opcheck(BACKWARD, (grad_out, None, t.detach(), [12, 13, 14], *args))
 
 
 def test_empty_batch(device):

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, in_layout_5d, make_input, poison_cuda_allocator,
-                      requires_cuda)
+from conftest import (DTYPES, LAYOUTS_5D, assert_close_to_reference, grad_memory_format, in_layout_5d, make_input,
+                      poison_cuda_allocator, requires_cuda)
 from fused_ops import max_pool3d_mean
 
 OP = torch.ops.fused_ops.max_pool3d_mean.default
@@ -83,13 +83,14 @@ def test_layouts(layout, pool, device, dtype):
     base = make_input((2, 5, 6, 8, 10), dtype, device)
     x = in_layout_5d(base, layout)
     grad_x = check_forward_backward(x, pool, -2.0, dtype)
-    assert grad_x.is_contiguous()
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
 
 
-def exact_pair(x, divisor, pool):
-    """(fused, eager) forward and grad_x for grad_out = 1 (x's dtype and device)."""
+def exact_pair(x, divisor, pool, eager_layout=torch.preserve_format):
+    """(fused, eager) forward and grad_x for grad_out = 1 (x's dtype and device); eager on a
+    copy of x in eager_layout (x's own by default)."""
     a = x.detach().clone().requires_grad_()
-    b = x.detach().clone().requires_grad_()
+    b = x.detach().clone(memory_format=eager_layout).requires_grad_()
     out, ref = max_pool3d_mean(a, divisor=divisor, **pool), eager(b, divisor, **pool)
     out.sum().backward()
     ref.sum().backward()
@@ -119,10 +120,14 @@ def test_ties_match_pytorch_exactly(shape, pool, device, dtype):
         assert torch.equal(grad_x, grad_ref), f"divisor {divisor}: picks differ from PyTorch's"
 
 
-def test_nan_and_inf_match_pytorch(device, dtype):
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last_3d],
+                         ids=["contiguous", "channels_last_3d"])
+def test_nan_and_inf_match_pytorch(memory_format, device, dtype):
     """NaN propagates and the last NaN of a window is its pick; +-inf pick
     like any value; a window of -inf picks its first element; +inf and -inf in
-    one plane average to NaN."""
+    one plane average to NaN. Against PyTorch on a contiguous copy: its
+    channels_last_3d max_pool3d (torch 2.13 CPU) routes a window of -inf's
+    gradient to the element at depth 0 of the window's (h, w), outside the window."""
     nan, inf = float("nan"), float("inf")
     g = torch.Generator().manual_seed(2)
     x = torch.randint(-2, 3, (2, 3, 4, 4, 5), generator=g).to(dtype=dtype, device=device)
@@ -133,11 +138,51 @@ def test_nan_and_inf_match_pytorch(device, dtype):
     x[1, 1, 0, 0, 0] = inf
     x[1, 1, 2:4, 2:4, 2:4] = -inf  # maxima +inf and -inf: the mean is NaN (+inf for a negative divisor)
     x[1, 2, 1, 1, 4] = nan  # in the last column, outside every window
+    x = x.contiguous(memory_format=memory_format)
     for divisor in (2.0, -0.5):
-        out, ref, grad_x, grad_ref = exact_pair(x, divisor, dict(kernel_size=2))
+        out, ref, grad_x, grad_ref = exact_pair(x, divisor, dict(kernel_size=2), torch.contiguous_format)
         torch.testing.assert_close(out, ref, equal_nan=True)
         assert out[0, 0].isnan() and not out[1, 2].isnan()
         assert out[1, 1].isnan() if divisor > 0 else out[1, 1] == float("inf")
+        assert torch.equal(grad_x, grad_ref), f"divisor {divisor}: picks differ from PyTorch's"
+
+
+# channels_last_3d inputs, which the CPU kernels read in vectors over channels:
+# channel counts the vector width does not divide (3, 13, 37: one partial
+# block, one full and a partial one, several), each backward path.
+CHANNELS_LAST_CONFIGS = [
+    ((2, 13, 6, 9, 11), dict(kernel_size=2), 2.0),  # disjoint windows: filled, then the picks stored
+    ((1, 37, 5, 7, 9), dict(kernel_size=3, stride=2, padding=1, ceil_mode=True), -1.5),  # overlapping: counts
+    ((2, 3, 7, 8, 9), dict(kernel_size=(1, 2, 2), stride=3), 0.3),  # gaps between windows
+    ((1, 13, 8, 9, 10), dict(kernel_size=7, stride=(1, 2, 3), padding=(0, 1, 2)), -2.0),  # picks recomputed
+    ((2, 13, 4, 5, 6), dict(kernel_size=(4, 5, 6)), 2.0),  # one window per plane: picks (2, 13, 1, 1, 1)
+]
+
+
+@pytest.mark.parametrize("shape,pool,divisor", CHANNELS_LAST_CONFIGS,
+                         ids=[f"{s}-{sorted(p.items())}-{d}" for s, p, d in CHANNELS_LAST_CONFIGS])
+def test_channels_last(shape, pool, divisor, device, dtype):
+    """Forward and backward against PyTorch; grad_x channels_last_3d on the CPU; the forward
+    without autograd (values only) equal to the one that saves the picks."""
+    x = make_input(shape, dtype, device).to(memory_format=torch.channels_last_3d)
+    grad_x = check_forward_backward(x, pool, divisor, dtype)
+    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
+    with torch.no_grad():
+        values_only = max_pool3d_mean(x, divisor=divisor, **pool)
+    saving = max_pool3d_mean(x.detach().requires_grad_(), divisor=divisor, **pool)
+    assert torch.equal(values_only, saving.detach())
+
+
+@pytest.mark.parametrize("channels", [3, 13, 37])
+@pytest.mark.parametrize("shape,pool", TIE_CASES, ids=[str(p) for _, p in TIE_CASES])
+def test_channels_last_ties_match_pytorch_exactly(shape, pool, channels, device, dtype):
+    """test_ties_match_pytorch_exactly on channels_last_3d inputs, PyTorch's in the same layout."""
+    g = torch.Generator().manual_seed(5)
+    for divisor in (2.0, -0.5):
+        x = torch.randint(-2, 3, (shape[0], channels, *shape[2:]), generator=g).to(dtype=dtype, device=device)
+        x = x.to(memory_format=torch.channels_last_3d)
+        out, ref, grad_x, grad_ref = exact_pair(x, divisor, pool)
+        torch.testing.assert_close(out, ref)
         assert torch.equal(grad_x, grad_ref), f"divisor {divisor}: picks differ from PyTorch's"
 
 
@@ -162,10 +207,14 @@ def test_opcheck(device):
         torch.library.opcheck(OP, (t, *args, True))
         # without saved picks the backward recomputes them from x
         torch.library.opcheck(OP, (t, *args, False))
-    indices = OP(x, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, True)[1]
     grad_mean = torch.rand(2, 3, device=device)
-    torch.library.opcheck(BACKWARD, (grad_mean, indices, None, [5, 6, 7], [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0))
-    torch.library.opcheck(BACKWARD, (grad_mean, None, x.detach(), [5, 6, 7], [3, 2, 3], [1, 2, 2], [1, 1, 0], True, -0.5))
+    # x contiguous and channels_last_3d: the picks and grad_x laid out as x on the CPU
+    for t in (x, x.to(memory_format=torch.channels_last_3d)):
+        indices = OP(t, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, True)[1]
+        torch.library.opcheck(BACKWARD, (grad_mean, indices, None, [5, 6, 7], [2, 2, 2], [2, 2, 2], [0, 0, 0], False,
+                                         2.0))
+        torch.library.opcheck(BACKWARD, (grad_mean, None, t.detach(), [5, 6, 7], [3, 2, 3], [1, 2, 2], [1, 1, 0], True,
+                                         -0.5))
 
 
 def test_empty_batch(device):

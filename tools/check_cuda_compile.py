@@ -4,7 +4,7 @@ header, c10/cuda/impl/cuda_cmake_macros.h, which a stub on this check's own
 include path provides). Builds nothing that is installed; exits non-zero on
 the first failure.
 
-    python tools/check_cuda_compile.py [--nvcc PATH]
+    python tools/check_cuda_compile.py [--nvcc PATH] [FILE.cu ...]   (default: every one)
 """
 import argparse
 import glob
@@ -32,9 +32,10 @@ def find_nvcc(explicit: str | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nvcc")
+    parser.add_argument("sources", nargs="*", help="the .cu files to check (default: every csrc/cuda/*.cu)")
     args = parser.parse_args()
     nvcc = find_nvcc(args.nvcc)
-    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    sources = [os.path.abspath(p) for p in args.sources] or sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
     with tempfile.TemporaryDirectory() as stub:
         os.makedirs(os.path.join(stub, "c10", "cuda", "impl"))
         with open(os.path.join(stub, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:

@@ -9,6 +9,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
+#include "../memory_format.h"
+
 #include <cstddef>
 #include <optional>
 #include <tuple>
@@ -92,6 +94,20 @@ inline void save_input_dtype(AutogradContext* ctx, const at::Tensor& x) {
 
 inline at::Tensor grad_in_input_dtype(AutogradContext* ctx, const at::Tensor& grad) {
   return grad.to(ctx->saved_data["x_dtype"].toScalarType());
+}
+
+// The memory format a max-pool's kernels lay x's gradient out in (memory_format.h:
+// channels_last_3d for such an x on the CPU). The backward op takes it from the
+// picks' layout, which cannot show it where a plane's picks are one element (their
+// strides then say contiguous and channels_last_3d alike): a copy there only.
+inline void save_input_format(AutogradContext* ctx, const at::Tensor& x) {
+  ctx->saved_data["x_channels_last_3d"] = x.is_cpu() && is_channels_last_3d(x);
+}
+
+inline at::Tensor grad_in_input_format(AutogradContext* ctx, const at::Tensor& grad_x) {
+  const auto format = ctx->saved_data["x_channels_last_3d"].toBool() ? at::MemoryFormat::ChannelsLast3d
+                                                                     : at::MemoryFormat::Contiguous;
+  return grad_x.is_contiguous(format) ? grad_x : grad_x.contiguous(format);
 }
 
 // The tensor the forward saved for the backward, checked: an op that saves it

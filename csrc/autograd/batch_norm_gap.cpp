@@ -7,6 +7,8 @@
 
 #include "autograd_util.h"
 
+#include "../memory_format.h"
+
 namespace fused_ops::autograd {
 namespace {
 
@@ -48,9 +50,10 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
     // Whether bias is an input (its gradient's edge follows x's and weight's, when given).
     ctx->saved_data["has_bias"] = bias.has_value();
     // x only where grad_x goes through the batch statistics (with running
-    // statistics grad_x does not depend on it).
-    ctx->save_for_backward({batch_stats && x.requires_grad() ? x : at::Tensor(), weight.value_or(at::Tensor()),
-                            plane_dev, mean, rstd});
+    // statistics grad_x does not depend on its values), or where the CPU
+    // kernel lays grad_x out as a channels_last_3d x (memory_format.h).
+    const bool save_x = x.requires_grad() && (batch_stats || (x.is_cpu() && is_channels_last_3d(x)));
+    ctx->save_for_backward({save_x ? x : at::Tensor(), weight.value_or(at::Tensor()), plane_dev, mean, rstd});
     return {out, plane_dev, mean, rstd, var};
   }
 

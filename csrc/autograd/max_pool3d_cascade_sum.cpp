@@ -44,6 +44,7 @@ class MaxPool3dCascadeSumFunction : public torch::autograd::Function<MaxPool3dCa
         call_max_pool3d_cascade_sum(x, kernel1, stride1, padding1, kernel2, stride2, padding2, save_indices, dtype);
     mark_non_differentiable(ctx, {indices});
     save_input_dtype(ctx, x);
+    save_input_format(ctx, x);
     ctx->saved_data["input_size"] = x.sym_sizes().slice(2);
     const at::IntArrayRef pools[6] = {kernel1, stride1, padding1, kernel2, stride2, padding2};
     for (int i = 0; i < 6; ++i) ctx->saved_data[kPoolArgs[i]] = pools[i];
@@ -58,9 +59,10 @@ class MaxPool3dCascadeSumFunction : public torch::autograd::Function<MaxPool3dCa
       const auto saved = ctx->get_saved_variables();
       std::vector<int64_t> pools[6];
       for (int i = 0; i < 6; ++i) pools[i] = ctx->saved_data[kPoolArgs[i]].toIntVector();
-      return call_max_pool3d_cascade_sum_backward(grad_out, defined_or_none(saved[0]), defined_or_none(saved[1]),
-                                                  ctx->saved_data["input_size"].toSymIntVector(), pools[0],
-                                                  pools[1], pools[2], pools[3], pools[4], pools[5]);
+      const at::Tensor grad_x = call_max_pool3d_cascade_sum_backward(
+          grad_out, defined_or_none(saved[0]), defined_or_none(saved[1]),
+          ctx->saved_data["input_size"].toSymIntVector(), pools[0], pools[1], pools[2], pools[3], pools[4], pools[5]);
+      return grad_in_input_format(ctx, grad_x);
     });
   }
 };

@@ -37,6 +37,7 @@ class MaxPool3dMeanFunction : public torch::autograd::Function<MaxPool3dMeanFunc
         call_max_pool3d_mean(x, kernel_size, stride, padding, ceil_mode, divisor, save_indices, dtype);
     mark_non_differentiable(ctx, {indices});
     save_input_dtype(ctx, x);
+    save_input_format(ctx, x);
     ctx->saved_data["input_size"] = x.sym_sizes().slice(2);
     ctx->saved_data["kernel_size"] = kernel_size;
     ctx->saved_data["stride"] = stride;
@@ -53,10 +54,11 @@ class MaxPool3dMeanFunction : public torch::autograd::Function<MaxPool3dMeanFunc
     return first_input_backward(ctx, grads, 8, [ctx](const at::Tensor& grad_mean) {
       const auto saved = ctx->get_saved_variables();
       auto& data = ctx->saved_data;
-      return call_max_pool3d_mean_backward(grad_mean, defined_or_none(saved[0]), defined_or_none(saved[1]),
-                                           data["input_size"].toSymIntVector(), data["kernel_size"].toIntVector(),
-                                           data["stride"].toIntVector(), data["padding"].toIntVector(),
-                                           data["ceil_mode"].toBool(), data["divisor"].toDouble());
+      const at::Tensor grad_x = call_max_pool3d_mean_backward(
+          grad_mean, defined_or_none(saved[0]), defined_or_none(saved[1]), data["input_size"].toSymIntVector(),
+          data["kernel_size"].toIntVector(), data["stride"].toIntVector(), data["padding"].toIntVector(),
+          data["ceil_mode"].toBool(), data["divisor"].toDouble());
+      return grad_in_input_format(ctx, grad_x);
     });
   }
 };

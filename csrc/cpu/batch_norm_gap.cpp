@@ -1,6 +1,8 @@
 // CPU kernels of batch_norm_gap and batch_norm_update_running_stats (the
-// math: ../batch_norm_gap.h). Parallel over (batch, channel) planes, then over
-// channels; any input strides, read in place.
+// math: ../batch_norm_gap.h). The planes' moments: a channels_last_3d x in
+// vectors over channels, parallel over (b, block of channels); a contiguous
+// plane in vectors along it, parallel over planes; any other strides element
+// by element. Then per channel; grad_x in x's layout, vectorized likewise.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -11,6 +13,7 @@
 
 #include "../batch_norm_gap.h"
 #include "../dispatch.h"
+#include "vectorized.h"
 
 namespace fused_ops {
 namespace {
@@ -32,17 +35,42 @@ struct Moments {
 };
 
 // The moments of values[0, n), by two passes: the mean, then the squared
-// deviations from it.
+// deviations from it (each sum in lanes, then the lanes added).
 template <typename acc_t>
 Moments<acc_t> two_pass_moments(const acc_t* values, int n) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  auto add = [](const Vec& a, const Vec& b) { return a + b; };
   Moments<acc_t> m;
   if (n == 0) return m;
-  acc_t sum = 0;
-  for (int i = 0; i < n; ++i) sum += values[i];
   m.count = static_cast<acc_t>(n);
-  m.mean = sum / m.count;
-  for (int i = 0; i < n; ++i) m.m2 += (values[i] - m.mean) * (values[i] - m.mean);
+  m.mean = at::vec::reduce_all<acc_t>(add, values, n) / m.count;
+  const Vec mean(m.mean);
+  Vec squares(acc_t(0));
+  int i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec deviation = Vec::loadu(values + i) - mean;
+    squares = squares + deviation * deviation;
+  }
+  m.m2 = at::vec::vec_reduce_all<acc_t>(add, squares);
+  for (; i < n; ++i) m.m2 += (values[i] - m.mean) * (values[i] - m.mean);
   return m;
+}
+
+// The moments of a block of n values per lane, values[i] lane l holding value
+// i of lane l's set: two_pass_moments per lane, the values added in order.
+template <typename acc_t>
+void two_pass_moments_lanes(const at::vec::Vectorized<acc_t>* values, int n, Moments<acc_t>* lanes) {
+  using Vec = at::vec::Vectorized<acc_t>;
+  Vec sum(acc_t(0));
+  for (int i = 0; i < n; ++i) sum = sum + values[i];
+  const Vec count(static_cast<acc_t>(n));
+  const Vec mean = sum / count;
+  Vec squares(acc_t(0));
+  for (int i = 0; i < n; ++i) squares = squares + (values[i] - mean) * (values[i] - mean);
+  __at_align__ acc_t mean_lanes[Vec::size()], square_lanes[Vec::size()];
+  mean.store(mean_lanes);
+  squares.store(square_lanes);
+  for (int l = 0; l < Vec::size(); ++l) lanes[l] = {static_cast<acc_t>(n), mean_lanes[l], square_lanes[l]};
 }
 
 // Values per block of a plane's two-pass moments.
@@ -99,6 +127,11 @@ class PairwiseMoments {
   bool held_[kLevels] = {};
 };
 
+// Each (b, c) plane of x is contiguous: D * H * W adjacent elements.
+inline bool planes_contiguous(const at::Tensor& x) {
+  return x.stride(4) == 1 && x.stride(3) == x.size(4) && x.stride(2) == x.size(3) * x.size(4);
+}
+
 // Each plane's mean of y - shift (into plane_mean) and sum of squared
 // deviations (into plane_m2), (B, C) contiguous: blocks of kBlock values by
 // two passes, combined pairwise in float64.
@@ -106,23 +139,69 @@ template <typename scalar_t>
 void plane_moments(const at::Tensor& x, const Multiply<scalar_t>& multiply, double* plane_mean,
                    double* plane_m2) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t C = x.size(1);
+  using CV = ChannelVec<scalar_t>;
+  using Vec = typename CV::Vec;
+  constexpr int kLanes = CV::kLanes;
+  const int64_t B = x.size(0), C = x.size(1), S = x.size(2) * x.size(3) * x.size(4);
   const scalar_t* xp = x.const_data_ptr<scalar_t>();
-  at::parallel_for(0, x.size(0) * C, 1, [&](int64_t begin, int64_t end) {
+  const MultiplyVec<scalar_t> multiply_lanes(multiply.factor);
+  if (is_channels_last_3d(x)) {
+    // per (b, block of kLanes channels): the plane's elements s = 0, 1, ... are
+    // C apart, each block of kBlock of them two passes per lane
+    const int64_t blocks = (C + kLanes - 1) / kLanes;
+    at::parallel_for(0, B * blocks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<PairwiseMoments> moments(kLanes);
+      Vec block[kBlock];
+      Moments<acc_t> lanes[kLanes];
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / blocks, c = item % blocks * kLanes;
+        const int count = static_cast<int>(std::min<int64_t>(kLanes, C - c));
+        const Vec shift = multiply_lanes(CV::load(xp + c, count));  // y[0, c, 0, 0, 0]
+        const scalar_t* xb = xp + b * x.stride(0) + c;
+        std::fill(moments.begin(), moments.end(), PairwiseMoments());
+        for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
+          const int n = static_cast<int>(std::min<int64_t>(kBlock, S - s0));
+          for (int i = 0; i < n; ++i) block[i] = multiply_lanes(CV::load(xb + (s0 + i) * C, count)) - shift;
+          two_pass_moments_lanes(block, n, lanes);
+          for (int l = 0; l < count; ++l) moments[l].add(lanes[l]);
+        }
+        for (int l = 0; l < count; ++l) {
+          const Moments<double> m = moments[l].total();
+          plane_mean[b * C + c + l] = m.mean;
+          plane_m2[b * C + c + l] = m.m2;
+        }
+      }
+    });
+    return;
+  }
+  const bool contiguous = planes_contiguous(x);
+  at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const scalar_t* plane = xp + n / C * x.stride(0) + n % C * x.stride(1);
       const acc_t shift = channel_shift(x, n % C, multiply);
       PairwiseMoments moments;
-      acc_t block[kBlock];
-      int filled = 0;
-      for_each_in_plane(x, [&](int64_t, int64_t offset) {
-        block[filled++] = static_cast<acc_t>(multiply(static_cast<acc_t>(plane[offset]))) - shift;
-        if (filled == kBlock) {
-          moments.add(two_pass_moments(block, kBlock));
-          filled = 0;
+      __at_align__ acc_t block[kBlock];
+      if (contiguous) {  // kLanes adjacent elements at a time
+        const Vec shift_lanes(shift);
+        for (int64_t s0 = 0; s0 < S; s0 += kBlock) {
+          const int n_block = static_cast<int>(std::min<int64_t>(kBlock, S - s0));
+          for (int i = 0; i < n_block; i += kLanes) {
+            const int count = std::min(kLanes, n_block - i);
+            (multiply_lanes(CV::load(plane + s0 + i, count)) - shift_lanes).store(block + i, count);
+          }
+          moments.add(two_pass_moments(block, n_block));
         }
-      });
-      moments.add(two_pass_moments(block, filled));
+      } else {
+        int filled = 0;
+        for_each_in_plane(x, [&](int64_t, int64_t offset) {
+          block[filled++] = static_cast<acc_t>(multiply(static_cast<acc_t>(plane[offset]))) - shift;
+          if (filled == kBlock) {
+            moments.add(two_pass_moments(block, kBlock));
+            filled = 0;
+          }
+        });
+        moments.add(two_pass_moments(block, filled));
+      }
       const Moments<double> m = moments.total();
       plane_mean[n] = m.mean;
       plane_m2[n] = m.m2;
@@ -205,8 +284,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_backward_cpu(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& x, at::IntArrayRef input_size,
     double scale, const std::optional<at::Tensor>& weight, const at::Tensor& plane_dev,
     const at::Tensor& mean, const at::Tensor& rstd, bool batch_stats, bool grad_input) {
+  // grad_x laid out as x, where given
+  const auto format = is_given(x) ? grad_memory_format(*x) : at::MemoryFormat::Contiguous;
   auto args = batch_norm_gap_backward_setup(grad_out, x, input_size, weight, plane_dev, mean, rstd,
-                                            batch_stats, grad_input);
+                                            batch_stats, grad_input, format);
   const int64_t B = plane_dev.size(0), C = plane_dev.size(1), S = args.plane_size;
   FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_out.scalar_type(), "batch_norm_gap_backward_cpu", [&] {
     using acc_t = at::opmath_type<scalar_t>;
@@ -250,6 +331,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_backward_cpu(
     scalar_t* gx = args.grad_x.mutable_data_ptr<scalar_t>();
     const acc_t* center = mean_values.const_data_ptr<acc_t>();
     const Multiply<scalar_t> multiply(scale);
+    using CV = ChannelVec<scalar_t>;
+    using Vec = typename CV::Vec;
+    constexpr int kLanes = CV::kLanes;
+    const MultiplyVec<scalar_t> multiply_lanes(scale);
+    if (is_channels_last_3d(args.grad_x)) {
+      // per element (b, s), the C channels adjacent in x and grad_x, kLanes at a time
+      const scalar_t* xp = is_given(x) ? x->const_data_ptr<scalar_t>() : nullptr;
+      at::parallel_for(0, B * S, 256, [&](int64_t begin, int64_t end) {
+        for (int64_t q = begin; q < end; ++q) {
+          const int64_t b = q / S;
+          scalar_t* out = gx + q * C;
+          for (int64_t c = 0; c < C; c += kLanes) {
+            const int count = static_cast<int>(std::min<int64_t>(kLanes, C - c));
+            const Vec a = Vec::loadu(plane_term.data() + b * C + c, count);
+            if (!batch_stats) {
+              CV::store(out + c, a, count);
+              continue;
+            }
+            const Vec y = multiply_lanes(CV::load(xp + q * C + c, count));
+            const Vec k = Vec::loadu(slope.data() + c, count), m = Vec::loadu(center + c, count);
+            CV::store(out + c, a + k * (y - m), count);
+          }
+        }
+      });
+      return;
+    }
+    const bool contiguous = !batch_stats || planes_contiguous(*x);
     at::parallel_for(0, B * C, 1, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         scalar_t* out = gx + n * S;
@@ -259,6 +367,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_backward_cpu(
         }
         const scalar_t* plane = x->const_data_ptr<scalar_t>() + n / C * x->stride(0) + n % C * x->stride(1);
         const acc_t a = plane_term[n], k = slope[n % C], m = center[n % C];
+        if (contiguous) {  // kLanes adjacent elements at a time
+          const Vec a_lanes(a), k_lanes(k), m_lanes(m);
+          for (int64_t e = 0; e < S; e += kLanes) {
+            const int count = static_cast<int>(std::min<int64_t>(kLanes, S - e));
+            const Vec y = multiply_lanes(CV::load(plane + e, count));
+            CV::store(out + e, a_lanes + k_lanes * (y - m_lanes), count);
+          }
+          continue;
+        }
         for_each_in_plane(*x, [&](int64_t e, int64_t offset) {
           const acc_t y = static_cast<acc_t>(multiply(static_cast<acc_t>(plane[offset])));
           out[e] = static_cast<scalar_t>(a + k * (y - m));

@@ -1,14 +1,18 @@
 // CUDA kernel of depth_stacked_channels_last (the math:
 // ../depth_stacked_channels_last.h): a transposition through shared memory,
-// memory-bound. Item = (n, m, h, tile of w): the block's 32 x 8 threads read
-// the item's taps * I input rows x[n, i, d(a), h', w0 : w0 + cols] (threadIdx.x
-// on consecutive w: coalesced where x's w stride is 1; x is read in place at
-// any strides; 0 outside x), converted to the output's dtype, into a shared
-// tile [w][a * I + i] (rows ld apart); then, after a barrier, write the item's
-// cols * taps * I outputs, one contiguous run of out, in vectors of VEC
-// elements read whole from the tile's rows; a second barrier before the next
-// item's loads. No division per element: (a, i) is split once per row read,
-// w once per vector written. A grid-stride loop over items.
+// memory-bound. Item = (n, m, tile of h rows, tile of w): where a whole output
+// row of w fits the shared budget an item takes as many h rows as fit (w tile
+// = the row), else one h row and a tile of w. The block's 32 x 8 threads read
+// the item's rows x[n, i, d(a), h', w0 : w0 + cols] for every (h row, a, i)
+// (threadIdx.x on consecutive w: coalesced where x's w stride is 1; x is read
+// in place at any strides; 0 outside x), converted to the output's dtype, into
+// a shared tile [h row][w][a * I + i] (rows ld apart); then, after a barrier,
+// write the item's rows * cols * taps * I outputs, one contiguous run of out
+// (whole rows of w, or one row's tile), in vectors of VEC elements read whole
+// from the tile's rows; a second barrier before the next item's loads. Many
+// rows per item put more loads in flight per barrier and make the run long
+// (HBM takes writes at full speed in whole 512-byte blocks). A grid-stride
+// loop over items.
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -36,40 +40,44 @@ struct XStrides {
 };
 
 // tile: the w columns of a whole item (the last item of a row may have
-// fewer); ld: the tile's row stride in elements, a multiple of VEC (rows
-// read as whole vectors) and at least taps * I. Offsets inside the tile are int.
+// fewer); h_tile: its h rows (more than one only where tile is the whole row);
+// ld: the tile's row stride in elements, a multiple of VEC (rows read as whole
+// vectors) and at least taps * I. Offsets inside the tile are int.
 template <typename in_t, typename out_t, int VEC>
 __global__ void __launch_bounds__(32 * kWarps) depth_stack_kernel(const in_t* __restrict__ x, XStrides xs,
-                                                                  DepthStack s, int tile, int ld, int w_tiles,
-                                                                  int64_t items, out_t* __restrict__ out) {
+                                                                  DepthStack s, int tile, int h_tile, int ld,
+                                                                  int h_tiles, int w_tiles, int64_t items,
+                                                                  out_t* __restrict__ out) {
   extern __shared__ __align__(16) unsigned char smem[];
-  out_t* const rows = reinterpret_cast<out_t*>(smem);  // [w][a * I + i], rows ld apart
+  out_t* const rows = reinterpret_cast<out_t*>(smem);  // [h row][w][a * I + i], rows ld apart
   const int I = static_cast<int>(s.channels), R = static_cast<int>(s.rows());
-  const int Ws = static_cast<int>(s.size[2]);
+  const int Hs = static_cast<int>(s.size[1]), Ws = static_cast<int>(s.size[2]);
   const int vectors_per_row = R / VEC;
   int64_t item = blockIdx.x;
-  ItemCursor<4> at(item, gridDim.x, {static_cast<int>(s.size[0]), static_cast<int>(s.size[1]), w_tiles});
-  for (; item < items; item += gridDim.x, at.next()) {  // item (n, m, h, w tile)
+  ItemCursor<4> at(item, gridDim.x, {static_cast<int>(s.size[0]), h_tiles, w_tiles});
+  for (; item < items; item += gridDim.x, at.next()) {  // item (n, m, h tile, w tile)
     const int64_t n = at.leading();
+    const int h0 = at[2] * h_tile, h_rows = min(h_tile, Hs - h0);
     const int w0 = at[3] * tile, cols = min(tile, Ws - w0);
-    const int64_t d0 = s.start[0] + s.stride * at[1], hh = s.start[1] + at[2], w_first = s.start[2] + w0;
-    const bool h_inside = index_inside(hh, s.input[1]);
-    for (int r = threadIdx.y; r < R; r += kWarps) {  // input row (a, i)
-      const int a = r / I, i = r - a * I;
-      const int64_t d = d0 + a;
-      const bool row_inside = h_inside && index_inside(d, s.input[0]);
+    const int64_t d0 = s.start[0] + s.stride * at[1], w_first = s.start[2] + w0;
+    for (int r = threadIdx.y; r < h_rows * R; r += kWarps) {  // input row (h row, a, i)
+      const int hr = r / R, ar = r - hr * R, a = ar / I, i = ar - a * I;
+      const int64_t d = d0 + a, hh = s.start[1] + h0 + hr;
+      const bool row_inside = index_inside(hh, s.input[1]) && index_inside(d, s.input[0]);
       const in_t* const row = x + n * xs.n + i * xs.i + d * xs.d + hh * xs.h;
+      out_t* const tile_row = rows + hr * cols * ld + ar;
       for (int w = threadIdx.x; w < cols; w += 32) {
         const int64_t ww = w_first + w;
-        rows[w * ld + r] = row_inside && index_inside(ww, s.input[2]) ? c10::convert<out_t>(row[ww * xs.w]) : out_t(0);
+        tile_row[w * ld] = row_inside && index_inside(ww, s.input[2]) ? c10::convert<out_t>(row[ww * xs.w]) : out_t(0);
       }
     }
     __syncthreads();
-    // out[n, m, h, w0 + w, a, i] for w < cols: cols * R consecutive elements, VEC at a time
-    out_t* const dst = out + (((n * s.size[0] + at[1]) * s.size[1] + at[2]) * Ws + w0) * R;
-    for (int v = threadIdx.y * 32 + threadIdx.x; v < cols * vectors_per_row; v += 32 * kWarps) {
-      const int w = v / vectors_per_row, r = (v - w * vectors_per_row) * VEC;
-      *reinterpret_cast<Vector<out_t, VEC>*>(dst + w * R + r) = load_vector<out_t, VEC>(rows + w * ld + r);
+    // out[n, m, h0 + hr, w0 + w, a, i] for hr < h_rows, w < cols: h_rows * cols * R consecutive
+    // elements (cols is the whole row where h_rows > 1), VEC at a time
+    out_t* const dst = out + (((n * s.size[0] + at[1]) * Hs + h0) * Ws + w0) * R;
+    for (int v = threadIdx.y * 32 + threadIdx.x; v < h_rows * cols * vectors_per_row; v += 32 * kWarps) {
+      const int q = v / vectors_per_row, r = (v - q * vectors_per_row) * VEC;  // q: (h row, w)
+      *reinterpret_cast<Vector<out_t, VEC>*>(dst + q * R + r) = load_vector<out_t, VEC>(rows + q * ld + r);
     }
     __syncthreads();
   }
@@ -109,12 +117,15 @@ at::Tensor depth_stacked_channels_last_cuda(const at::Tensor& x, int64_t taps, i
       const int64_t columns = std::max<int64_t>(kTileBytes / (ld * static_cast<int64_t>(sizeof(out_t))), 1);
       const int tile = static_cast<int>(std::min(s.size[2], columns));
       const int w_tiles = static_cast<int>((s.size[2] + tile - 1) / tile);
-      const size_t smem = static_cast<size_t>(tile * ld) * sizeof(out_t);
-      const int64_t items = s.batch * s.size[0] * s.size[1] * w_tiles;
+      // whole rows of w fit: as many h rows as fit the budget
+      const int h_tile = w_tiles == 1 ? static_cast<int>(std::min(s.size[1], columns / tile)) : 1;
+      const int h_tiles = static_cast<int>((s.size[1] + h_tile - 1) / h_tile);
+      const size_t smem = static_cast<size_t>(h_tile) * tile * ld * sizeof(out_t);
+      const int64_t items = s.batch * s.size[0] * h_tiles * w_tiles;
       dispatch_vector_width<out_t>(vec, [&](auto VEC) {
         const auto kernel = depth_stack_kernel<in_t, out_t, VEC>;
         kernel<<<grid_stride_blocks(kernel, 32 * kWarps, smem, items, 1), dim3(32, kWarps), smem, stream>>>(
-            x.const_data_ptr<in_t>(), xs, s, tile, static_cast<int>(ld), w_tiles, items,
+            x.const_data_ptr<in_t>(), xs, s, tile, h_tile, static_cast<int>(ld), h_tiles, w_tiles, items,
             out.mutable_data_ptr<out_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
