@@ -176,10 +176,7 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
         pool = self.avg_pool
         if name == "rewrite":
             pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
-            if pooled is None:
-                return None
-            # the sigmoid and the sum in one pass: the fused tail with a pool of one
-            return _as_original(avg_pool2d_sigmoid_sum(pooled, 1), x, self._TAIL_OPS)
+            return None if pooled is None else torch.sum(torch.sigmoid(pooled), dim=[1, 2, 3])
         y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
         if name.startswith("original"):
             y = F.avg_pool2d(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, pool.count_include_pad,
@@ -214,9 +211,8 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         name = type(self).__name__
         _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
         _check_pool_returns_values(name, self.max_pool)
-        mean = self._dispatch(self._dispatched_input(x))
-        pooled = mean.view((mean.shape if x.dim() == 5 else mean.shape[1:]) + (1, 1, 1))  # (B,) C, 1, 1, 1
-        out = torch.sum(pooled + self.bias, dim=self.sum_dim)
+        pooled = self._dispatch(self._dispatched_input(x))  # (B, C, 1, 1, 1)
+        out = torch.sum((pooled if x.dim() == 5 else pooled[0]) + self.bias, dim=self.sum_dim)
         if _autocast.cast_dtype(x) is None:  # (every formulation gives the original's dtype)
             return out
         # the original's dtype under autocast: its global average's (the pools'), plus the bias, summed
@@ -235,23 +231,25 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         return _order(x)
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
-        """The (B, C) average of the pooled maxima of conv(x) / divisor."""
+        """The (B, C, 1, 1, 1) average of the pooled maxima of conv(x) / divisor."""
         pool = self.max_pool
+        if not name.startswith("original") and self.global_avg_pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
+            return None  # (the fused ops pool to one element)
         if name == "rewrite":
             rewritten = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor)
             if rewritten is None:
                 return None
             windows, channel_bias = rewritten
             mean = parity_max_pool3d_mean(windows)
-            return mean if channel_bias is None else mean + channel_bias
+            return (mean if channel_bias is None else mean + channel_bias).view(mean.shape + (1, 1, 1))
         fused = name.startswith("fused")
         if fused and not _fusable_max_pool(pool, ceil_mode_ok=True):
             return None
         y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
         if fused:
-            return max_pool3d_mean(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
-        y = _max_pool3d(pool, y / self.divisor)
-        return F.adaptive_avg_pool3d(y, self.global_avg_pool.output_size).view(y.shape[:2])
+            mean = max_pool3d_mean(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
+            return mean.view(mean.shape + (1, 1, 1))
+        return F.adaptive_avg_pool3d(_max_pool3d(pool, y / self.divisor), self.global_avg_pool.output_size)
 
 
 class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dMaxPoolMaxPoolSum):

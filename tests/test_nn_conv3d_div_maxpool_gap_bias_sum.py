@@ -82,6 +82,15 @@ def test_bad_input(device):
         fused(torch.rand(2, 3, 9, 9, 9, device=device))
 
 
+def test_average_pool_of_more_than_one_element(device):
+    """A global average pool whose output size was changed runs as the original's ops."""
+    original, fused = (m.to(device, torch.float64) for m in build_pair(NAME, ARGS[0][0]))
+    for module in (original, fused):
+        module.global_avg_pool.output_size = (2, 1, 2)
+    x = torch.rand(2, 3, 9, 10, 11, device=device, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), original(x))
+
+
 @pytest.mark.parametrize("attribute, value", [("dilation", 2), ("padding", 1), ("stride", 1)])
 def test_pools_the_fused_kernels_do_not_compute(device, attribute, value):
     """A pool the fused ops do not compute (dilated) or that no rewrite takes runs as the
