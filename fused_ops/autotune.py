@@ -15,8 +15,9 @@ dtype and device; train or eval; whether gradients are recorded, and for which o
 and the parameters; the autocast state) times every formulation that holds for it, its
 forward or, where gradients are recorded, its forward and backward (the module's buffers
 restored after), and keeps the fastest for the key in this process; the later calls with
-that key run it. On a GPU a rewrite's convolutions run with cudnn.benchmark on (its own
-numerics, tested); the other formulations run under the user's settings, as the original.
+that key run it. On a GPU the formulations' convolutions run with cudnn.benchmark on, as
+the original tuned by hand would: where a rewrite is kept it beat the original run
+channels last with cudnn.benchmark too.
 
 Nothing is timed, and each module takes its rule (the first formulation of its list that
 holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
@@ -138,10 +139,11 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Sequenc
 
 
 def _run_benchmarked(run, name: str, x: Tensor) -> Tensor | None:
-    """run(name), a rewrite's with cudnn.benchmark on for its convolutions on a GPU (the
-    others run under the user's settings, the original's numerics); the user's setting back
-    after."""
-    if name != "rewrite" or not x.is_cuda or torch._C._get_cudnn_benchmark():
+    """run(name) with cudnn.benchmark on for its convolutions on a GPU, as the original tuned
+    by hand runs; the user's setting back after. (PyTorch keeps one cuDNN plan per
+    convolution, found or guessed, whichever ran first: a formulation run without the search
+    would leave its guess to every later benchmarked call of that convolution.)"""
+    if not x.is_cuda or torch._C._get_cudnn_benchmark():
         return run(name)
     torch._C._set_cudnn_benchmark(True)
     try:
