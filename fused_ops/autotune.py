@@ -180,14 +180,17 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
     device = x.device
 
     def step(name):
-        def call():
-            out = _run_benchmarked(run, name, x)
+        def forward_backward(name):
+            out = run(name)
             if out is not None and out.requires_grad:
                 inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
                 with torch.autocast(device.type, enabled=False):
                     torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
             return out
-        return call
+
+        # the backward's convolutions searched too: their plans, kept by PyTorch, serve the
+        # later backward calls (which run outside the module, under the user's setting)
+        return lambda: _run_benchmarked(forward_backward, name, x)
 
     steps, errors = {}, []
     try:
