@@ -34,7 +34,7 @@ import torch
 
 from fused_ops import cli
 from fused_ops.architectures import ARCHITECTURES, Architecture
-from timing import device_name, device_slug, median_ms, warm_up
+from timing import device_name, median_ms, warm_up, write_result
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SIZES = ("spec", "tiny")
@@ -338,12 +338,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def write(result: dict, out_dir: str) -> str:
     """result as out_dir/configs-<device>[-autocast-<dtype>].json: the path."""
-    os.makedirs(out_dir, exist_ok=True)
-    autocast = f"-autocast-{result['autocast']}" if result["autocast"] else ""
-    path = os.path.join(out_dir, f"configs-{device_slug(result['device'])}{autocast}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    return path
+    return write_result(result, out_dir, "configs")
 
 
 def describe_worst(w: dict | None) -> str:

@@ -13,14 +13,13 @@ runs too, but that is not the GPU result.
                            [--no-compile] [--max-autotune] [--out DIR]
 """
 import argparse
-import json
 import os
 
 import torch
 
 from fused_ops import cli
 from fused_ops.architectures import SIZES
-from timing import device_name, device_slug
+from timing import device_name, write_result
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -37,13 +36,8 @@ def run(cli_argv: list[str]) -> dict:
 
 
 def write(result: dict, out_dir: str) -> str:
-    """result as out_dir/models-<device>.json (models-<device>-autocast-<dtype>.json under autocast): the path."""
-    os.makedirs(out_dir, exist_ok=True)
-    autocast = f"-autocast-{result['autocast']}" if result["autocast"] else ""
-    path = os.path.join(out_dir, f"models-{device_slug(result['device'])}{autocast}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    return path
+    """result as out_dir/models-<device>[-autocast-<dtype>].json: the path."""
+    return write_result(result, out_dir, "models")
 
 
 def print_table(result: dict) -> None:

@@ -1,9 +1,22 @@
 """Timing helpers of the benchmarks: the backward alone, each tail's variants
 side by side, the device's measured copy bandwidth; the medians themselves
 (CUDA events on a GPU, the wall clock on a CPU) are fused_ops._timing's."""
+import json
+import os
+
 import torch
 
 from fused_ops._timing import device_name, device_slug, median_ms, warm_up  # noqa: F401  (for run.py, models.py, ...)
+
+
+def write_result(result: dict, out_dir: str, kind: str) -> str:
+    """result as out_dir/<kind>-<device>[-autocast-<dtype>].json: the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    autocast = f"-autocast-{result['autocast']}" if result["autocast"] else ""
+    path = os.path.join(out_dir, f"{kind}-{device_slug(result['device'])}{autocast}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
 
 
 def backward_ms(fn, x, device) -> float:
