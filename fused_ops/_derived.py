@@ -28,13 +28,15 @@ def _keepable(tensors: tuple[Tensor | None, ...]) -> bool:
     return not torch.is_grad_enabled() or not any([t is not None and t.requires_grad for t in tensors])
 
 
-def derived(kind: Hashable, tensors: tuple[Tensor | None, ...], build: Callable[[], T]) -> T:
+def derived(kind: Hashable, tensors: tuple[Tensor | None, ...], build: Callable[[], T],
+            variant: Hashable = None) -> T:
     """build(), or what it returned before for `kind` while `tensors` (the first not None:
-    the owner, which the kept value lives with) are the same tensors at the same versions."""
+    the owner, which the kept value lives with) are the same tensors at the same versions and
+    `variant` is the same (one value kept per kind: a new variant replaces the old one)."""
     if not _keepable(tensors):
         return build()
     owner = tensors[0]
-    stamp = (torch.is_inference_mode_enabled(),
+    stamp = (torch.is_inference_mode_enabled(), variant,
              tuple([None if t is None else (t.data_ptr(), t._version) for t in tensors]))
     entry = _KEPT.get(id(owner))
     if entry is None or entry[0]() is not owner:

@@ -193,6 +193,10 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
         return lambda: _run_benchmarked(forward_backward, name, x)
 
     steps, errors = {}, []
+    # the timing calls' saved tensors kept from any saved-tensor hooks around the call (a
+    # non-reentrant checkpoint counts them, and its recomputation makes no timing calls)
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    hooks.__enter__()
     try:
         for name in formulations:
             call = step(name)
@@ -211,6 +215,7 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
             for name, (call, calls, times) in steps.items():
                 times.append(_time_ms(call, calls, device) / calls)
     finally:
+        hooks.__exit__(None, None, None)
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)

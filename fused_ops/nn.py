@@ -83,9 +83,20 @@ def _conv_channels_last(conv: nn.Module, x: Tensor) -> Tensor:
     return _conv(conv, x, weight)
 
 
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether calling `module` runs forward hooks (its own or global ones: pruning and
+    weight_norm set the weight in a pre-hook, observers and feature extractors read the
+    output): the formulations that read its weight themselves then do not hold."""
+    return bool(module._forward_pre_hooks or module._forward_hooks or torch.nn.modules.module._global_forward_hooks
+                or torch.nn.modules.module._global_forward_pre_hooks)
+
+
 def _conv(conv: nn.Module, x: Tensor, weight: Tensor | None = None) -> Tensor:
-    """conv(x) (with `weight` for conv.weight where given), the functional op called directly:
-    a module call's host time (its hooks' checks) counts where a whole call is host-bound."""
+    """conv(x) (with `weight` for conv.weight where given), the functional op called directly
+    (a module call's host time counts where a whole call is host-bound), or the module itself
+    where it has hooks."""
+    if weight is None and _has_hooks(conv):
+        return conv(x)
     weight = conv.weight if weight is None else weight
     if isinstance(conv, nn.ConvTranspose3d):
         return F.conv_transpose3d(x, weight, conv.bias, conv.stride, conv.padding, conv.output_padding, conv.groups,
@@ -112,7 +123,10 @@ class _Formulations:
     holds) and `_run(name, x)` (the formulation's result, or None where it does not hold)."""
 
     def _dispatch(self, x: Tensor):
-        return autotune.choose(self, self._config, self._order(x), lambda name: self._run(name, x), x)[1]
+        order = self._order(x)
+        if _has_hooks(self._conv_module()):  # only the formulations that call it
+            order = tuple([name for name in order if name in ("fused", "original")])
+        return autotune.choose(self, self._config, order, lambda name: self._run(name, x), x)[1]
 
     def formulation(self, x: Tensor) -> str | None:
         """The formulation tuned for a call with x now (the same mode, gradient recording and
@@ -164,6 +178,9 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
                 f"got {x.dim()}-D input of shape {tuple(x.shape)}"
             )
         return self._dispatch(x)
+
+    def _conv_module(self) -> nn.Module:
+        return self.conv
 
     def _config(self) -> tuple:
         return _conv_config(self.conv), _pool_config(self.avg_pool)
@@ -224,6 +241,9 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
     def _dispatched_input(self, x: Tensor) -> Tensor:
         return x if x.dim() == 5 else x.unsqueeze(0)
 
+    def _conv_module(self) -> nn.Module:
+        return self.conv
+
     def _config(self) -> tuple:
         return _conv_config(self.conv), _pool_config(self.max_pool), self.divisor
 
@@ -281,6 +301,9 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
 
     def _dispatched_input(self, x: Tensor) -> Tensor | None:
         return x if x.dim() == 5 else None
+
+    def _conv_module(self) -> nn.Module:
+        return self.conv_transpose
 
     def _config(self) -> tuple:
         return _conv_config(self.conv_transpose), _pool_config(self.max_pool1), _pool_config(self.max_pool2)
@@ -347,6 +370,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             return _as_original(sync_batch_norm_gap(y, self.scale_factor, self.batch_norm, group), x, self._TAIL_OPS)
         return self._dispatch(x)
 
+    def _conv_module(self) -> nn.Module:
+        return self.conv_transpose
+
     def _config(self) -> tuple:
         bn = self.batch_norm
         return (_conv_config(self.conv_transpose), self.scale_factor, bn.eps, bn.momentum, bn.affine,
@@ -402,9 +428,11 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         weight + bias. None where the transposed convolution pads. Kept while the parameters
         and buffers stay (``fused_ops._derived``), per spatial size and device of x."""
         conv, bn = self.conv_transpose, self.batch_norm
-        tensors = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
-        return derived(("running_stats_map", x.shape[2:], x.device, self.scale_factor, bn.eps), tensors,
-                       lambda: self._build_running_stats_map(x))
+        # (num_batches_tracked too: nn.BatchNorm3d's own update of the running statistics, in
+        # F.batch_norm, leaves their versions; its count's add_ advances its own)
+        tensors = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked)
+        return derived(("running_stats_map", x.device, self.scale_factor, bn.eps), tensors,
+                       lambda: self._build_running_stats_map(x), variant=x.shape[2:])
 
     def _build_running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         conv, bn = self.conv_transpose, self.batch_norm

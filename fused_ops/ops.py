@@ -466,6 +466,11 @@ def batch_norm_gap(x: Tensor, scale=1.0, weight: Tensor | None = None, bias: Ten
         count = x.shape[0] * x.shape[2] * x.shape[3] * x.shape[4]
         _ops.batch_norm_update_running_stats(running_mean, running_var, num_batches_tracked, mean, var, count,
                                              None if momentum is None else float(momentum))
+        if not torch.compiler.is_compiling():
+            # the op writes them below autograd: their versions advanced as an in-place op's
+            # would, for whatever keeps values derived from them (fused_ops._derived)
+            torch.autograd.graph.increment_version([t for t in (running_mean, running_var, num_batches_tracked)
+                                                    if t is not None and not t.is_inference()])
     return out
 
 

@@ -108,7 +108,8 @@ def _gather_index(axes: tuple[_Axis, _Axis, _Axis], kernel: tuple[int, int, int]
         return _build_gather_index(axes, kernel).to(device)
     key = (axes, kernel, torch.device(device))
     if key not in _GATHER_INDICES:
-        _GATHER_INDICES[key] = _build_gather_index(axes, kernel).to(device)
+        with torch.inference_mode(False):  # (an inference tensor could not be saved for a backward later)
+            _GATHER_INDICES[key] = _build_gather_index(axes, kernel).to(device)
     return _GATHER_INDICES[key]
 
 

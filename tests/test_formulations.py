@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.utils.prune as prune
 
 from conftest import build_pair, requires_cuda
 from fused_ops import _derived, autotune, reference
@@ -196,3 +197,94 @@ def test_make_graphed_callables_training(name, args, shape):
         actual = step(graphed, x, grad)
         for a, e in zip(actual, expected, strict=True):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("formulation", autotune.FORMULATIONS)
+def test_each_formulation_without_autograd(name, args, shape, train, mode, formulation, device):
+    """float64, no gradient recorded (the derived kernels kept, the one-pass stacking copy):
+    the output and the running statistics, twice (the second call reads what the first kept)."""
+    original, fused = pair(name, args, device, train=train)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for _ in range(2):
+        x = torch.rand(shape, dtype=torch.float64, device=device)
+        with context():
+            expected = [original(x), *original.buffers()]
+            with autotune.force(formulation):
+                actual = [fused(x), *fused.buffers()]
+        assert autotune.last_formulation() == formulation
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("autotuned", [True, False], ids=["autotuned", "rule"])
+def test_eval_after_training_reads_the_new_running_statistics(autotuned, device):
+    """D's eval map folds the running statistics in; training steps move them in place (a
+    frozen convolution keeps its version): each eval after training reads the new ones."""
+    autotune.set_enabled(autotuned)
+    name, args, shape = CONFIGS[3]
+    original, fused = shared(name, args, device, dtype=torch.float64)
+    fused.requires_grad_(False)
+    for _ in range(3):
+        fused.train()
+        for _ in range(2):
+            fused(torch.rand(shape, dtype=torch.float64, device=device) * 3 + 1)
+        fused.eval()
+        x = torch.rand(shape, dtype=torch.float64, device=device)
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS[:2], ids=IDS[:2])
+def test_inference_mode_then_autograd(name, args, shape, device):
+    """A rewrite first called under inference_mode, then recording gradients (what it keeps
+    between calls must not be an inference tensor the backward needs)."""
+    original, fused = pair(name, args, device)
+    x = torch.rand(shape, dtype=torch.float64, device=device)
+    with autotune.force("rewrite"):
+        with torch.inference_mode():
+            fused(x)
+        actual = step(fused, x, torch.ones_like(original(x.clone())))
+    original, _ = pair(name, args, device)
+    expected = step(original, x, torch.ones_like(actual[0]))
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_autotuned_under_a_non_reentrant_checkpoint(name, args, shape):
+    """The first call, timing the formulations, under torch.utils.checkpoint(use_reentrant=False):
+    the checkpoint's recomputation saves what the call saved."""
+    autotune.set_enabled(True)
+    original, fused = pair(name, args, "cpu")
+    x = torch.rand(shape, dtype=torch.float64, requires_grad=True)
+    out = torch.utils.checkpoint.checkpoint(fused, x, use_reentrant=False)
+    out.backward(torch.ones_like(out))
+    x_ref = x.detach().clone().requires_grad_()
+    original(x_ref).backward(torch.ones_like(out))
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("autotuned", [True, False], ids=["autotuned", "rule"])
+def test_convolution_hooks_run(name, args, shape, autotuned, device):
+    """A pruned convolution (its weight set by a forward pre-hook from weight_orig and the mask)
+    gives the original's results across optimizer steps: the module is called, its hooks run."""
+    autotune.set_enabled(autotuned)
+    original, fused = pair(name, args, device)
+    conv = "conv" if hasattr(original, "conv") else "conv_transpose"
+    for model in (original, fused):
+        prune.l1_unstructured(getattr(model, conv), "weight", amount=0.5)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (original, fused)]
+    x = torch.rand(shape, dtype=torch.float64, device=device)
+    for _ in range(2):
+        for model, optimizer in zip((original, fused), optimizers):
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert autotune.last_formulation() in ("fused", "original")
+    original.eval(), fused.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12)
