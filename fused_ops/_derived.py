@@ -49,3 +49,8 @@ def derived(kind: Hashable, tensors: tuple[Tensor | None, ...], build: Callable[
     if not any([v is owner or getattr(v, "_base", None) is owner for v in (value if isinstance(value, tuple) else (value,))]):
         entry[1][kind] = (stamp, value)  # (a value that is the owner, or a view of it, would keep it alive)
     return value
+
+
+def clear() -> None:
+    """Forgets every kept value (rebuilt on the next call)."""
+    _KEPT.clear()

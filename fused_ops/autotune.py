@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from . import _derived
+
 FORMULATIONS = ("rewrite", "fused", "fused_channels_last", "original_channels_last", "original")
 _ENABLED = os.environ.get("FUSED_OPS_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
 _CHOICES: dict[tuple, str] = {}
@@ -63,8 +65,11 @@ def is_enabled() -> bool:
 
 
 def clear() -> None:
-    """Forgets every choice made so far."""
+    """Forgets every choice made so far, and the kernels kept from the parameters
+    (``fused_ops._derived``): after a CUDA graph's replays changed parameters or buffers
+    (replays do not advance their versions), before calling a module eagerly again."""
     _CHOICES.clear()
+    _derived.clear()
     _GENERATION[0] += 1
 
 
