@@ -46,7 +46,8 @@ def derived(kind: Hashable, tensors: tuple[Tensor | None, ...], build: Callable[
     if kept is not None and kept[0] == stamp:
         return kept[1]
     value = build()
-    if not any([v is owner or getattr(v, "_base", None) is owner for v in (value if isinstance(value, tuple) else (value,))]):
+    values = value if isinstance(value, tuple) else (value,)
+    if not any([v is owner or getattr(v, "_base", None) is owner for v in values]):
         entry[1][kind] = (stamp, value)  # (a value that is the owner, or a view of it, would keep it alive)
     return value
 

@@ -99,8 +99,12 @@ def _signature(module: nn.Module, x: Tensor) -> tuple:
 def call_key(module: nn.Module, config: tuple, x: Tensor) -> tuple:
     """The key of a call in the choices shared by all modules: the module's class and
     configuration, the call's signature, and which parameters require gradients."""
-    grads = tuple([p.requires_grad for p in module.parameters()]) if torch.is_grad_enabled() else ()
-    return type(module), config, _signature(module, x), grads
+    return _key(module, config, _signature(module, x))
+
+
+def _key(module: nn.Module, config: tuple, signature: tuple) -> tuple:
+    grads = tuple([p.requires_grad for p in module.parameters()]) if signature[5] else ()  # (grad mode)
+    return type(module), config, signature, grads
 
 
 def choose(module: nn.Module, config: Callable[[], tuple], formulations: Sequence[str],
@@ -126,8 +130,7 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Sequenc
             _LAST[0] = name
             return name, out
     tuned = _ENABLED and len(formulations) > 1
-    key = (type(module), config(), signature,
-           tuple([p.requires_grad for p in module.parameters()]) if signature[5] else ()) if tuned else None
+    key = _key(module, config(), signature) if tuned else None
     name = _CHOICES.get(key) if tuned else None
     if name is None and (not tuned or _capturing(x)):
         name, out = _run_first(run, formulations)
@@ -200,27 +203,25 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
     steps, errors = {}, []
     # the timing calls' saved tensors kept from any saved-tensor hooks around the call (a
     # non-reentrant checkpoint counts them, and its recomputation makes no timing calls)
-    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
-    hooks.__enter__()
     try:
-        for name in formulations:
-            call = step(name)
-            began = time.perf_counter()
-            try:
-                if call() is None:  # does not hold
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            for name in formulations:
+                call = step(name)
+                began = time.perf_counter()
+                try:
+                    if call() is None:  # does not hold
+                        continue
+                except Exception as error:  # (a limit of one formulation: the others may hold)
+                    errors.append(error)
                     continue
-            except Exception as error:  # (a limit of one formulation: the others may hold)
-                errors.append(error)
-                continue
-            _synchronize(device)
-            first_ms = (time.perf_counter() - began) * 1e3
-            calls = max(1, min(MAX_CALLS, int(ROUND_MS / max(first_ms, 1e-3))))
-            steps[name] = (call, calls, [])
-        for _ in range(ROUNDS):
-            for name, (call, calls, times) in steps.items():
-                times.append(_time_ms(call, calls, device) / calls)
+                _synchronize(device)
+                first_ms = (time.perf_counter() - began) * 1e3
+                calls = max(1, min(MAX_CALLS, int(ROUND_MS / max(first_ms, 1e-3))))
+                steps[name] = (call, calls, [])
+            for _ in range(ROUNDS):
+                for name, (call, calls, times) in steps.items():
+                    times.append(_time_ms(call, calls, device) / calls)
     finally:
-        hooks.__exit__(None, None, None)
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)

@@ -74,12 +74,10 @@ def _conv_channels_last(conv: nn.Module, x: Tensor) -> Tensor:
     convolution's dtype in one copy, the weight's copy kept while it is unchanged), and so
     its output: the tuned original's layout."""
     fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
-    weight = conv.weight
-    dtype = _autocast.cast_dtype(x)
-    x = x.to(dtype=dtype or x.dtype, memory_format=fmt)
-    if not weight.is_contiguous(memory_format=fmt) or (dtype is not None and weight.dtype != dtype):
-        weight = derived(("channels_last", dtype), (conv.weight,),
-                         lambda: conv.weight.to(dtype=dtype or conv.weight.dtype, memory_format=fmt))
+    weight, dtype = conv.weight, rewrites.kernel_dtype(x, conv.weight)
+    x = x.to(dtype=_autocast.conv_dtype(x), memory_format=fmt)
+    if not weight.is_contiguous(memory_format=fmt) or weight.dtype != dtype:
+        weight = derived(("channels_last", dtype), (weight,), lambda: weight.to(dtype=dtype, memory_format=fmt))
     return _conv(conv, x, weight)
 
 
@@ -119,12 +117,18 @@ def _max_pool3d(pool: nn.MaxPool3d, y: Tensor) -> Tensor:
 class _Formulations:
     """The formulations of a module's function and the choice among them
     (``fused_ops.autotune``). A subclass gives `_config()` (what its choice depends on besides
-    the call), `_order(x)` (the formulations to consider, the rule's first: the last always
-    holds) and `_run(name, x)` (the formulation's result, or None where it does not hold)."""
+    the call), `_run(name, x)` (the formulation's result, or None where it does not hold) and,
+    where they differ from the defaults, `_CONV` and `_order(x)` (the formulations to consider,
+    the rule's first: the last always holds)."""
+
+    _CONV = "conv"  # the name of the module's convolution
+
+    def _order(self, x: Tensor) -> tuple[str, ...]:
+        return _order(x)
 
     def _dispatch(self, x: Tensor):
         order = self._order(x)
-        if _has_hooks(self._conv_module()):  # only the formulations that call it
+        if _has_hooks(getattr(self, self._CONV)):  # only the formulations that call it
             order = tuple([name for name in order if name in ("fused", "original")])
         return autotune.choose(self, self._config, order, lambda name: self._run(name, x), x)[1]
 
@@ -145,12 +149,16 @@ _ORDER = {"cuda": autotune.FORMULATIONS,
           "cpu": ("fused", "fused_channels_last", "rewrite", "original_channels_last", "original")}
 
 
-def _order(x: Tensor) -> tuple[str, ...]:
+def _order(x: Tensor, rewrite_first: bool = False) -> tuple[str, ...]:
+    """The formulations for x in the rule's order; with rewrite_first the rewrite leads on any
+    device (one that torch.compile lowers on the CPU too)."""
     if not x.is_cuda and _autocast.cast_dtype(x) is not None:
         # 16-bit convolutions on a CPU round differently in each layout and formulation, the
         # rearranged and channels-last ones beyond twice the original's error (tests)
-        return ("fused", "original")
-    return _ORDER["cuda" if x.is_cuda else "cpu"]
+        order = ("fused", "original")
+    else:
+        order = _ORDER["cuda" if x.is_cuda else "cpu"]
+    return ("rewrite", *[name for name in order if name != "rewrite"]) if rewrite_first else order
 
 
 class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
@@ -179,15 +187,11 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
             )
         return self._dispatch(x)
 
-    def _conv_module(self) -> nn.Module:
-        return self.conv
-
     def _config(self) -> tuple:
         return _conv_config(self.conv), _pool_config(self.avg_pool)
 
     def _order(self, x: Tensor) -> tuple[str, ...]:
-        # the rewrite first on a CPU too (where torch.compile lowers it)
-        return ("rewrite", *[name for name in _order(x) if name != "rewrite"])
+        return _order(x, rewrite_first=True)  # (its rewrite torch.compile lowers on a CPU too)
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         pool = self.avg_pool
@@ -241,14 +245,8 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
     def _dispatched_input(self, x: Tensor) -> Tensor:
         return x if x.dim() == 5 else x.unsqueeze(0)
 
-    def _conv_module(self) -> nn.Module:
-        return self.conv
-
     def _config(self) -> tuple:
         return _conv_config(self.conv), _pool_config(self.max_pool), self.divisor
-
-    def _order(self, x: Tensor) -> tuple[str, ...]:
-        return _order(x)
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         """The (B, C, 1, 1, 1) average of the pooled maxima of conv(x) / divisor."""
@@ -302,14 +300,10 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
     def _dispatched_input(self, x: Tensor) -> Tensor | None:
         return x if x.dim() == 5 else None
 
-    def _conv_module(self) -> nn.Module:
-        return self.conv_transpose
+    _CONV = "conv_transpose"
 
     def _config(self) -> tuple:
         return _conv_config(self.conv_transpose), _pool_config(self.max_pool1), _pool_config(self.max_pool2)
-
-    def _order(self, x: Tensor) -> tuple[str, ...]:
-        return _order(x)
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         first, second = self.max_pool1, self.max_pool2
@@ -370,8 +364,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             return _as_original(sync_batch_norm_gap(y, self.scale_factor, self.batch_norm, group), x, self._TAIL_OPS)
         return self._dispatch(x)
 
-    def _conv_module(self) -> nn.Module:
-        return self.conv_transpose
+    _CONV = "conv_transpose"
 
     def _config(self) -> tuple:
         bn = self.batch_norm
@@ -383,7 +376,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         return self.batch_norm.training or self.batch_norm.running_mean is None
 
     def _order(self, x: Tensor) -> tuple[str, ...]:
-        order = _order(x) if self._batch_stats() else ("rewrite", *[n for n in _order(x) if n != "rewrite"])
+        order = _order(x, rewrite_first=not self._batch_stats())  # (the eval map, on any device)
         if isinstance(self.batch_norm, nn.SyncBatchNorm):  # (which refuses a CPU input)
             order = tuple([name for name in order if not name.startswith("original")])
         return order

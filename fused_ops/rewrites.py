@@ -139,7 +139,7 @@ def _parity_kernel(weight: Tensor, axes) -> Tensor:
     return combined.contiguous(memory_format=torch.channels_last)
 
 
-def _kernel_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
+def kernel_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
     """The dtype a derived kernel is kept in: autocast's for x's convolution (the convolution
     would cast it on every call), else the weight's own."""
     return _autocast.cast_dtype(x) or weight.dtype
@@ -219,7 +219,7 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
             or math.prod(classes) > 256:
         return None
     axes = tuple([_conv_pool_axis(kernel[d], padding[d], classes[d]) for d in range(3)])
-    weight, bias, dtype = conv.weight, conv.bias, _kernel_dtype(x, conv.weight)
+    weight, bias, dtype = conv.weight, conv.bias, kernel_dtype(x, conv.weight)
     if not _folds_exactly(divisor):
         # conv(x) / d rounds twice where d is not a power of two: divide where PyTorch
         # divides, so that values PyTorch computes exactly (and their ties) are ours too
@@ -259,10 +259,15 @@ def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1
     if min(positions) < 1 or math.prod(stride) * math.prod(kernel2) > 256:
         return None
     axes = tuple([_transposed_axis(kernel[d], stride[d], padding[d]) for d in range(3)])
-    weight, dtype = conv.weight, _kernel_dtype(x, conv.weight)
-    taps = derived(("conv_transpose3d", axes, dtype), (weight,),
+    weight, dtype = conv.weight, kernel_dtype(x, conv.weight)
+    return _parity_conv3d(x, _transposed_parity_kernel(weight, axes, dtype), None, axes, positions), conv.bias
+
+
+def _transposed_parity_kernel(weight: Tensor, axes, dtype: torch.dtype) -> Tensor:
+    """_parity_kernel of a transposed convolution's weight (I, O, k_d, k_h, k_w) in `dtype`,
+    kept while the weight is unchanged (fused_ops._derived)."""
+    return derived(("conv_transpose3d", axes, dtype), (weight,),
                    lambda: _parity_kernel(weight.transpose(0, 1).to(dtype), axes))
-    return _parity_conv3d(x, taps, None, axes, positions), conv.bias
 
 
 class _TransposedConv3dStride1(torch.autograd.Function):
@@ -273,9 +278,7 @@ class _TransposedConv3dStride1(torch.autograd.Function):
 
     @staticmethod
     def forward(x, weight, bias, padding, axes, out_size):
-        flipped = derived(("conv_transpose3d", axes, weight.dtype), (weight,),
-                          lambda: _parity_kernel(weight.transpose(0, 1), axes))
-        y = _parity_conv3d(x, flipped, bias, axes, out_size)
+        y = _parity_conv3d(x, _transposed_parity_kernel(weight, axes, weight.dtype), bias, axes, out_size)
         return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous()
 
     @staticmethod
@@ -310,10 +313,7 @@ def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | No
         # 16-bit: backward through the rewritten convolution, whose weight gradient cuDNN
         # computes with a Hopper kernel (architecture D, bf16, H200: 1.04 ms against 2.14
         # for the transposed convolution's; the whole training step 4.18 against 4.83 ms)
-        kernel_dtype = _kernel_dtype(x, weight)
-        flipped = derived(("conv_transpose3d", axes, kernel_dtype), (weight,),
-                          lambda: _parity_kernel(weight.transpose(0, 1).to(kernel_dtype), axes))
-        y = _parity_conv3d(x, flipped, bias, axes, out_size)
+        y = _parity_conv3d(x, _transposed_parity_kernel(weight, axes, kernel_dtype(x, weight)), bias, axes, out_size)
         return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous()
     if dtype is None:
         return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size)
@@ -373,7 +373,7 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
         return None
     divisor = pool.divisor_override or box[0] * box[1]
     taps = [-(-folded[d] // stride[d]) for d in range(2)]
-    weight, bias, dtype = conv.weight, conv.bias, _kernel_dtype(x, conv.weight)
+    weight, bias, dtype = conv.weight, conv.bias, kernel_dtype(x, conv.weight)
     s2d_kernel, bias = derived(("conv2d_avg_pool", box, stride, divisor, dtype), (weight, bias), lambda: (
         _space_to_depth_kernel(weight, box, stride, divisor, taps, dtype),
         None if bias is None else bias * (box[0] * box[1] / divisor)))  # the box's average of a constant
