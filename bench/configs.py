@@ -6,9 +6,11 @@ drop-in checked against the original and timed against it eager and tuned by
 hand, as ``python -m fused_ops`` does (fused_ops.cli: prepare, check, Tuned,
 timed_call, variant_settings; medians of fused_ops._timing.median_ms).
 
-Each variant is warmed up (at least 3 calls, and 50 ms on a GPU) and then timed
-over a number of calls adapted to its time per call (about 200 ms of calls on a
-GPU, 5 to 100 of them; --reps fixes it). After its warm-up the fused module's
+Each variant is warmed up (at least 3 calls, and 50 ms on a GPU), then the three
+are timed in turn over ROUNDS rounds (fused_ops._timing.interleaved_medians): a
+number of calls adapted to its time per call (about 200 ms of calls on a GPU, 5
+to 100 of them; --reps fixes it), spread over the rounds; its time is the median
+of its rounds' medians (each round's are kept in the JSON). After its warm-up the fused module's
 formulation is recorded where the module says it (a method ``formulation(x)``
 returning a string, called under the step's settings; null where it has none).
 Writes configs-<device>[-autocast-<dtype>].json under bench/results/ (or --out)
@@ -26,6 +28,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -34,7 +37,7 @@ import torch
 
 from fused_ops import cli
 from fused_ops.architectures import ARCHITECTURES, Architecture
-from timing import device_name, median_ms, warm_up, write_result
+from timing import device_name, interleaved_medians, warm_up, write_result
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SIZES = ("spec", "tiny")
@@ -44,6 +47,9 @@ SPEC_BATCH = {a.letter: a.input_shapes["spec"][0] for a in ARCHITECTURES}  # A 1
 # MAX_REPS; each variant first warmed up with WARMUP_CALLS calls and, on a GPU, for at least WARMUP_MS.
 TARGET_MS = {"cuda": 200.0, "cpu": 50.0}
 MIN_REPS, MAX_REPS = 5, {"cuda": 100, "cpu": 30}
+# The variants are timed in turn, ROUNDS rounds of (their timed calls / ROUNDS, at least ROUND_MIN_REPS) calls
+# each; a variant's time is the median of its rounds' medians.
+ROUNDS, ROUND_MIN_REPS = 5, 3
 WARMUP_CALLS, WARMUP_MS = 3, 50.0
 VARIANTS = ("eager", "tuned", "fused")
 
@@ -250,15 +256,20 @@ def measure(c: Config, batch: int | str, step: str, args) -> dict:
         row |= dict(**checked, max_rel_err=cli.largest(checked["errors"]), tolerance=tolerance,
                     verdict=cli.verdict(checked, tolerance))
         models = {"eager": original, "tuned": cli.Tuned(original), "fused": fused}
-        for variant, model in models.items():
-            call = cli.timed_call(model, x, train, grad, args.autocast)
+        calls = {variant: cli.timed_call(model, x, train, grad, args.autocast) for variant, model in models.items()}
+        reps = {}
+        for variant, call in calls.items():
             with cli.variant_settings(variant, train):
                 per_call = warm_up(call, args.device, WARMUP_MS, WARMUP_CALLS)
                 if variant == "fused":
                     row["formulation"] = formulation(fused, x, train, args.autocast)
-                reps = args.reps or reps_for(per_call, args.device.type)
-                row[f"{variant}_ms"] = median_ms(call, args.device, warmup_ms=0.0, reps=reps, warmup_calls=0)
-                row[f"{variant}_reps"] = reps
+            reps[variant] = args.reps or reps_for(per_call, args.device.type)
+        rounds = interleaved_medians(calls, args.device, {v: max(ROUND_MIN_REPS, math.ceil(n / ROUNDS)) for v, n in reps.items()},
+                                     ROUNDS, lambda variant: cli.variant_settings(variant, train), warmup_ms=0.0)
+        for variant, times in rounds.items():
+            row[f"{variant}_ms"] = statistics.median(times)
+            row[f"{variant}_rounds_ms"] = times
+            row[f"{variant}_reps"] = reps[variant]
         row |= dict(speedup_vs_eager=row["eager_ms"] / row["fused_ms"],
                     speedup_vs_tuned=row["tuned_ms"] / row["fused_ms"])
     except Exception as error:  # noqa: BLE001  (a row of the grid, not the end of it)

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from fused_ops._timing import device_name, device_slug, median_ms, warm_up  # noqa: F401  (for run.py, models.py, ...)
+from fused_ops._timing import device_name, device_slug, interleaved_medians, median_ms, warm_up  # noqa: F401  (for run.py, models.py, ...)
 
 
 def write_result(result: dict, out_dir: str, kind: str) -> str:

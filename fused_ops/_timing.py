@@ -1,9 +1,11 @@
 """Timing helpers: CUDA-event medians on a GPU, wall-clock medians on a CPU,
 and the device's name for results and their file names (used by
 ``python -m fused_ops`` and by the benchmarks under bench/)."""
+import contextlib
 import re
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -49,6 +51,25 @@ def median_ms(fn, device, warmup_ms: float = 50.0, reps: int = 50, warmup_calls:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def interleaved_medians(calls: dict[str, Callable], device, reps: dict[str, int], rounds: int = 5,
+                        settings: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext(),
+                        warmup_ms: float = 50.0) -> dict[str, list[float]]:
+    """Each call's median time (median_ms, reps[name] calls) in each of `rounds` rounds, the
+    calls taken in turn within a round, each under settings(name) and warmed up before the
+    first: {name: [round medians]}. Variants compared from one round to the next see the
+    same clocks and host load; their medians over the rounds are what a comparison takes (a
+    host-bound call's time moves by tens of percent from second to second)."""
+    for name, call in calls.items():
+        with settings(name):
+            warm_up(call, device, warmup_ms)
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            with settings(name):
+                times[name].append(median_ms(call, device, warmup_ms=0.0, reps=reps[name], warmup_calls=1))
+    return times
 
 
 def device_name(device) -> str:

@@ -15,9 +15,10 @@ dtype and device; train or eval; whether gradients are recorded, and for which o
 and the parameters; the autocast state) times every formulation that holds for it, its
 forward or, where gradients are recorded, its forward and backward (the module's buffers
 restored after), and keeps the fastest for the key in this process; the later calls with
-that key run it. On a GPU the formulations' convolutions run with cudnn.benchmark on, as
-the original tuned by hand would: where a rewrite is kept it beat the original run
-channels last with cudnn.benchmark too.
+that key run it. On a GPU the rearranged and channels-last convolutions run with
+cudnn.benchmark on, as the original tuned by hand would (where a rewrite is kept it beat the
+original run channels last with cudnn.benchmark too); the original's own convolutions run
+under the user's setting, as the original's calls do.
 
 Nothing is timed, and each module takes its rule (the first formulation of its list that
 holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
@@ -107,51 +108,63 @@ def _key(module: nn.Module, config: tuple, signature: tuple) -> tuple:
     return type(module), config, signature, grads
 
 
-def choose(module: nn.Module, config: Callable[[], tuple], formulations: Sequence[str],
+def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callable[[], Sequence[str]],
            run: Callable[[str], Tensor | None], x: Tensor) -> tuple[str, Tensor]:
     """(name, result) of the formulation the call takes: forced, kept from an earlier call
     with its key (call_key of `config()`), timed now (the first call with it), or the rule
-    (the first of `formulations`, in order, whose `run(name)` is not None: the last must
+    (the first of `formulations()`, in order, whose `run(name)` is not None: the last must
     always hold). The module remembers its latest call's signature and choice, so that a
-    call like the one before takes it without building the key (host time: at a batch of
-    one a whole call on a GPU takes about 0.1 ms)."""
+    call like the one before runs it without building the key or the list of formulations
+    (host time: at a batch of one a whole call on a GPU takes about 0.1 ms); where it no
+    longer holds (run gives None), the call chooses again."""
     if _FORCED:
-        name, out = _run_first(run, [f for f in _FORCED[-1:] if f in formulations] + list(formulations))
+        order = formulations()
+        name, out = _run_first(run, [f for f in _FORCED[-1:] if f in order] + list(order))
         _LAST[0] = name
         return name, out
     if torch.compiler.is_compiling():
-        return _run_first(run, formulations)
+        return _run_first(run, formulations())
     signature = _signature(module, x)
     memo = module.__dict__.get("_fused_ops_choice")
     if memo is not None and memo[0] == _GENERATION[0] and memo[1] == signature:
         name = memo[2]
         out = _run_benchmarked(run, name, x)
-        if out is not None:  # (else the configuration changed since: choose again)
+        if out is not None:
             _LAST[0] = name
             return name, out
-    tuned = _ENABLED and len(formulations) > 1
+    order = formulations()
+    tuned = _ENABLED and len(order) > 1
     key = _key(module, config(), signature) if tuned else None
     name = _CHOICES.get(key) if tuned else None
     if name is None and (not tuned or _capturing(x)):
-        name, out = _run_first(run, formulations)
+        name, out = _run_first(run, order)
     else:
         if name is None:
-            name = _CHOICES[key] = _tune(module, formulations, run, x)
+            name = _CHOICES[key] = _tune(module, order, run, x)
         out = _run_benchmarked(run, name, x)
         if out is None:
-            name, out = _run_first(run, formulations)
+            name, out = _run_first(run, order)
     if not _capturing(x):
         module.__dict__["_fused_ops_choice"] = (_GENERATION[0], signature, name)
     _LAST[0] = name
     return name, out
 
 
+# The formulations whose convolutions differ from the original's (rearranged or channels last):
+# their cuDNN plans are searched, as by the original tuned by hand; the others' convolutions are
+# the original's own and run under the user's setting (the plans the original gets).
+_SEARCHED = frozenset(("rewrite", "fused_channels_last", "original_channels_last"))
+
+
 def _run_benchmarked(run, name: str, x: Tensor) -> Tensor | None:
-    """run(name) with cudnn.benchmark on for its convolutions on a GPU, as the original tuned
-    by hand runs; the user's setting back after. (PyTorch keeps one cuDNN plan per
-    convolution, found or guessed, whichever ran first: a formulation run without the search
-    would leave its guess to every later benchmarked call of that convolution.)"""
-    if not x.is_cuda or torch._C._get_cudnn_benchmark():
+    """run(name), on a GPU with cudnn.benchmark on for the convolutions of a formulation in
+    _SEARCHED, the user's setting back after. PyTorch keeps one cuDNN plan per convolution,
+    searched or guessed, whichever call came first: a search for the original's own
+    convolution would change the user's eager calls' plans too, and at small batches a
+    searched plan (the least GPU time: split reductions, layout kernels) often costs more
+    host time than the guessed one; a rearranged convolution guessed would leave its guess to
+    every later call."""
+    if name not in _SEARCHED or not x.is_cuda or torch._C._get_cudnn_benchmark():
         return run(name)
     torch._C._set_cudnn_benchmark(True)
     try:
@@ -196,8 +209,8 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
                     torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
             return out
 
-        # the backward's convolutions searched too: their plans, kept by PyTorch, serve the
-        # later backward calls (which run outside the module, under the user's setting)
+        # the backward's convolutions searched too (_SEARCHED): their plans, kept by PyTorch,
+        # serve the later backward calls (which run outside the module, under the user's setting)
         return lambda: _run_benchmarked(forward_backward, name, x)
 
     steps, errors = {}, []

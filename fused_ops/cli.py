@@ -23,13 +23,14 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 
 import torch
 
 from . import has_cuda_kernels
-from ._timing import device_name, device_slug, median_ms
+from ._timing import device_name, device_slug, interleaved_medians
 from .architectures import ARCHITECTURES, SIZES
 
 SEED = 0
@@ -61,6 +62,7 @@ def check_tolerance(dtype: torch.dtype, device: torch.device) -> float:
     if dtype == torch.float32 and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
         return TF32_TOLERANCE
     return TOLERANCE[dtype]
+TIMING_ROUNDS = 5
 DEFAULT_REPS = {"cuda": 50, "cpu": 20}
 
 
@@ -369,11 +371,13 @@ def run_architecture(arch, args, train: bool) -> dict:
     variants = peers | {"fused": fused}
     if getattr(args, "compile_fused", False):  # not a peer: the fused module's own host time, measured
         variants["fused_compiled"] = torch.compile(fused)
-    times, peaks = {}, {}
-    for variant, model in variants.items():
-        call = timed_call(model, x, train, grad, args.autocast)
+    calls = {variant: timed_call(model, x, train, grad, args.autocast) for variant, model in variants.items()}
+    # the variants in turn, TIMING_ROUNDS rounds of args.reps / TIMING_ROUNDS calls: the median of each one's rounds
+    rounds = interleaved_medians(calls, args.device, dict.fromkeys(calls, math.ceil(args.reps / TIMING_ROUNDS)),
+                                 TIMING_ROUNDS, lambda variant: variant_settings(variant, train))
+    times, peaks = {variant: statistics.median(r) for variant, r in rounds.items()}, {}
+    for variant, call in calls.items():
         with variant_settings(variant, train):
-            times[variant] = median_ms(call, args.device, reps=args.reps)
             peaks[variant] = peak_extra_mib(call, args.device)
         peak = "" if peaks[variant] is None else f", peak {peaks[variant]:.0f} MiB over what was allocated before"
         progress(f"{tag} {variant}: {times[variant]:.3f} ms{peak}")

@@ -7,6 +7,7 @@ Each has the original's constructor, parameters, buffers and state_dict keys
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from . import _autocast, autotune, reference, rewrites
 from ._derived import derived
@@ -85,8 +86,12 @@ def _has_hooks(module: nn.Module) -> bool:
     """Whether calling `module` runs forward hooks (its own or global ones: pruning and
     weight_norm set the weight in a pre-hook, observers and feature extractors read the
     output): the formulations that read its weight themselves then do not hold."""
-    return bool(module._forward_pre_hooks or module._forward_hooks or torch.nn.modules.module._global_forward_hooks
-                or torch.nn.modules.module._global_forward_pre_hooks)
+    return bool(module._forward_pre_hooks or module._forward_hooks or _global_forward_hooks
+                or _global_forward_pre_hooks)
+
+
+# The formulations that call the module's convolution (as a module where it has hooks).
+_CALLING_CONV = ("fused", "original")
 
 
 def _conv(conv: nn.Module, x: Tensor, weight: Tensor | None = None) -> Tensor:
@@ -127,10 +132,19 @@ class _Formulations:
         return _order(x)
 
     def _dispatch(self, x: Tensor):
+        return autotune.choose(self, self._config, lambda: self._formulations(x), lambda name: self._call(name, x),
+                               x)[1]
+
+    def _formulations(self, x: Tensor) -> tuple[str, ...]:
         order = self._order(x)
-        if _has_hooks(getattr(self, self._CONV)):  # only the formulations that call it
-            order = tuple([name for name in order if name in ("fused", "original")])
-        return autotune.choose(self, self._config, order, lambda name: self._run(name, x), x)[1]
+        if _has_hooks(getattr(self, self._CONV)):
+            order = tuple([name for name in order if name in _CALLING_CONV])
+        return order
+
+    def _call(self, name: str, x: Tensor) -> Tensor | None:
+        if name not in _CALLING_CONV and _has_hooks(getattr(self, self._CONV)):
+            return None  # (hooks registered since the choice was made)
+        return self._run(name, x)
 
     def formulation(self, x: Tensor) -> str | None:
         """The formulation tuned for a call with x now (the same mode, gradient recording and
@@ -259,14 +273,14 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
                 return None
             windows, channel_bias = rewritten
             mean = parity_max_pool3d_mean(windows)
-            return (mean if channel_bias is None else mean + channel_bias).view(mean.shape + (1, 1, 1))
+            return (mean if channel_bias is None else mean + channel_bias).view(*mean.shape, 1, 1, 1)
         fused = name.startswith("fused")
         if fused and not _fusable_max_pool(pool, ceil_mode_ok=True):
             return None
         y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
         if fused:
             mean = max_pool3d_mean(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
-            return mean.view(mean.shape + (1, 1, 1))
+            return mean.view(*mean.shape, 1, 1, 1)
         return F.adaptive_avg_pool3d(_max_pool3d(pool, y / self.divisor), self.global_avg_pool.output_size)
 
 
@@ -393,7 +407,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             weight, shift = mapped
             out = torch.addmm(shift, rewrites.spatial_sums(x), weight)  # (float64)
             dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
-            return out.view(out.shape + (1, 1, 1)).to(dtype)
+            return out.view(*out.shape, 1, 1, 1).to(dtype)
         if name == "rewrite":
             y = rewrites.conv_transpose3d_stride1(x, self.conv_transpose)
             if y is None:

@@ -132,7 +132,8 @@ def test_every_forward_under_autocast_tuned_with_cudnn_benchmark(tmp_path, monke
     forwards = [c for c in calls if c[0] != "backward"]
     assert {c[0] for c in forwards} == {torch.bfloat16}
     tuned = [c for c in forwards if c[1]]
-    assert len(tuned) == 3 + 1 and all(c[2] for c in tuned)  # warm-up, timed (--reps 1; no peak on a CPU)
+    # warm-up, then each round's warm-up call and timed call (--reps 1; no peak on a CPU)
+    assert len(tuned) == 3 + cli.TIMING_ROUNDS * 2 and all(c[2] for c in tuned)
     assert not any(c[2] for c in forwards if not c[1])
     backwards = [c for c in calls if c[0] == "backward"]
     assert backwards and not any(enabled for _, enabled in backwards)
