@@ -95,9 +95,9 @@ def _transposed_axis(kernel: int, stride: int, padding: int) -> _Axis:
 
 _GATHER_INDICES: dict = {}
 
-# The most bytes of one output position's taps x channels that depth_stacked_channels_last's
-# CUDA kernel holds in its shared tile (kTileBytes in csrc/cuda/depth_stacked_channels_last.cu).
-_STACK_ROW_BYTES = 32 * 1024
+# The most output positions (N M H' W') depth_stacked_channels_last's CUDA kernel takes
+# (csrc/cuda/depth_stacked_channels_last.cu).
+_STACK_POSITIONS = 2**31 - 1
 
 
 def _gather_index(axes: tuple[_Axis, _Axis, _Axis], kernel: tuple[int, int, int], device) -> Tensor:
@@ -159,7 +159,7 @@ def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positio
     spans = [axis.input_span(count) for axis, count in zip(axes, positions)]
     depth, stride, taps = positions[0], axes[0].stride, axes[0].kernel
     height, width = [last - first + 1 for first, last in spans[1:]]
-    one_pass_fits = not x.is_cuda or taps * in_channels * dtype.itemsize <= _STACK_ROW_BYTES
+    one_pass_fits = not x.is_cuda or n * depth * height * width <= _STACK_POSITIONS
     if one_pass_fits and not (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling()):
         stacked = depth_stacked_channels_last(x, taps, stride, [first for first, _ in spans], [depth, height, width],
                                               dtype=dtype)

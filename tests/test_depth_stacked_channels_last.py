@@ -93,13 +93,13 @@ def test_output_dtypes(x_dtype, out_dtype, device):
 
 @pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_wide_rows(out_dtype, device):
-    """Ws = 700 with taps * I = 64: several shared tiles per row on a GPU (128 float32 columns), the
-    last one partial; a float32 x."""
+    """Ws = 700 with taps * I = 64, positions past the input's width on both sides; a float32 x."""
     check(make_input((1, 32, 4, 3, 690), torch.float32, device), 2, 2, (-1, -1, -4), (2, 4, 700), out_dtype)
 
 
 def test_largest_rows(device):
-    """taps * I = 8 * 512 float64 values: one column per shared tile on a GPU (32 KB)."""
+    """taps * I = 8 * 512 float64 values per position: more vectors than a block's threads on a GPU
+    (each thread loops over several of one position)."""
     check(make_input((1, 512, 9, 2, 3), torch.float64, device), 8, 1, (-1, 0, -1), (2, 2, 5))
 
 
