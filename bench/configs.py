@@ -315,7 +315,8 @@ def run(args) -> dict:
                   timing=f"{timing} medians of " + (f"{args.reps} calls" if args.reps else
                                                    f"{MIN_REPS}-{MAX_REPS[args.device.type]} calls (about "
                                                    f"{TARGET_MS[args.device.type]:.0f} ms of them)")
-                  + f" per variant after at least {WARMUP_CALLS} warm-up calls",
+                  + f" per variant after at least {WARMUP_CALLS} warm-up calls, spread over {ROUNDS} interleaved rounds "
+                  "(the median of the rounds' medians)",
                   estimate_s=estimate, elapsed_s=time.perf_counter() - began, ok=all(r["ok"] for r in rows),
                   rows=rows)
     result["summary"] = summarize(rows)

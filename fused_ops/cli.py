@@ -504,7 +504,7 @@ def run_mode(args, train: bool) -> dict:
     timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
     return dict(device=describe_device(args.device), device_type=args.device.type, torch=torch.__version__,
                 dtype=dtype_name(args.dtype), autocast=dtype_name(args.autocast), mode=mode, train=train,
-                size=args.size, timing=f"{timing} medians of {args.reps} calls", ok=all(r["ok"] for r in rows),
+                size=args.size, timing=f"{timing} medians of {args.reps} calls in {TIMING_ROUNDS} interleaved rounds", ok=all(r["ok"] for r in rows),
                 rows=rows)
 
 
