@@ -7,7 +7,7 @@ hand, as ``python -m fused_ops`` does (fused_ops.cli: prepare, check, Tuned,
 timed_call, variant_settings; medians of fused_ops._timing.median_ms).
 
 Each variant is warmed up (at least 3 calls, and 50 ms on a GPU), then the three
-are timed in turn over ROUNDS rounds (fused_ops._timing.interleaved_medians): a
+are timed in turn over cli.TIMING_ROUNDS rounds (fused_ops._timing.interleaved_medians): a
 number of calls adapted to its time per call (about 200 ms of calls on a GPU, 5
 to 100 of them; --reps fixes it), spread over the rounds; its time is the median
 of its rounds' medians (each round's are kept in the JSON). After its warm-up the fused module's
@@ -47,9 +47,9 @@ SPEC_BATCH = {a.letter: a.input_shapes["spec"][0] for a in ARCHITECTURES}  # A 1
 # MAX_REPS; each variant first warmed up with WARMUP_CALLS calls and, on a GPU, for at least WARMUP_MS.
 TARGET_MS = {"cuda": 200.0, "cpu": 50.0}
 MIN_REPS, MAX_REPS = 5, {"cuda": 100, "cpu": 30}
-# The variants are timed in turn, ROUNDS rounds of (their timed calls / ROUNDS, at least ROUND_MIN_REPS) calls
-# each; a variant's time is the median of its rounds' medians.
-ROUNDS, ROUND_MIN_REPS = 5, 3
+# The variants are timed in turn, cli.TIMING_ROUNDS rounds of (their timed calls / rounds, at least
+# ROUND_MIN_REPS) calls each; a variant's time is the median of its rounds' medians.
+ROUND_MIN_REPS = 3
 WARMUP_CALLS, WARMUP_MS = 3, 50.0
 VARIANTS = ("eager", "tuned", "fused")
 
@@ -264,8 +264,9 @@ def measure(c: Config, batch: int | str, step: str, args) -> dict:
                 if variant == "fused":
                     row["formulation"] = formulation(fused, x, train, args.autocast)
             reps[variant] = args.reps or reps_for(per_call, args.device.type)
-        rounds = interleaved_medians(calls, args.device, {v: max(ROUND_MIN_REPS, math.ceil(n / ROUNDS)) for v, n in reps.items()},
-                                     ROUNDS, lambda variant: cli.variant_settings(variant, train), warmup_ms=0.0)
+        per_round = {v: max(ROUND_MIN_REPS, math.ceil(n / cli.TIMING_ROUNDS)) for v, n in reps.items()}
+        rounds = interleaved_medians(calls, args.device, per_round, cli.TIMING_ROUNDS,
+                                     lambda variant: cli.variant_settings(variant, train), warmup_ms=0.0)
         for variant, times in rounds.items():
             row[f"{variant}_ms"] = statistics.median(times)
             row[f"{variant}_rounds_ms"] = times
@@ -315,7 +316,7 @@ def run(args) -> dict:
                   timing=f"{timing} medians of " + (f"{args.reps} calls" if args.reps else
                                                    f"{MIN_REPS}-{MAX_REPS[args.device.type]} calls (about "
                                                    f"{TARGET_MS[args.device.type]:.0f} ms of them)")
-                  + f" per variant after at least {WARMUP_CALLS} warm-up calls, spread over {ROUNDS} interleaved rounds "
+                  + f" per variant after at least {WARMUP_CALLS} warm-up calls, spread over {cli.TIMING_ROUNDS} interleaved rounds "
                   "(the median of the rounds' medians)",
                   estimate_s=estimate, elapsed_s=time.perf_counter() - began, ok=all(r["ok"] for r in rows),
                   rows=rows)

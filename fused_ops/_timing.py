@@ -53,8 +53,8 @@ def median_ms(fn, device, warmup_ms: float = 50.0, reps: int = 50, warmup_calls:
     return statistics.median(times)
 
 
-def interleaved_medians(calls: dict[str, Callable], device, reps: dict[str, int], rounds: int = 5,
-                        settings: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext(),
+def interleaved_medians(calls: dict[str, Callable], device, reps: dict[str, int], rounds: int,
+                        settings: Callable[[str], contextlib.AbstractContextManager],
                         warmup_ms: float = 50.0) -> dict[str, list[float]]:
     """Each call's median time (median_ms, reps[name] calls) in each of `rounds` rounds, the
     calls taken in turn within a round, each under settings(name) and warmed up before the

@@ -150,21 +150,22 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
     return name, out
 
 
-# The formulations whose convolutions differ from the original's (rearranged or channels last):
-# their cuDNN plans are searched, as by the original tuned by hand; the others' convolutions are
-# the original's own and run under the user's setting (the plans the original gets).
-_SEARCHED = frozenset(("rewrite", "fused_channels_last", "original_channels_last"))
+# The formulations that call the module's convolution as the original does (its own weight and
+# layout, as a module where it has hooks): run under the user's cudnn.benchmark setting, with the
+# plans the original gets. The others rearrange it or change its layout: their plans are
+# searched, as by the original tuned by hand.
+OWN_CONVOLUTION = frozenset(("fused", "original"))
 
 
 def _run_benchmarked(run, name: str, x: Tensor) -> Tensor | None:
-    """run(name), on a GPU with cudnn.benchmark on for the convolutions of a formulation in
-    _SEARCHED, the user's setting back after. PyTorch keeps one cuDNN plan per convolution,
+    """run(name), on a GPU with cudnn.benchmark on for the convolutions of a formulation not in
+    OWN_CONVOLUTION, the user's setting back after. PyTorch keeps one cuDNN plan per convolution,
     searched or guessed, whichever call came first: a search for the original's own
     convolution would change the user's eager calls' plans too, and at small batches a
     searched plan (the least GPU time: split reductions, layout kernels) often costs more
     host time than the guessed one; a rearranged convolution guessed would leave its guess to
     every later call."""
-    if name not in _SEARCHED or not x.is_cuda or torch._C._get_cudnn_benchmark():
+    if name in OWN_CONVOLUTION or not x.is_cuda or torch._C._get_cudnn_benchmark():
         return run(name)
     torch._C._set_cudnn_benchmark(True)
     try:
@@ -209,7 +210,7 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
                     torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
             return out
 
-        # the backward's convolutions searched too (_SEARCHED): their plans, kept by PyTorch,
+        # the backward's convolutions searched too (not OWN_CONVOLUTION): their plans, kept by PyTorch,
         # serve the later backward calls (which run outside the module, under the user's setting)
         return lambda: _run_benchmarked(forward_backward, name, x)
 

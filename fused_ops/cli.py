@@ -62,6 +62,9 @@ def check_tolerance(dtype: torch.dtype, device: torch.device) -> float:
     if dtype == torch.float32 and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
         return TF32_TOLERANCE
     return TOLERANCE[dtype]
+
+
+# The variants are timed in turn over TIMING_ROUNDS rounds (fused_ops._timing.interleaved_medians).
 TIMING_ROUNDS = 5
 DEFAULT_REPS = {"cuda": 50, "cpu": 20}
 
@@ -504,8 +507,8 @@ def run_mode(args, train: bool) -> dict:
     timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
     return dict(device=describe_device(args.device), device_type=args.device.type, torch=torch.__version__,
                 dtype=dtype_name(args.dtype), autocast=dtype_name(args.autocast), mode=mode, train=train,
-                size=args.size, timing=f"{timing} medians of {args.reps} calls in {TIMING_ROUNDS} interleaved rounds", ok=all(r["ok"] for r in rows),
-                rows=rows)
+                size=args.size, timing=f"{timing} medians of {args.reps} calls in {TIMING_ROUNDS} interleaved rounds",
+                ok=all(r["ok"] for r in rows), rows=rows)
 
 
 def write_result(result: dict, stem: str) -> list[str]:

@@ -90,10 +90,6 @@ def _has_hooks(module: nn.Module) -> bool:
                 or _global_forward_pre_hooks)
 
 
-# The formulations that call the module's convolution (as a module where it has hooks).
-_CALLING_CONV = ("fused", "original")
-
-
 def _conv(conv: nn.Module, x: Tensor, weight: Tensor | None = None) -> Tensor:
     """conv(x) (with `weight` for conv.weight where given), the functional op called directly
     (a module call's host time counts where a whole call is host-bound), or the module itself
@@ -138,11 +134,11 @@ class _Formulations:
     def _formulations(self, x: Tensor) -> tuple[str, ...]:
         order = self._order(x)
         if _has_hooks(getattr(self, self._CONV)):
-            order = tuple([name for name in order if name in _CALLING_CONV])
+            order = tuple([name for name in order if name in autotune.OWN_CONVOLUTION])
         return order
 
     def _call(self, name: str, x: Tensor) -> Tensor | None:
-        if name not in _CALLING_CONV and _has_hooks(getattr(self, self._CONV)):
+        if name not in autotune.OWN_CONVOLUTION and _has_hooks(getattr(self, self._CONV)):
             return None  # (hooks registered since the choice was made)
         return self._run(name, x)
 
