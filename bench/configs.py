@@ -233,12 +233,12 @@ def reference_result(autocast_dtype: str | None) -> tuple[str, dict] | None:
 
 def formulation(fused: torch.nn.Module, x: torch.Tensor, train: bool, autocast_dtype) -> str | None:
     """What the fused module computes x with, where it says (its formulation(x), under the step's autograd
-    mode and autocast); None where it has no such method."""
+    mode and autocast, "+graph" where it replays it from a CUDA graph); None where it has no such method."""
     method = getattr(fused, "formulation", None)
     if not callable(method):
         return None
     with torch.set_grad_enabled(train), cli.autocast(x.device, autocast_dtype):
-        return str(method(x))
+        return str(method(x)) + ("+graph" if fused.graphed(x) else "")
 
 
 def measure(c: Config, batch: int | str, step: str, args) -> dict:

@@ -29,7 +29,7 @@ def main() -> None:
         x = torch.rand(c.arch.input_shape("spec", args.batch), device=device)
         with torch.no_grad():
             times = [median_ms(lambda: original(x), device), median_ms(lambda: fused(x), device)]
-            chosen = autotune.last_formulation()
+            chosen = autotune.last_formulation() + (" from a CUDA graph" if fused.graphed(x) else "")
             for name in autotune.FORMULATIONS:
                 with autotune.force(name):
                     fused(x)

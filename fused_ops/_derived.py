@@ -6,7 +6,8 @@ A derived tensor is rebuilt when any parameter it comes from changes: another te
 optimizer step advances). Nothing is kept where the build must be recorded or traced:
 where autograd records a gradient for one of the parameters, while compiling, and while a
 CUDA graph is being captured (the graph must rebuild it from the parameters' memory on
-each replay, or an optimizer step between replays would go unseen).
+each replay, or an optimizer step between replays would go unseen), nor from a parameter
+made under inference_mode (an inference tensor has no version counter).
 """
 import weakref
 from collections.abc import Callable, Hashable
@@ -36,8 +37,11 @@ def derived(kind: Hashable, tensors: tuple[Tensor | None, ...], build: Callable[
     if not _keepable(tensors):
         return build()
     owner = tensors[0]
-    stamp = (torch.is_inference_mode_enabled(), variant,
-             tuple([None if t is None else (t.data_ptr(), t._version) for t in tensors]))
+    try:
+        stamp = (torch.is_inference_mode_enabled(), variant,
+                 tuple([None if t is None else (t.data_ptr(), t._version) for t in tensors]))
+    except RuntimeError:  # an inference tensor (made under inference_mode) has no version to follow
+        return build()
     entry = _KEPT.get(id(owner))
     if entry is None or entry[0]() is not owner:
         entry = (weakref.ref(owner, lambda _, key=id(owner): _KEPT.pop(key, None)), {})

@@ -18,7 +18,11 @@ restored after), and keeps the fastest for the key in this process; the later ca
 that key run it. On a GPU the rearranged and channels-last convolutions run with
 cudnn.benchmark on, as the original tuned by hand would (where a rewrite is kept it beat the
 original run channels last with cudnn.benchmark too); the original's own convolutions run
-under the user's setting, as the original's calls do.
+under the user's setting, as the original's calls do. Where a call may be replayed from a
+CUDA graph (on a GPU, in eval mode, recording no gradients, on the default stream:
+``fused_ops._graphed``), the fastest formulation is also timed replayed from a graph of its
+call, and kept so where that is faster (a batch of one: the host's time per op is most of a
+call); ``FUSED_OPS_CUDA_GRAPHS=0`` leaves that candidate out.
 
 Nothing is timed, and each module takes its rule (the first formulation of its list that
 holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
@@ -34,15 +38,20 @@ import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from . import _derived
+from . import _derived, _graphed
 
 FORMULATIONS = ("rewrite", "fused", "fused_channels_last", "original_channels_last", "original")
-_ENABLED = os.environ.get("FUSED_OPS_AUTOTUNE", "1").strip().lower() not in ("0", "false", "off", "no")
+def _environment_flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+_ENABLED = _environment_flag("FUSED_OPS_AUTOTUNE")
+_GRAPHS_ENABLED = _environment_flag("FUSED_OPS_CUDA_GRAPHS")  # (the graphed candidate, fused_ops._graphed)
 _CHOICES: dict[tuple, str] = {}
 _FORCED: list[str] = []
 _LAST = [None]  # the formulation the latest call ran
@@ -66,11 +75,12 @@ def is_enabled() -> bool:
 
 
 def clear() -> None:
-    """Forgets every choice made so far, and the kernels kept from the parameters
-    (``fused_ops._derived``): after a CUDA graph's replays changed parameters or buffers
+    """Forgets every choice made so far, the kernels kept from the parameters
+    (``fused_ops._derived``) and the modules' CUDA graphs (``fused_ops._graphed``): after a CUDA graph's replays changed parameters or buffers
     (replays do not advance their versions), before calling a module eagerly again."""
     _CHOICES.clear()
     _derived.clear()
+    _graphed.drop()
     _GENERATION[0] += 1
 
 
@@ -108,44 +118,55 @@ def _key(module: nn.Module, config: tuple, signature: tuple) -> tuple:
     return type(module), config, signature, grads
 
 
-def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callable[[], Sequence[str]],
-           run: Callable[[str], Tensor | None], x: Tensor) -> tuple[str, Tensor]:
+def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callable[[Tensor], Sequence[str]],
+           run: Callable[[str, Tensor], Tensor | None], x: Tensor,
+           graph_stamp: Callable[[], Hashable | None] = lambda: None) -> tuple[str, Tensor]:
     """(name, result) of the formulation the call takes: forced, kept from an earlier call
     with its key (call_key of `config()`), timed now (the first call with it), or the rule
-    (the first of `formulations()`, in order, whose `run(name)` is not None: the last must
-    always hold). The module remembers its latest call's signature and choice, so that a
-    call like the one before runs it without building the key or the list of formulations
-    (host time: at a batch of one a whole call on a GPU takes about 0.1 ms); where it no
-    longer holds (run gives None), the call chooses again."""
+    (the first of `formulations(x)`, in order, whose `run(name, x)` is not None: the last
+    must always hold). Where the tuner found it faster, the kept formulation is replayed from
+    a CUDA graph (``fused_ops._graphed``) while `graph_stamp()` (the module's configuration
+    and tensor memory, None where its call may not be graphed) stays as at the capture. The
+    module remembers its latest call's signature and choice, so that a call like the one
+    before runs it without building the key or the list of formulations (host time: at a
+    batch of one a whole call on a GPU takes about 0.1 ms); where it no longer holds (run
+    gives None), the call chooses again."""
     if _FORCED:
-        order = formulations()
-        name, out = _run_first(run, [f for f in _FORCED[-1:] if f in order] + list(order))
+        order = formulations(x)
+        name, out = _run_first(run, [f for f in _FORCED[-1:] if f in order] + list(order), x)
         _LAST[0] = name
         return name, out
     if torch.compiler.is_compiling():
-        return _run_first(run, formulations())
+        return _run_first(run, formulations(x), x)
     signature = _signature(module, x)
     memo = module.__dict__.get("_fused_ops_choice")
     if memo is not None and memo[0] == _GENERATION[0] and memo[1] == signature:
-        name = memo[2]
-        out = _run_benchmarked(run, name, x)
+        name, graphed = memo[2]
+        out = _replay(module, signature, graph_stamp, run, name, x) if graphed else None
+        if out is None:
+            out = _run_benchmarked(run, name, x)
         if out is not None:
             _LAST[0] = name
             return name, out
-    order = formulations()
+    order = formulations(x)
     tuned = _ENABLED and len(order) > 1
     key = _key(module, config(), signature) if tuned else None
-    name = _CHOICES.get(key) if tuned else None
-    if name is None and (not tuned or _capturing(x)):
-        name, out = _run_first(run, order)
+    choice = _CHOICES.get(key) if tuned else None
+    if choice is None and (not tuned or _capturing(x)):
+        name, out = _run_first(run, order, x)
+        choice = (name, False)
     else:
-        if name is None:
-            name = _CHOICES[key] = _tune(module, order, run, x)
-        out = _run_benchmarked(run, name, x)
+        if choice is None:
+            choice = _CHOICES[key] = _tune(module, order, run, x, signature, graph_stamp)
+        name = choice[0]
+        out = _replay(module, signature, graph_stamp, run, name, x) if choice[1] else None
         if out is None:
-            name, out = _run_first(run, order)
+            out = _run_benchmarked(run, name, x)
+        if out is None:
+            name, out = _run_first(run, order, x)
+            choice = (name, False)
     if not _capturing(x):
-        module.__dict__["_fused_ops_choice"] = (_GENERATION[0], signature, name)
+        module.__dict__["_fused_ops_choice"] = (_GENERATION[0], signature, choice)
     _LAST[0] = name
     return name, out
 
@@ -158,20 +179,41 @@ OWN_CONVOLUTION = frozenset(("fused", "original"))
 
 
 def _run_benchmarked(run, name: str, x: Tensor) -> Tensor | None:
-    """run(name), on a GPU with cudnn.benchmark on for the convolutions of a formulation not in
-    OWN_CONVOLUTION, the user's setting back after. PyTorch keeps one cuDNN plan per convolution,
-    searched or guessed, whichever call came first: a search for the original's own
+    """run(name, x), on a GPU with cudnn.benchmark on for the convolutions of a formulation not
+    in OWN_CONVOLUTION, the user's setting back after. PyTorch keeps one cuDNN plan per
+    convolution, searched or guessed, whichever call came first: a search for the original's own
     convolution would change the user's eager calls' plans too, and at small batches a
     searched plan (the least GPU time: split reductions, layout kernels) often costs more
     host time than the guessed one; a rearranged convolution guessed would leave its guess to
     every later call."""
     if name in OWN_CONVOLUTION or not x.is_cuda or torch._C._get_cudnn_benchmark():
-        return run(name)
+        return run(name, x)
     torch._C._set_cudnn_benchmark(True)
     try:
-        return run(name)
+        return run(name, x)
     finally:
         torch._C._set_cudnn_benchmark(False)
+
+
+def _graphable(module: nn.Module, x: Tensor) -> bool:
+    """Whether a call may be replayed from a CUDA graph, as far as its signature says: on a
+    GPU, in eval mode (no running statistics to update), recording no gradients, graphs
+    allowed (``FUSED_OPS_CUDA_GRAPHS``)."""
+    return _GRAPHS_ENABLED and x.is_cuda and not module.training and not torch.is_grad_enabled()
+
+
+def _replay(module: nn.Module, signature: tuple, graph_stamp, run, name: str, x: Tensor) -> Tensor | None:
+    """The call replayed from the module's graph of `name` (captured now where it has none
+    for this stamp), or None where it may not be: another stream than the default one (a
+    capture in progress, or streams that could overlap the static input's use), or
+    graph_stamp() None."""
+    if torch.cuda.current_stream(x.device).cuda_stream != 0:
+        return None
+    stamp = graph_stamp()
+    if stamp is None:
+        return None
+    graph = _graphed.graphed_call(module, signature, stamp, lambda n, t: _run_benchmarked(run, n, t), name, x)
+    return None if graph is None else graph(x)
 
 
 def last_formulation() -> str | None:
@@ -181,29 +223,38 @@ def last_formulation() -> str | None:
 
 def kept_choice(key: tuple) -> str | None:
     """The formulation tuned for `key`, or None where none was."""
-    return _CHOICES.get(key)
+    choice = _CHOICES.get(key)
+    return None if choice is None else choice[0]
 
 
-def _run_first(run, formulations) -> tuple[str, Tensor]:
+def kept_graphed(key: tuple) -> bool:
+    """Whether the calls with `key` are replayed from CUDA graphs (the tuner found it faster)."""
+    choice = _CHOICES.get(key)
+    return choice is not None and choice[1]
+
+
+def _run_first(run, formulations, x: Tensor) -> tuple[str, Tensor]:
     for name in formulations:
-        out = run(name)
+        out = run(name, x)
         if out is not None:
             return name, out
     raise AssertionError(f"no formulation of {list(formulations)} holds")  # the last always does
 
 
-def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str:
-    """The fastest of the formulations that hold, timed as the call is made: the forward,
-    and where the result records gradients, the backward to what requires them. The
-    module's buffers (running statistics) are restored after. A formulation that raises
+def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signature: tuple,
+          graph_stamp) -> tuple[str, bool]:
+    """(name, graphed): the fastest of the formulations that hold, timed as the call is made:
+    the forward, and where the result records gradients, the backward to what requires them;
+    then, where the call may be graphed, the fastest replayed from a CUDA graph against itself.
+    The module's buffers (running statistics) are restored after. A formulation that raises
     is passed over; where all do, the first one's error is raised."""
     buffers = [b for b in module.buffers()]
     saved = [b.clone() for b in buffers]
     device = x.device
 
     def step(name):
-        def forward_backward(name):
-            out = run(name)
+        def forward_backward(name, x):
+            out = run(name, x)
             if out is not None and out.requires_grad:
                 inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
                 with torch.autocast(device.type, enabled=False):
@@ -214,34 +265,50 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor) -> str
         # serve the later backward calls (which run outside the module, under the user's setting)
         return lambda: _run_benchmarked(forward_backward, name, x)
 
-    steps, errors = {}, []
+    errors = []
     # the timing calls' saved tensors kept from any saved-tensor hooks around the call (a
     # non-reentrant checkpoint counts them, and its recomputation makes no timing calls)
     try:
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            steps = {}
             for name in formulations:
-                call = step(name)
-                began = time.perf_counter()
                 try:
-                    if call() is None:  # does not hold
+                    if step(name)() is None:  # does not hold
                         continue
                 except Exception as error:  # (a limit of one formulation: the others may hold)
                     errors.append(error)
                     continue
-                _synchronize(device)
-                first_ms = (time.perf_counter() - began) * 1e3
-                calls = max(1, min(MAX_CALLS, int(ROUND_MS / max(first_ms, 1e-3))))
-                steps[name] = (call, calls, [])
-            for _ in range(ROUNDS):
-                for name, (call, calls, times) in steps.items():
-                    times.append(_time_ms(call, calls, device) / calls)
+                steps[name] = step(name)
+            if not steps:  # the input is wrong for all: the rule's error
+                raise errors[0]
+            best = _fastest(steps, device)
+            graphed = _graphable(module, x) and _replay(module, signature, graph_stamp, run, best, x) is not None
+            if graphed:
+                graphed = _fastest({False: steps[best], True: lambda: _replay(module, signature, graph_stamp, run,
+                                                                                   best, x)}, device)
     finally:
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):
                 buffer.copy_(value)
-    if not steps:  # the input is wrong for all: the rule's error
-        raise errors[0]
-    return min(steps, key=lambda name: statistics.median(steps[name][2]))
+    if not graphed:
+        _graphed.drop(module, signature)
+    return best, graphed
+
+
+def _fastest(calls: dict, device: torch.device):
+    """The key of the fastest of `calls` (each timed over ROUNDS rounds, the calls interleaved,
+    after one synchronized call that sets how many calls a round makes): the median round decides."""
+    counts, times = {}, {key: [] for key in calls}
+    for key, call in calls.items():
+        began = time.perf_counter()
+        call()
+        _synchronize(device)
+        first_ms = (time.perf_counter() - began) * 1e3
+        counts[key] = max(1, min(MAX_CALLS, int(ROUND_MS / max(first_ms, 1e-3))))
+    for _ in range(ROUNDS):
+        for key, call in calls.items():
+            times[key].append(_time_ms(call, counts[key], device) / counts[key])
+    return min(calls, key=lambda key: statistics.median(times[key]))
 
 
 def _synchronize(device: torch.device) -> None:

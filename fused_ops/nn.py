@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from . import _autocast, autotune, reference, rewrites
+from . import _autocast, _graphed, autotune, reference, rewrites
 from ._derived import derived
 from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean,
                   parity_max_pool3d_cascade_sum, parity_max_pool3d_mean)
@@ -128,8 +128,7 @@ class _Formulations:
         return _order(x)
 
     def _dispatch(self, x: Tensor):
-        return autotune.choose(self, self._config, lambda: self._formulations(x), lambda name: self._call(name, x),
-                               x)[1]
+        return autotune.choose(self, self._config, self._formulations, self._call, x, self._graph_stamp)[1]
 
     def _formulations(self, x: Tensor) -> tuple[str, ...]:
         order = self._order(x)
@@ -142,12 +141,26 @@ class _Formulations:
             return None  # (hooks registered since the choice was made)
         return self._run(name, x)
 
+    def _graph_stamp(self) -> tuple | None:
+        """What a CUDA graph of the module's call depends on besides the call's signature
+        (``fused_ops._graphed``): its configuration and where its parameters and buffers live;
+        None while its convolution has hooks (Python run on each call)."""
+        if _has_hooks(getattr(self, self._CONV)):
+            return None
+        return self._config(), _graphed.tensor_pointers(self)
+
     def formulation(self, x: Tensor) -> str | None:
         """The formulation tuned for a call with x now (the same mode, gradient recording and
         autocast state), or None where none was tuned (no call yet, the autotuner off, a
         compiled call, a rule or a forced one)."""
         x = self._dispatched_input(x)
         return None if x is None else autotune.kept_choice(autotune.call_key(self, self._config(), x))
+
+    def graphed(self, x: Tensor) -> bool:
+        """Whether calls like this one with x now (the same mode, gradient recording and
+        autocast state) replay the tuned formulation from a CUDA graph (``fused_ops._graphed``)."""
+        x = self._dispatched_input(x)
+        return x is not None and autotune.kept_graphed(autotune.call_key(self, self._config(), x))
 
     def _dispatched_input(self, x: Tensor) -> Tensor | None:
         return x

@@ -150,7 +150,7 @@ def test_autocast_bfloat16(tmp_path, capsys, mode):
     assert result["dtype"] == "float32" and result["autocast"] == "bfloat16" and result["train"] == (mode == "train")
     assert [r["model"] for r in result["rows"]] == ["A", "B", "C", "D"]
     for r in result["rows"]:
-        assert set(r) - {"fused_vs_float64", "original_vs_float64", "dtype_mismatch"} == ROW_KEYS | PEAK_KEYS
+        assert set(r) - {"fused_vs_float64", "original_vs_float64", "tuned_vs_float64", "dtype_mismatch"} == ROW_KEYS | PEAK_KEYS
         assert r["tolerance"] == cli.TOLERANCE[torch.bfloat16]
         assert list(r["errors"])[0] == "output" and (len(r["errors"]) > 1) == (mode == "train")
         assert r["eager_ms"] > 0 and r["tuned_ms"] > 0 and r["fused_ms"] > 0
@@ -272,3 +272,29 @@ def test_python_m_fused_ops(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "C Conv2dAvgPoolSigmoidSum" in result.stdout
     assert "[fused_ops] [C] check: max relative error" in result.stderr
+
+
+class _Offset(torch.nn.Module):
+    """original(x) moved by `offset` times the largest output (a stand-in for a module that rounds)."""
+
+    def __init__(self, original, offset):
+        super().__init__()
+        self.original, self.offset = original, offset
+
+    def forward(self, x):
+        out = self.original(x)
+        return out + self.offset * out.abs().max()
+
+
+@pytest.mark.parametrize("fused_offset,tuned_offset,ok", [(3e-4, 2e-4, True), (5e-4, 2e-4, False),
+                                                          (3e-4, 0.0, False)])
+def test_check_allows_the_tuned_originals_rounding(monkeypatch, fused_offset, tuned_offset, ok):
+    """Beyond the tolerance of the eager original, a fused result passes where it is at most
+    twice as far from float64 as the original tuned by hand is (the same function, other
+    plans), and fails where it is further."""
+    torch.manual_seed(0)
+    original = reference.Conv2dAvgPoolSigmoidSum(3, 4, 3, 2)
+    monkeypatch.setattr(cli, "Tuned", lambda module: _Offset(module, tuned_offset))
+    x = torch.rand(2, 3, 10, 10)
+    checked = cli.check(original, _Offset(original, fused_offset), x, False, None, 1e-4)
+    assert checked["ok"] is ok and "tuned_vs_float64" in checked

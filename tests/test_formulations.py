@@ -152,6 +152,23 @@ def test_derived_weights_follow_the_parameters(device):
     assert id(fused.conv.weight) not in _derived._KEPT
 
 
+@pytest.mark.parametrize("name,args,shape", [CONFIGS[1], CONFIGS[3]], ids=["B", "D"])
+def test_parameters_made_under_inference_mode(name, args, shape, device):
+    """A parameter made under inference_mode (an inference tensor: no version counter) is
+    derived from on each call (nothing kept): the original's results, before and after it
+    changes in place."""
+    original, fused = shared(name, args, device, dtype=torch.float64)
+    conv = fused.conv_transpose
+    x = torch.rand(shape, dtype=torch.float64, device=device)
+    with torch.inference_mode():
+        conv.weight = torch.nn.Parameter(torch.rand_like(conv.weight))  # (shared: the same conv)
+        for formulation in ("rewrite", *autotune.FORMULATIONS):
+            with autotune.force(formulation):
+                torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12)
+                conv.weight.mul_(-0.5)
+                torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12)
+
+
 @requires_cuda
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("autotuned", [True, False], ids=["autotuned", "rule"])
