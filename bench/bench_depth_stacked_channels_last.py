@@ -1,5 +1,6 @@
-"""depth_stacked_channels_last (the input copy of the rewritten convolutions of A and B,
-fused_ops.rewrites) at SPEC's sizes: the op against the same copy in PyTorch (a copy tap
+"""depth_stacked_channels_last (the input copy of the rewritten convolutions of A, B and C,
+fused_ops.rewrites; C's space-to-depth stacks each block's rows of x (N, I, H, Bw, Sw)) at
+SPEC's sizes: the op against the same copy in PyTorch (a copy tap
 by tap into slices, as the differentiable path of fused_ops.rewrites writes it) and
 torch.compile of that, with the bytes moved and the achieved bandwidth.
 
@@ -12,9 +13,10 @@ import torch
 import fused_ops
 from timing import copy_bandwidth_gbs, device_name, median_ms
 
-# (name, x's shape, taps, stride, start, size): A's and B's calls at SPEC's sizes.
+# (name, x's shape, taps, stride, start, size): A's, B's and C's calls at SPEC's sizes.
 CASES = (("A", (128, 8, 16, 64, 64), 4, 2, (0, 0, 0), (7, 64, 64)),
-         ("B", (16, 32, 32, 32, 32), 3, 1, (-1, -1, -1), (30, 32, 32)))
+         ("B", (16, 32, 32, 32, 32), 3, 1, (-1, -1, -1), (30, 32, 32)),
+         ("C", (128, 8, 384, 96, 4), 4, 4, (0, 0, 0), (96, 96, 4)))
 
 
 def eager_stack(x, taps, stride, start, size, dtype):

@@ -43,6 +43,9 @@ def main():
         for out_dtype in (None, torch.bfloat16):  # forward only: it has no backward
             fused_ops.depth_stacked_channels_last(rand(2, 3, 7, 9, 11, dtype=dtype), 4, 2, [-1, -2, 1], [3, 12, 9],
                                                   dtype=out_dtype)
+            # rows (taps x channels) over two passes of a warp's staging, the second partial
+            fused_ops.depth_stacked_channels_last(rand(1, 20, 5, 6, 7, dtype=dtype), 3, 1, [0, -1, 0], [3, 8, 7],
+                                                  dtype=out_dtype)
         print(f"depth_stacked_channels_last {dtype}: ok")
         bn = torch.nn.BatchNorm3d(3).to(DEV)
         run(f"batch_norm_gap {dtype}", lambda x, dtype: fused_ops.batch_norm_gap(

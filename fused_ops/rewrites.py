@@ -377,7 +377,8 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     s2d_kernel, bias = derived(("conv2d_avg_pool", box, stride, divisor, dtype), (weight, bias), lambda: (
         _space_to_depth_kernel(weight, box, stride, divisor, taps, dtype),
         None if bias is None else bias * (box[0] * box[1] / divisor)))  # the box's average of a constant
-    # Pad (or crop) x to the blocks the outputs read, then blocks of S x S as channels, channels last.
+    # Pad (or crop) x to the blocks the outputs read, then blocks of S x S as channels (Sw, Sh, I),
+    # channels last.
     blocks = [out[d] - 1 + taps[d] for d in range(2)]
     pad = (padding[1], blocks[1] * stride[1] - padded[1] + padding[1],
            padding[0], blocks[0] * stride[0] - padded[0] + padding[0])
@@ -387,8 +388,15 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
         x = x[:, :, :x.shape[2] + pad[3], :x.shape[3] + pad[1]]
     # one copy, in the dtype the convolution computes in (autocast's: cast as it is copied)
     n, i = x.shape[:2]
-    s2d = x.new_empty(n, blocks[0], blocks[1], i, stride[0], stride[1], dtype=_autocast.conv_dtype(x))
-    s2d.copy_(x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 2, 4, 1, 3, 5))
+    dtype = _autocast.conv_dtype(x)
+    if ((not x.is_cuda or n * blocks[0] * x.shape[3] <= _STACK_POSITIONS)
+            and not (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling())):
+        # the rows of each block stacked as depth taps of x (N, I, H, Bw, Sw): (N, Bh, Bw, Sw, Sh, I)
+        s2d = depth_stacked_channels_last(x.unflatten(3, (blocks[1], stride[1])), stride[0], stride[0], 0,
+                                          [blocks[0], blocks[1], stride[1]], dtype=dtype)
+    else:  # differentiable, and what a compiler fuses itself
+        s2d = x.new_empty(n, blocks[0], blocks[1], stride[1], stride[0], i, dtype=dtype)
+        s2d.copy_(x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 2, 4, 5, 3, 1))
     s2d = s2d.reshape(n, blocks[0], blocks[1], -1).permute(0, 3, 1, 2)
     return F.conv2d(s2d, s2d_kernel, bias)
 
@@ -397,12 +405,12 @@ def _space_to_depth_kernel(weight: Tensor, box: tuple[int, int], stride: tuple[i
                            taps: list[int], dtype: torch.dtype) -> Tensor:
     """(O, I Sh Sw, Th, Tw) channels last, in `dtype`: the kernel (O, I, kh, kw) convolved with the box
     over the divisor, in float64 (exact sums; a float64 convolution is never TF32), zero-padded
-    to taps x stride and split into the space-to-depth input's channels (Sh, Sw)."""
+    to taps x stride and split into the space-to-depth input's channels (Sw, Sh, I)."""
     o, i, *kernel = weight.shape
     folded = [kernel[d] + box[d] - 1 for d in range(2)]
     ones = torch.ones(1, 1, *box, dtype=torch.float64, device=weight.device)
     kernel_folded = F.conv2d(weight.double().reshape(o * i, 1, *kernel), ones, padding=(box[0] - 1, box[1] - 1)) / divisor
     kernel_folded = F.pad(kernel_folded, (0, taps[1] * stride[1] - folded[1], 0, taps[0] * stride[0] - folded[0]))
-    # (O, I, Th, Sh, Tw, Sw) -> (O, (I, Sh, Sw), Th, Tw)
-    return kernel_folded.reshape(o, i, taps[0], stride[0], taps[1], stride[1]).permute(0, 1, 3, 5, 2, 4).reshape(
+    # (O, I, Th, Sh, Tw, Sw) -> (O, (Sw, Sh, I), Th, Tw)
+    return kernel_folded.reshape(o, i, taps[0], stride[0], taps[1], stride[1]).permute(0, 5, 3, 1, 2, 4).reshape(
         o, i * stride[0] * stride[1], *taps).to(dtype).contiguous(memory_format=torch.channels_last)

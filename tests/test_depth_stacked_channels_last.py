@@ -66,6 +66,8 @@ CONFIGS = [
     # cropping: the window starts inside and ends before the end
     ((1, 3, 9, 8, 10), 2, 2, (1, 2, 3), (3, 4, 5)),
     ((2, 32, 6, 5, 7), 2, 1, (1, 1, 1), (3, 3, 5)),
+    # taps x channels over two staged passes of the CUDA kernel, the second partial (60 = 32 + 28)
+    ((1, 20, 5, 6, 7), 3, 1, (0, -1, 0), (3, 8, 7)),
     # both: cropped in one dimension, padded in another
     ((1, 8, 8, 7, 9), 3, 3, (2, -1, 1), (2, 9, 7)),
     # taps 1, stride 1: a plain cropped channels-last copy

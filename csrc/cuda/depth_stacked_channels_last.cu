@@ -1,15 +1,15 @@
 // CUDA kernel of depth_stacked_channels_last (the math:
-// ../depth_stacked_channels_last.h): a gather, memory-bound. Each thread
-// writes one aligned vector of VEC consecutive outputs of one position
-// (n, m, h, w) (VEC consecutive (a, i); R = taps * I of them per position) and
-// reads its VEC inputs x[n, i, d(m, a), h', w'] where they are (0 outside x,
-// any strides). A block's threads cover positions_per_block consecutive
-// positions, so a warp's stores are one contiguous run of out and its loads
-// touch VEC channel planes at a few neighbouring w: the sectors they fetch
-// serve the neighbouring threads' loads from L1/L2, and x comes from HBM about
-// once. No shared memory, no barriers; a grid-stride loop over position
-// groups. (A version staging a tile of rows in shared memory between two
-// barriers ran at a quarter of copy bandwidth: NOTES.md.)
+// ../depth_stacked_channels_last.h): a transpose, memory-bound. Each warp takes
+// a tile of 32 consecutive output positions (n, m, h, w) and, 32 rows (a, i) at
+// a time, stages them in shared memory: lane l loads row (a, i) of position
+// l, so a warp's load is 32 consecutive w of one input plane (one 128-byte
+// line where x is contiguous along w), 0 outside x, any strides; then the warp
+// writes the tile's outputs, each position's rows contiguous, in aligned
+// vectors of VEC in order (consecutive lanes, consecutive addresses). Only
+// warp barriers; a grid-stride loop over tiles. (A gather, one vector of a
+// position's rows per thread, loaded 8 planes x 4 w per warp load and ran at
+// 59% of copy bandwidth; a block-wide tile between two block barriers at a
+// quarter: NOTES.md.)
 #include <ATen/core/Tensor.h>
 #include <ATen/cuda/detail/IntegerDivider.cuh>
 #include <c10/cuda/CUDAException.h>
@@ -33,53 +33,92 @@ namespace {
 using at::cuda::detail::IntDivider;
 
 constexpr int kThreads = 256;
+constexpr int kWarp = 32;
+constexpr int kWarps = kThreads / kWarp;
+
+// Rows (a, i) a warp stages per pass, in the output's type (staging the
+// loaded values in float and casting as they are written ran the bfloat16
+// copies 15-25% slower): 32 x 33 elements per warp (a padded column: the
+// writes' reads of one position's rows fall in distinct banks), half as many
+// rows for 8-byte types (34 KB per block at most).
+template <typename out_t>
+constexpr int kStagedRows = sizeof(out_t) > 4 ? 16 : 32;
 
 // x's strides, in elements.
 struct XStrides {
   int64_t n, i, d, h, w;
 };
 
-// Run-time divisors: a thread's slot j in the block -> (position, vector) by
-// `vectors` (R / VEC); a position -> (n, m, h, w) by Ws, Hs and M; an index of
+// Run-time divisors: a position -> (n, m, h, w) by Ws, Hs and M; an index of
 // (a, i) -> (a, i) by I.
 struct StackDividers {
-  IntDivider<unsigned> vectors, width, height, depth, channels;
+  IntDivider<unsigned> width, height, depth, channels;
 };
+
+// Writes `count` positions' staged rows [r0, r0 + vectors_per_position * VEC)
+// to out (R per position), in aligned vectors of VEC taken by consecutive
+// lanes.
+template <typename out_t, int VEC, int ROWS>
+__device__ __forceinline__ void write_staged(const out_t (&staged)[ROWS][kWarp + 1], int vectors_per_position,
+                                             int count, int lane, out_t* __restrict__ out, int64_t R, int r0) {
+  for (int v = lane; v < count * vectors_per_position; v += kWarp) {
+    const int p = v / vectors_per_position, row = (v - p * vectors_per_position) * VEC;
+    Vector<out_t, VEC> values;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) values.v[e] = staged[row + e][p];
+    *reinterpret_cast<Vector<out_t, VEC>*>(out + p * R + r0 + row) = values;
+  }
+}
 
 template <typename in_t, typename out_t, int VEC>
 __global__ void __launch_bounds__(kThreads) depth_stack_kernel(const in_t* __restrict__ x, XStrides xs, DepthStack s,
-                                                              StackDividers div, int positions_per_block,
-                                                              int64_t groups, out_t* __restrict__ out) {
+                                                              StackDividers div, int64_t tiles,
+                                                              out_t* __restrict__ out) {
+  constexpr int ROWS = kStagedRows<out_t>;
+  __shared__ out_t stage[kWarps][ROWS][kWarp + 1];
+  auto& staged = stage[threadIdx.x / kWarp];
+  const int lane = static_cast<int>(threadIdx.x % kWarp);
   const int R = static_cast<int>(s.rows()), I = static_cast<int>(s.channels);
   const int64_t positions = s.batch * s.size[0] * s.size[1] * s.size[2];
-  const int slots = positions_per_block * static_cast<int>(div.vectors.divisor);
-  for (int64_t group = blockIdx.x; group < groups; group += gridDim.x) {
-    for (int j = threadIdx.x; j < slots; j += kThreads) {
-      const auto slot = div.vectors.divmod(static_cast<unsigned>(j));  // (position in the group, vector)
-      const int64_t position = group * positions_per_block + slot.div;
-      if (position >= positions) break;  // (later slots lie further on)
-      const auto w = div.width.divmod(static_cast<unsigned>(position));  // positions < 2^31 (host check)
+  for (int64_t tile = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kWarp; tile < tiles;
+       tile += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t first = tile * kWarp;
+    const int count = static_cast<int>(std::min<int64_t>(kWarp, positions - first));
+    // this lane's position: its column of x, its first depth, whether its (h, w) lies inside x
+    const in_t* column = x;
+    int64_t d0 = 0;
+    bool inside = false;
+    if (lane < count) {
+      const auto w = div.width.divmod(static_cast<unsigned>(first + lane));  // positions < 2^31 (host check)
       const auto h = div.height.divmod(w.div);
       const auto m = div.depth.divmod(h.div);
-      const int64_t d0 = s.start[0] + s.stride * static_cast<int64_t>(m.mod);
       const int64_t hh = s.start[1] + h.mod, ww = s.start[2] + w.mod;
-      const bool row_inside = index_inside(hh, s.input[1]) && index_inside(ww, s.input[2]);
-      const in_t* const column = x + static_cast<int64_t>(m.div) * xs.n + hh * xs.h + ww * xs.w;
-      const int first = static_cast<int>(slot.mod) * VEC;  // (a, i) of the vector's first element
-      const auto ai = div.channels.divmod(static_cast<unsigned>(first));
+      d0 = s.start[0] + s.stride * static_cast<int64_t>(m.mod);
+      inside = index_inside(hh, s.input[1]) && index_inside(ww, s.input[2]);
+      column = x + static_cast<int64_t>(m.div) * xs.n + hh * xs.h + ww * xs.w;
+    }
+    out_t* const tile_out = out + first * R;
+    for (int r0 = 0; r0 < R; r0 += ROWS) {
+      const int rows = std::min(ROWS, R - r0);
+      const auto ai = div.channels.divmod(static_cast<unsigned>(r0));
       int a = static_cast<int>(ai.div), i = static_cast<int>(ai.mod);
-      Vector<out_t, VEC> values;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) {
+#pragma unroll 8
+      for (int row = 0; row < rows; ++row) {
         const int64_t d = d0 + a;
-        values.v[e] = row_inside && index_inside(d, s.input[0]) ? c10::convert<out_t>(column[d * xs.d + i * xs.i])
-                                                                 : out_t(0);
+        staged[row][lane] = inside && index_inside(d, s.input[0]) ? c10::convert<out_t>(column[d * xs.d + i * xs.i])
+                                                                  : out_t(0);
         if (++i == I) {
           i = 0;
           ++a;
         }
       }
-      *reinterpret_cast<Vector<out_t, VEC>*>(out + position * R + first) = values;
+      __syncwarp();
+      if (rows == ROWS) {  // (a whole pass: the division by a constant)
+        write_staged<out_t, VEC>(staged, ROWS / VEC, count, lane, tile_out, R, r0);
+      } else {
+        write_staged<out_t, VEC>(staged, rows / VEC, count, lane, tile_out, R, r0);
+      }
+      __syncwarp();
     }
   }
 }
@@ -105,19 +144,15 @@ at::Tensor depth_stacked_channels_last_cuda(const at::Tensor& x, int64_t taps, i
     using in_t = scalar_t;
     FUSED_OPS_DISPATCH_FLOATING_TYPES(out.scalar_type(), "depth_stacked_channels_last_cuda", [&] {
       using out_t = scalar_t;
-      // vectors: whole positions' rows of out (R a multiple of VEC) from an aligned out
+      // vectors of a position's rows (R a multiple of VEC) from an aligned out
       const int vec = aligned_vector_width<out_t>(out.const_data_ptr(), {s.rows()});
-      const int64_t vectors = s.rows() / vec;
-      // a group: as many whole positions as the block's threads cover, at least one
-      const int positions_per_block = static_cast<int>(std::max<int64_t>(kThreads / vectors, 1));
-      const int64_t groups = (positions + positions_per_block - 1) / positions_per_block;
+      const int64_t tiles = (positions + kWarp - 1) / kWarp;
       auto divider = [](int64_t d) { return IntDivider<unsigned>(static_cast<unsigned>(d)); };
-      const StackDividers div{divider(vectors), divider(s.size[2]), divider(s.size[1]), divider(s.size[0]),
-                              divider(s.channels)};
+      const StackDividers div{divider(s.size[2]), divider(s.size[1]), divider(s.size[0]), divider(s.channels)};
       dispatch_vector_width<out_t>(vec, [&](auto VEC) {
         const auto kernel = depth_stack_kernel<in_t, out_t, VEC>;
-        kernel<<<grid_stride_blocks(kernel, kThreads, 0, groups, 1), kThreads, 0, stream>>>(
-            x.const_data_ptr<in_t>(), xs, s, div, positions_per_block, groups, out.mutable_data_ptr<out_t>());
+        kernel<<<grid_stride_blocks(kernel, kThreads, 0, tiles, kWarps), kThreads, 0, stream>>>(
+            x.const_data_ptr<in_t>(), xs, s, div, tiles, out.mutable_data_ptr<out_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
