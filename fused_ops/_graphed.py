@@ -99,7 +99,7 @@ def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable,
     del graph
     try:
         graph = GraphedCall(run, name, x, stamp)
-    except (CaptureRefused, RuntimeError):
+    except RuntimeError:  # (CaptureRefused, or a capture CUDA refused)
         return None
     graphs[signature] = (graph, captures + 1)
     return graph

@@ -46,13 +46,15 @@ from torch import Tensor, nn
 from . import _derived, _graphed
 
 FORMULATIONS = ("rewrite", "fused", "fused_channels_last", "original_channels_last", "original")
+
+
 def _environment_flag(name: str) -> bool:
     return os.environ.get(name, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 _ENABLED = _environment_flag("FUSED_OPS_AUTOTUNE")
 _GRAPHS_ENABLED = _environment_flag("FUSED_OPS_CUDA_GRAPHS")  # (the graphed candidate, fused_ops._graphed)
-_CHOICES: dict[tuple, str] = {}
+_CHOICES: dict[tuple, tuple[str, bool]] = {}  # key -> (formulation, replayed from a CUDA graph)
 _FORCED: list[str] = []
 _LAST = [None]  # the formulation the latest call ran
 _GENERATION = [0]  # advanced by clear() and set_enabled(): the modules' remembered choices lapse
@@ -78,8 +80,9 @@ def is_enabled() -> bool:
 
 def clear() -> None:
     """Forgets every choice made so far, the kernels kept from the parameters
-    (``fused_ops._derived``) and the modules' CUDA graphs (``fused_ops._graphed``): after a CUDA graph's replays changed parameters or buffers
-    (replays do not advance their versions), before calling a module eagerly again."""
+    (``fused_ops._derived``) and the modules' CUDA graphs (``fused_ops._graphed``): after a
+    CUDA graph's replays changed parameters or buffers (replays do not advance their
+    versions), before calling a module eagerly again."""
     _CHOICES.clear()
     _derived.clear()
     _graphed.drop()
@@ -274,13 +277,14 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signat
         with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             steps = {}
             for name in formulations:
+                call = step(name)
                 try:
-                    if step(name)() is None:  # does not hold
+                    if call() is None:  # does not hold
                         continue
                 except Exception as error:  # (a limit of one formulation: the others may hold)
                     errors.append(error)
                     continue
-                steps[name] = step(name)
+                steps[name] = call
             if not steps:  # the input is wrong for all: the rule's error
                 raise errors[0]
             best = _fastest(steps, device)

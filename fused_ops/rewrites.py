@@ -100,6 +100,14 @@ _GATHER_INDICES: dict = {}
 _STACK_POSITIONS = 2**31 - 1
 
 
+def _stacked_in_one_pass(x: Tensor, positions: int) -> bool:
+    """Whether depth_stacked_channels_last writes x's rearranged copy (`positions` output
+    positions): not where x records a gradient (the op has none) or while compiling (the
+    compiler fuses the plain copies itself), nor past its CUDA kernel's positions."""
+    return ((not x.is_cuda or positions <= _STACK_POSITIONS)
+            and not (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling()))
+
+
 def _gather_index(axes: tuple[_Axis, _Axis, _Axis], kernel: tuple[int, int, int], device) -> Tensor:
     """(Q, K'd, K'h, K'w) indices into an original kernel flattened to k_d k_h k_w taps plus a
     zero last, on `device`: built once per configuration and device (a host-to-device copy
@@ -159,8 +167,7 @@ def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positio
     spans = [axis.input_span(count) for axis, count in zip(axes, positions)]
     depth, stride, taps = positions[0], axes[0].stride, axes[0].kernel
     height, width = [last - first + 1 for first, last in spans[1:]]
-    one_pass_fits = not x.is_cuda or n * depth * height * width <= _STACK_POSITIONS
-    if one_pass_fits and not (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling()):
+    if _stacked_in_one_pass(x, n * depth * height * width):
         stacked = depth_stacked_channels_last(x, taps, stride, [first for first, _ in spans], [depth, height, width],
                                               dtype=dtype)
     else:  # differentiable, and what a compiler fuses itself: a view or a padded copy, then a
@@ -389,8 +396,7 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     # one copy, in the dtype the convolution computes in (autocast's: cast as it is copied)
     n, i = x.shape[:2]
     dtype = _autocast.conv_dtype(x)
-    if ((not x.is_cuda or n * blocks[0] * x.shape[3] <= _STACK_POSITIONS)
-            and not (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling())):
+    if _stacked_in_one_pass(x, n * blocks[0] * x.shape[3]):
         # the rows of each block stacked as depth taps of x (N, I, H, Bw, Sw): (N, Bh, Bw, Sw, Sh, I)
         s2d = depth_stacked_channels_last(x.unflatten(3, (blocks[1], stride[1])), stride[0], stride[0], 0,
                                           [blocks[0], blocks[1], stride[1]], dtype=dtype)
@@ -403,7 +409,7 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
 
 def _space_to_depth_kernel(weight: Tensor, box: tuple[int, int], stride: tuple[int, int], divisor: float,
                            taps: list[int], dtype: torch.dtype) -> Tensor:
-    """(O, I Sh Sw, Th, Tw) channels last, in `dtype`: the kernel (O, I, kh, kw) convolved with the box
+    """(O, Sw Sh I, Th, Tw) channels last, in `dtype`: the kernel (O, I, kh, kw) convolved with the box
     over the divisor, in float64 (exact sums; a float64 convolution is never TF32), zero-padded
     to taps x stride and split into the space-to-depth input's channels (Sw, Sh, I)."""
     o, i, *kernel = weight.shape
