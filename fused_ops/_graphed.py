@@ -4,21 +4,29 @@ tens of microseconds of Python and dispatch per op).
 
 A `GraphedCall` captures one formulation's call for one input signature (shape, strides,
 dtype, device) and replays it on inputs copied into its static input, the result cloned out
-of the graph's memory (no later call overwrites what a call returned). It is only taken for
-calls that record no gradients, in eval mode, on the default stream, on a module without
-forward hooks on its convolution (``fused_ops.autotune``), and it stays valid while the
-module's configuration and the memory of its parameters and buffers stay: the graph reads
-them in place, so in-place updates (an optimizer step, load_state_dict) are seen, and
-anything derived from them is re-derived on each replay (``fused_ops._derived`` keeps
-nothing while capturing). A replaced parameter, buffer or setting makes the next call
-capture again; a module whose graph has to be captured again and again stops being graphed.
+of the graph's memory (no later call overwrites what a call returned): for calls that record
+no gradients, in eval mode. A `GraphedStep` captures a call that records gradients and its
+backward, as ``torch.cuda.make_graphed_callables`` does, and replays them through one autograd
+node; the gradients are cloned out too. Its graph holds one call's saved activations, so a call
+made while an earlier one's backward is still to come (its autograd graph alive, not yet
+freed by a backward) runs without the graph. Either is taken only on the default stream, on a
+module without forward hooks on its convolution (``fused_ops.autotune``), and stays valid while
+the module's configuration and the memory of its parameters and buffers stay: the graph reads
+them in place, so in-place updates (an optimizer step, load_state_dict) are seen, and anything
+derived from them is re-derived on each replay (``fused_ops._derived`` keeps nothing while
+capturing; autocast's cast cache is off during a capture). A replaced parameter, buffer or
+setting makes the next call capture again; a module whose graph has to be captured again and
+again stops being graphed.
 """
+import contextlib
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 # A graph whose capture holds more of the device's memory than this is dropped (its call is
 # then not graphed): graphs are for small, host-bound calls (at a batch of one the SPEC
@@ -30,50 +38,181 @@ MAX_CAPTURES = 4
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _GRAPHS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
 
+Run = Callable[[str, Tensor], Tensor | None]
+
 
 class CaptureRefused(RuntimeError):
     """The call cannot be replayed from a graph (too much memory held, captured too often)."""
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+@contextlib.contextmanager
+def _on_side_stream(device: torch.device):
+    """The block's work on a side stream (a capture may not run on the default one), ordered
+    after the work queued before it and before the work queued after it; autocast, where it
+    is on, without its cast cache (a cast kept from before a capture would be read, not
+    recomputed, by every replay)."""
     stream = _SIDE_STREAMS.get(device)
     if stream is None:
         stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return stream
+    stream.wait_stream(torch.cuda.current_stream(device))
+    autocast = torch.is_autocast_enabled(device.type)
+    with torch.cuda.stream(stream), torch.autocast(device.type, dtype=torch.get_autocast_dtype(device.type),
+                                                   enabled=autocast, cache_enabled=False):
+        yield
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def _capture(call: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """(graph, what call() returned) of call() captured on the current stream (a side stream)."""
+    graph = torch.cuda.CUDAGraph()
+    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+    try:
+        try:
+            result = call()
+        finally:
+            graph.capture_end()
+    except BaseException:
+        # A capture that CUDA invalidated ends without PyTorch's CUDA generator leaving its
+        # capture state (every later random op would raise): an empty capture's begin and end
+        # restore it (its eager seed and offset are untouched by either).
+        empty = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # ("the CUDA graph is empty")
+            empty.capture_begin()
+            empty.capture_end()
+        raise
+    return graph, result
+
+
+def _static_input(x: Tensor) -> Tensor:
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
+
+
+def _check_held(device: torch.device, reserved: int) -> None:
+    if torch.cuda.memory_reserved(device) - reserved > MEMORY_LIMIT:
+        raise CaptureRefused("the graph holds more than fused_ops._graphed.MEMORY_LIMIT bytes")
 
 
 class GraphedCall:
     """run(name, x) captured for x's signature; calling it replays the graph on a new input."""
 
-    def __init__(self, run: Callable[[str, Tensor], Tensor | None], name: str, x: Tensor, stamp: Hashable):
-        device = x.device
+    def __init__(self, module: nn.Module, run: Run, name: str, x: Tensor, stamp: Hashable):
         self.stamp = stamp
         self._lock = threading.Lock()
-        self._x = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
-        self._x.copy_(x)
-        side = _side_stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(side):
+        self._x = _static_input(x)
+        with _on_side_stream(x.device):
             run(name, self._x)  # (warm-up on the capture's stream: its library handles and workspaces)
-            reserved = torch.cuda.memory_reserved(device)
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                out = run(name, self._x)
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(side)
-        if out is None:
+            reserved = torch.cuda.memory_reserved(x.device)
+            self._graph, self._out = _capture(lambda: run(name, self._x))
+        if self._out is None:
             raise CaptureRefused(f"formulation {name} does not hold for the captured call")
-        if torch.cuda.memory_reserved(device) - reserved > MEMORY_LIMIT:
-            raise CaptureRefused("the graph holds more than fused_ops._graphed.MEMORY_LIMIT bytes")
-        self._graph, self._out = graph, out
+        _check_held(x.device, reserved)
 
     def __call__(self, x: Tensor) -> Tensor:
         with self._lock:  # (one static input and output: calls from several threads take turns)
             self._x.copy_(x)
             self._graph.replay()
             return self._out.clone()
+
+
+class GraphedStep:
+    """run(name, x) and its backward (to x where it requires gradients and to the parameters
+    that do) captured for x's signature; calling it replays the forward graph through one
+    autograd node whose backward replays the backward graph, or returns None while the last
+    replay's backward is still to come (the graph's activations are that call's)."""
+
+    def __init__(self, module: nn.Module, run: Run, name: str, x: Tensor, stamp: Hashable):
+        self.stamp = stamp
+        self._lock = threading.Lock()
+        self._params = [p for p in module.parameters() if p.requires_grad]
+        self._token = torch.empty(0, device=x.device)  # (saved by each replay: freed with its autograd graph)
+        self._last: weakref.ref | None = None  # the latest replay's autograd node
+        buffers = list(module.buffers())
+        saved = [b.clone() for b in buffers]
+        try:
+            with _on_side_stream(x.device), _parameters_aliased(module) as aliases:
+                # (new leaves made here: the gradients' consumers on the capture's stream; a parameter's
+                # own accumulator may be tied to the default stream, which a capture may not wait on)
+                self._x = _static_input(x).requires_grad_(x.requires_grad)
+                inputs = ([self._x] if x.requires_grad else []) + [a for a in aliases if a.requires_grad]
+
+                def backward(out, grad_out):  # (outside autocast, as AMP runs it)
+                    # the saved activations kept (not freed into the graph's memory for the backward's own
+                    # intermediates): a backward that keeps its graph may replay the backward again
+                    with torch.autocast(x.device.type, enabled=False):
+                        return torch.autograd.grad(out, inputs, grad_out, allow_unused=True, retain_graph=True)
+
+                out = run(name, self._x)  # (warm-up, forward and backward, on the capture's stream)
+                if out is None or not out.requires_grad:
+                    raise CaptureRefused(f"formulation {name} does not record gradients for the captured call")
+                backward(out, torch.ones_like(out))
+                reserved = torch.cuda.memory_reserved(x.device)
+                self._forward, out = _capture(lambda: run(name, self._x))
+                self._grad_out = torch.empty_like(out)
+                self._backward, self._grads = _capture(lambda: backward(out, self._grad_out), self._forward.pool())
+        finally:
+            with torch.no_grad():  # (the warm-up's update of running statistics undone)
+                for buffer, value in zip(buffers, saved):
+                    buffer.copy_(value)
+        self._out = out.detach()
+        _check_held(x.device, reserved)
+
+    def __call__(self, x: Tensor) -> Tensor | None:
+        with self._lock:
+            last = None if self._last is None else self._last()
+            if last is not None and _holds_saved(last):
+                return None
+            return _ReplayedStep.apply(self, x, *self._params)
+
+
+@contextlib.contextmanager
+def _parameters_aliased(module: nn.Module):
+    """Within the block each parameter of `module` is replaced by a new leaf sharing its memory
+    and its requires_grad; yields them in the order of module.parameters()."""
+    owners = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if p is not None]
+    aliases = {id(p): p.detach().requires_grad_(p.requires_grad) for _, _, p in owners}
+    ordered = [aliases[id(p)] for p in module.parameters()]
+    try:
+        for m, name, p in owners:
+            m._parameters[name] = aliases[id(p)]
+        yield ordered
+    finally:
+        for m, name, p in owners:
+            m._parameters[name] = p
+
+
+def _holds_saved(node) -> bool:
+    """Whether an autograd node still holds what it saved (its backward may still run)."""
+    try:
+        node.saved_tensors
+    except RuntimeError:  # (freed by a backward)
+        return False
+    return True
+
+
+class _ReplayedStep(torch.autograd.Function):
+    """A GraphedStep's replay as an autograd node: the forward graph on x copied in, the backward
+    graph on the incoming gradient copied in; results cloned out of the graph's memory."""
+
+    @staticmethod
+    def forward(ctx, step: GraphedStep, x: Tensor, *params: Tensor) -> Tensor:
+        ctx.step = step
+        ctx.save_for_backward(step._token)
+        step._last = weakref.ref(ctx)
+        step._x.copy_(x)
+        step._forward.replay()
+        return step._out.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor):
+        step = ctx.step
+        with step._lock:
+            step._grad_out.copy_(grad)
+            step._backward.replay()
+            grads = [None if g is None else g.clone() for g in step._grads]
+        grad_x = grads.pop(0) if step._x.requires_grad else None
+        return None, grad_x, *grads
 
 
 def tensor_pointers(module: nn.Module) -> tuple[int, ...]:
@@ -83,12 +222,13 @@ def tensor_pointers(module: nn.Module) -> tuple[int, ...]:
                   if t is not None])
 
 
-def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable,
-                 run: Callable[[str, Tensor], Tensor | None], name: str, x: Tensor) -> GraphedCall | None:
-    """The module's graph of formulation `name` for calls with `signature`, captured now
-    where there is none or where it was captured under another stamp (configuration and
-    tensor memory); None where the call is not to be graphed (its capture was refused or
-    failed: the call runs without a graph, and raises there if its input is wrong)."""
+def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: Run, name: str,
+                 x: Tensor) -> GraphedCall | GraphedStep | None:
+    """The module's graph of formulation `name` for calls with `signature` (a GraphedStep where
+    the call records gradients, else a GraphedCall), captured now where there is none or where
+    it was captured under another stamp (configuration and tensor memory); None where the call
+    is not to be graphed (its capture was refused or failed: the call runs without a graph, and
+    raises there if its input is wrong)."""
     graphs = _GRAPHS.setdefault(module, {})
     graph, captures = graphs.get(signature, (None, 0))
     if graph is not None and graph.stamp == stamp:
@@ -97,8 +237,8 @@ def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable,
         return None
     graphs[signature] = (None, MAX_CAPTURES)  # (the old graph's memory released before the new capture)
     del graph
-    try:
-        graph = GraphedCall(run, name, x, stamp)
+    try:  # (a call the tuner may graph in grad mode records gradients: fused_ops.autotune._graph_kind)
+        graph = (GraphedStep if torch.is_grad_enabled() else GraphedCall)(module, run, name, x, stamp)
     except RuntimeError:  # (CaptureRefused, or a capture CUDA refused)
         return None
     graphs[signature] = (graph, captures + 1)

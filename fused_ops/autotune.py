@@ -19,10 +19,12 @@ that key run it. On a GPU the rearranged and channels-last convolutions run with
 cudnn.benchmark on, as the original tuned by hand would (where a rewrite is kept it beat the
 original run channels last with cudnn.benchmark too); the original's own convolutions run
 under the user's setting, as the original's calls do. Where a call may be replayed from a
-CUDA graph (on a GPU, in eval mode, recording no gradients, on the default stream:
-``fused_ops._graphed``), the fastest formulation is also timed replayed from a graph of its
-call, and kept so where that is faster (a batch of one: the host's time per op is most of a
-call); ``FUSED_OPS_CUDA_GRAPHS=0`` leaves that candidate out.
+CUDA graph (on a GPU, on the default stream, either recording gradients or in eval mode
+recording none: ``fused_ops._graphed``), the fastest formulation is also timed replayed from
+a graph of its call (and of its backward), and kept so where that is faster (a batch of
+one: the host's time per op is most of a call); ``FUSED_OPS_CUDA_GRAPHS=0`` leaves that
+candidate out. Candidates within PREFERRED_MARGIN of the fastest count as ties, which the
+original's own ops (and, between a graph and none, no graph) win.
 
 Nothing is timed, and each module takes its rule (the first formulation of its list that
 holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
@@ -35,6 +37,7 @@ the original, so the choice changes the speed, not what is computed (its roundin
 as the original's do between cuDNN algorithms).
 """
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -200,24 +203,48 @@ def _run_benchmarked(run, name: str, x: Tensor) -> Tensor | None:
         torch._C._set_cudnn_benchmark(False)
 
 
-def _graphable(module: nn.Module, x: Tensor) -> bool:
-    """Whether a call may be replayed from a CUDA graph, as far as its signature says: on a
-    GPU, in eval mode (no running statistics to update), recording no gradients, graphs
-    allowed (``FUSED_OPS_CUDA_GRAPHS``)."""
-    return _GRAPHS_ENABLED and x.is_cuda and not module.training and not torch.is_grad_enabled()
+def _graph_kind(module: nn.Module, x: Tensor) -> tuple | None:
+    """Whether a call may be replayed from a CUDA graph, as far as its signature says: None
+    where it may not; else () for an eval call recording no gradients (no running statistics
+    to update), or, for a call recording gradients, which parameters require them (the graph
+    computes their gradients). On a GPU, with graphs allowed (``FUSED_OPS_CUDA_GRAPHS``)."""
+    if not _GRAPHS_ENABLED or not x.is_cuda:
+        return None
+    if not torch.is_grad_enabled():
+        return None if module.training else ()
+    requires_grad = tuple([p.requires_grad for p in module.parameters()])
+    return requires_grad if x.requires_grad or any(requires_grad) else None
+
+
+def _keep_saved(t: Tensor) -> Tensor:
+    return t
+
+
+def _saved_tensors_hooked() -> bool:
+    """Whether saved-tensor hooks of the caller's (a non-reentrant checkpoint, offloading) are
+    active: they must see the call's own saved tensors (a checkpoint recomputes the call and
+    matches what it saves), not a replay's."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and hooks[0] is not _keep_saved
 
 
 def _replay(module: nn.Module, signature: tuple, graph_stamp, run, name: str, x: Tensor) -> Tensor | None:
     """The call replayed from the module's graph of `name` (captured now where it has none
-    for this stamp), or None where it may not be: another stream than the default one (a
-    capture in progress, or streams that could overlap the static input's use), or
-    graph_stamp() None."""
-    if torch.cuda.current_stream(x.device).cuda_stream != 0:
+    for this stamp), or None where it may not be: a call that may not be graphed (_graph_kind:
+    the module's mode or the parameters' requires_grad may have changed since the choice),
+    another stream than the default one (a capture in progress, or streams that could overlap
+    the static input's use), graph_stamp() None, a call recording gradients under the caller's
+    saved-tensor hooks or while the graph's last replay awaits its backward."""
+    kind = _graph_kind(module, x)
+    if kind is None or torch._C._cuda_getCurrentRawStream(x.device.index) != 0:
+        return None
+    if signature[5] and _saved_tensors_hooked():  # (grad mode)
         return None
     stamp = graph_stamp()
     if stamp is None:
         return None
-    graph = _graphed.graphed_call(module, signature, stamp, lambda n, t: _run_benchmarked(run, n, t), name, x)
+    graph = _graphed.graphed_call(module, signature, (stamp, kind), lambda n, t: _run_benchmarked(run, n, t), name,
+                                  x)
     return None if graph is None else graph(x)
 
 
@@ -256,28 +283,30 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signat
     buffers = [b for b in module.buffers()]
     saved = [b.clone() for b in buffers]
     device = x.device
+    graphable = _graph_kind(module, x) is not None and not _saved_tensors_hooked()
 
-    def step(name):
-        def forward_backward(name, x):
-            out = run(name, x)
+    def forward_backward(call):
+        def step(name, x):
+            out = call(name, x)
             if out is not None and out.requires_grad:
                 inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
                 with torch.autocast(device.type, enabled=False):
                     torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
             return out
+        return step
 
-        # the backward's convolutions searched too (not OWN_CONVOLUTION): their plans, kept by PyTorch,
-        # serve the later backward calls (which run outside the module, under the user's setting)
-        return lambda: _run_benchmarked(forward_backward, name, x)
-
+    # the backward's convolutions searched too (not OWN_CONVOLUTION): their plans, kept by PyTorch,
+    # serve the later backward calls (which run outside the module, under the user's setting)
+    unreplayed = forward_backward(run)
+    replayed = forward_backward(lambda name, x: _replay(module, signature, graph_stamp, run, name, x))
     errors = []
     # the timing calls' saved tensors kept from any saved-tensor hooks around the call (a
     # non-reentrant checkpoint counts them, and its recomputation makes no timing calls)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(_keep_saved, _keep_saved):
             steps = {}
             for name in formulations:
-                call = step(name)
+                call = functools.partial(_run_benchmarked, unreplayed, name, x)
                 try:
                     if call() is None:  # does not hold
                         continue
@@ -287,11 +316,17 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signat
                 steps[name] = call
             if not steps:  # the input is wrong for all: the rule's error
                 raise errors[0]
-            best = _fastest(steps, device)
-            graphed = _graphable(module, x) and _replay(module, signature, graph_stamp, run, best, x) is not None
+            # where a graph may replay the call, the formulations compared by their time on the device
+            # (what a replay takes; the host's time per op varies by tens of percent from moment to moment),
+            # then the fastest replayed against itself unreplayed; where the graph loses, by the time a call
+            # takes unreplayed
+            best = _fastest(steps, device, preferred="original", device_time=graphable)
+            graphed = graphable and replayed(best, x) is not None
             if graphed:
-                graphed = _fastest({False: steps[best], True: lambda: _replay(module, signature, graph_stamp, run,
-                                                                                   best, x)}, device)
+                graphed = _fastest({False: steps[best], True: functools.partial(replayed, best, x)}, device,
+                                   preferred=True)
+            if graphable and not graphed:
+                best = _fastest(steps, device, preferred="original")
     finally:
         with torch.no_grad():
             for buffer, value in zip(buffers, saved):
@@ -301,20 +336,37 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signat
     return best, graphed
 
 
-def _fastest(calls: dict, device: torch.device):
+# A candidate preferred by _fastest (the original's own ops; a graph) is taken where it is
+# within this fraction of the fastest: closer than that, rounds of a few milliseconds do not
+# tell the two apart, and the original's ops lose nothing against the original, a graph
+# nothing to the host's moments.
+PREFERRED_MARGIN = 0.03
+
+
+def _fastest(calls: dict, device: torch.device, preferred: Hashable = None, device_time: bool = False):
     """The key of the fastest of `calls` (each timed over ROUNDS rounds, the calls interleaved,
-    after one synchronized call that sets how many calls a round makes): the median round decides."""
-    counts, times = {}, {key: [] for key in calls}
+    after one synchronized call that sets how many calls a round makes): the median round
+    decides; `preferred` wins where it is within PREFERRED_MARGIN of the fastest. With
+    device_time (on a GPU), each round's calls are queued behind a wait on the device long
+    enough for the host to queue them all: their time on the device, not the host's."""
+    counts, times, host_ms = {}, {key: [] for key in calls}, {}
     for key, call in calls.items():
         began = time.perf_counter()
         call()
+        host_ms[key] = (time.perf_counter() - began) * 1e3
         _synchronize(device)
         first_ms = (time.perf_counter() - began) * 1e3
         counts[key] = max(1, min(MAX_CALLS, int(ROUND_MS / max(first_ms, 1e-3))))
+    device_time = device_time and device.type == "cuda"
     for _ in range(ROUNDS):
         for key, call in calls.items():
-            times[key].append(_time_ms(call, counts[key], device) / counts[key])
-    return min(calls, key=lambda key: statistics.median(times[key]))
+            wait_ms = 2 * counts[key] * host_ms[key] + 0.05 if device_time else 0.0
+            times[key].append(_time_ms(call, counts[key], device, wait_ms) / counts[key])
+    medians = {key: statistics.median(rounds) for key, rounds in times.items()}
+    best = min(medians, key=medians.get)
+    if preferred in medians and medians[preferred] <= medians[best] * (1 + PREFERRED_MARGIN):
+        return preferred
+    return best
 
 
 def _synchronize(device: torch.device) -> None:
@@ -322,11 +374,14 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_ms(call, calls: int, device: torch.device) -> float:
+def _time_ms(call, calls: int, device: torch.device, wait_ms: float = 0.0) -> float:
     """Milliseconds of `calls` calls queued back to back: CUDA events on a GPU (the host's
-    time shows where it falls behind), the wall clock on a CPU."""
+    time shows where it falls behind, unless the device first waits wait_ms for it to queue
+    the calls), the wall clock on a CPU."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if wait_ms > 0:
+            torch.cuda._sleep(int(wait_ms * _sleep_cycles_per_ms(device)))
         start.record()
         for _ in range(calls):
             call()
@@ -337,3 +392,18 @@ def _time_ms(call, calls: int, device: torch.device) -> float:
     for _ in range(calls):
         call()
     return (time.perf_counter() - began) * 1e3
+
+
+_SLEEP_CYCLES_PER_MS: dict[torch.device, float] = {}
+
+
+def _sleep_cycles_per_ms(device: torch.device) -> float:
+    """How many cycles of torch.cuda._sleep the device spins per millisecond (measured once)."""
+    if device not in _SLEEP_CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10 ** 6)
+        end.record()
+        end.synchronize()
+        _SLEEP_CYCLES_PER_MS[device] = 10 ** 6 / max(start.elapsed_time(end), 1e-3)
+    return _SLEEP_CYCLES_PER_MS[device]

@@ -255,8 +255,7 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         name = type(self).__name__
         _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
         _check_pool_returns_values(name, self.max_pool)
-        pooled = self._dispatch(self._dispatched_input(x))  # (B, C, 1, 1, 1)
-        out = torch.sum((pooled if x.dim() == 5 else pooled[0]) + self.bias, dim=self.sum_dim)
+        out = self._dispatch(x)
         if _autocast.cast_dtype(x) is None:  # (every formulation gives the original's dtype)
             return out
         # the original's dtype under autocast: its global average's (the pools'), plus the bias, summed
@@ -265,13 +264,17 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         return out.to(_autocast.tail_dtype(torch.promote_types(average_dtype, self.bias.dtype), x.device.type,
                                            ("aten::sum.dim_IntList",)))
 
-    def _dispatched_input(self, x: Tensor) -> Tensor:
-        return x if x.dim() == 5 else x.unsqueeze(0)
-
     def _config(self) -> tuple:
-        return _conv_config(self.conv), _pool_config(self.max_pool), self.divisor
+        return _conv_config(self.conv), _pool_config(self.max_pool), self.divisor, self.sum_dim
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
+        """The module's output (its bias and sum in the call: a CUDA graph of it holds them)."""
+        pooled = self._pooled(name, x if x.dim() == 5 else x.unsqueeze(0))  # (B, C, 1, 1, 1)
+        if pooled is None:
+            return None
+        return torch.sum((pooled if x.dim() == 5 else pooled[0]) + self.bias, dim=self.sum_dim)
+
+    def _pooled(self, name: str, x: Tensor) -> Tensor | None:
         """The (B, C, 1, 1, 1) average of the pooled maxima of conv(x) / divisor."""
         pool = self.max_pool
         if not name.startswith("original") and self.global_avg_pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
@@ -405,6 +408,12 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         return order
 
     _TAIL_OPS = ("aten::batch_norm", "aten::adaptive_avg_pool3d")
+
+    def _graph_stamp(self) -> tuple | None:
+        # (with momentum None nn.BatchNorm3d reads its count on the host each training call)
+        if self.batch_norm.training and self.batch_norm.momentum is None:
+            return None
+        return super()._graph_stamp()
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         bn = self.batch_norm

@@ -1,17 +1,19 @@
-"""The autotuner's CUDA-graph candidate (fused_ops._graphed): an eval call without gradients
-replayed from a graph of its kept formulation gives the original's results, follows the
-parameters (updated in place or replaced), the settings and the hooks, never hands out memory
-a later call overwrites, and is not taken where it must not be."""
+"""The autotuner's CUDA-graph candidate (fused_ops._graphed): an eval call without gradients,
+or a training step (forward and backward), replayed from a graph of its kept formulation gives
+the original's results, follows the parameters (updated in place or replaced), the settings,
+the hooks and autocast, never hands out memory a later call overwrites, and is not taken where
+it must not be (a second forward before the first one's backward, saved-tensor hooks)."""
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from conftest import requires_cuda
 from fused_ops import _graphed, autotune
-from test_formulations import CONFIGS, IDS, shared
+from test_formulations import CONFIGS, IDS, pair, shared
 
 _fastest = autotune._fastest
 
@@ -19,8 +21,8 @@ _fastest = autotune._fastest
 @pytest.fixture
 def graphs_win(monkeypatch):
     """The tuner takes the graphed candidate wherever it may (its timing otherwise decides)."""
-    def fastest(calls, device):
-        return True if set(calls) == {False, True} else _fastest(calls, device)
+    def fastest(calls, device, **kwargs):
+        return True if set(calls) == {False, True} else _fastest(calls, device, **kwargs)
     monkeypatch.setattr(autotune, "_fastest", fastest)
     autotune.clear()
     autotune.set_enabled(True)
@@ -63,7 +65,7 @@ def test_replays_follow_inputs_and_parameters(name, args, shape, mode, graphs_wi
             setattr(fused, setting, 3.0)
             torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12)
             # (captured again for the new setting)
-            assert [g.stamp[0] for g, _ in _graphed._GRAPHS[fused].values()] == [fused._config()]
+            assert [g.stamp[0][0] for g, _ in _graphed._GRAPHS[fused].values()] == [fused._config()]
 
 
 @requires_cuda
@@ -102,6 +104,152 @@ def test_no_graph_where_it_must_not(name, args, shape, graphs_win, monkeypatch):
     torch.testing.assert_close(out, original(x), rtol=1e-9, atol=1e-12)
 
 
+def training_step(module, x, grad):
+    """Output and the gradients of x (where it requires them) and of every parameter."""
+    out = module(x)
+    inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
+    return [out, *torch.autograd.grad(out, inputs, grad)]
+
+
+def sgd(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.sub_(0.1 * torch.rand_like(p))
+
+
+@pytest.fixture
+def count_step_replays(monkeypatch):
+    """The replays of training-step graphs, counted as made."""
+    replays = []
+    replay = _graphed.GraphedStep.__call__
+
+    def counted(graph, x):
+        out = replay(graph, x)
+        replays.append(out is not None)
+        return out
+    monkeypatch.setattr(_graphed.GraphedStep, "__call__", counted)
+    return replays
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x_grad", "params_only"])
+def test_training_steps_replayed(name, args, shape, x_grad, graphs_win, count_step_replays):
+    """float64 training steps, parameters updated in place between them: each step's output,
+    gradients and running statistics are the original's; results handed out stay."""
+    original, fused = pair(name, args, "cuda")
+    results = []
+    for _ in range(3):
+        x = torch.rand(shape, dtype=torch.float64, device="cuda", requires_grad=x_grad)
+        grad = torch.rand_like(original(x.detach()))
+        original.load_state_dict(fused.state_dict())  # (the running statistics as the fused module's)
+        expected = training_step(original, x, grad)
+        actual = training_step(fused, x, grad)
+        assert graphed(fused, x)
+        for a, e in zip(actual + list(fused.buffers()), expected + list(original.buffers()), strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+        results.append(([a.clone() for a in actual], actual))
+        sgd(original), fused.load_state_dict(original.state_dict())
+    assert len(count_step_replays) >= 3 and all(count_step_replays)
+    for kept, handed_out in results:
+        for k, h in zip(kept, handed_out):
+            assert torch.equal(k, h)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS[:3], ids=IDS[:3])
+def test_second_forward_before_backward(name, args, shape, graphs_win, count_step_replays):
+    """Two forwards before their backwards (in either order), and a backward that keeps its
+    graph followed by another forward: the later forward runs without the graph (whose
+    activations are the earlier call's), every gradient the original's."""
+    original, fused = pair(name, args, "cuda")
+    x = [torch.rand(shape, dtype=torch.float64, device="cuda") for _ in range(3)]
+    grad = torch.rand_like(original(x[0]))
+    training_step(fused, x[0], grad)  # (tuned, captured)
+    count_step_replays.clear()
+    params = list(fused.parameters())
+    first, second = fused(x[1]), fused(x[2])
+    assert count_step_replays == [True, False]
+    second_grads, first_grads = torch.autograd.grad(second, params, grad), torch.autograd.grad(first, params, grad)
+    for actual, x_ in ((first_grads, x[1]), (second_grads, x[2])):
+        expected = torch.autograd.grad(original(x_), list(original.parameters()), grad)
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+    count_step_replays.clear()
+    out = fused(x[1])
+    kept = torch.autograd.grad(out, params, grad, retain_graph=True)
+    fused(x[2])
+    again = torch.autograd.grad(out, params, grad)
+    assert count_step_replays == [True, False]
+    for a, e in zip(again, kept, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_checkpointed_steps_not_replayed(name, args, shape, graphs_win, count_step_replays):
+    """A non-reentrant checkpoint (saved-tensor hooks that match the recomputation's saved
+    tensors with the call's): no replay, the original's gradients."""
+    original, fused = pair(name, args, "cuda")
+    x = torch.rand(shape, dtype=torch.float64, device="cuda", requires_grad=True)
+    grad = torch.rand_like(original(x.detach()))
+    training_step(fused, x, grad)
+    count_step_replays.clear()
+    original.load_state_dict(fused.state_dict())
+    grads = []
+    for module in (original, fused):
+        x_ = x.detach().clone().requires_grad_()
+        out = torch.utils.checkpoint.checkpoint(module, x_, use_reentrant=False)
+        out.backward(grad)
+        grads.append([x_.grad, *[p.grad for p in module.parameters()]])
+    assert not any(count_step_replays)
+    for e, a in zip(*grads, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_replays_under_autocast_follow_parameters(name, args, shape, train, graphs_win):
+    """bfloat16 autocast, the parameters updated in place between calls: each replay is the
+    kept formulation's own call (autocast's cast cache, on in the caller's region, must not
+    leave a cast weight of an earlier call in the graph)."""
+    _, fused = pair(name, args, "cuda", dtype=torch.float32, train=train)
+    for _ in range(3):
+        x = torch.rand(shape, device="cuda", requires_grad=train)
+        with torch.autocast("cuda", dtype=torch.bfloat16), torch.set_grad_enabled(train):
+            out = fused(x)
+            assert graphed(fused, x)
+            with autotune.force(fused.formulation(x)):
+                expected = fused(x)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        if train:
+            inputs = [x, *fused.parameters()]
+            grad = torch.rand_like(out)
+            for a, e in zip(torch.autograd.grad(out, inputs, grad), torch.autograd.grad(expected, inputs, grad)):
+                torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)  # (atomic sums in either order)
+        with torch.no_grad():
+            for p in fused.parameters():
+                p.mul_(-0.5)
+
+
+@requires_cuda
+def test_batch_norm_momentum_none_not_replayed(graphs_win, count_step_replays):
+    """With momentum None nn.BatchNorm3d's training call reads its count on the host: no graph."""
+    name, args, shape = CONFIGS[3]
+    original, fused = pair(name, args, "cuda")
+    original.batch_norm.momentum = fused.batch_norm.momentum = None
+    for _ in range(2):
+        x = torch.rand(shape, dtype=torch.float64, device="cuda")
+        grad = torch.rand_like(original(x))
+        original.load_state_dict(fused.state_dict())
+        expected = training_step(original, x, grad) + list(original.buffers())
+        actual = training_step(fused, x, grad) + list(fused.buffers())
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+    assert not count_step_replays
+
+
 @requires_cuda
 def test_graph_memory_limit(graphs_win, monkeypatch):
     """A capture holding more than the limit is dropped: the call runs without a graph."""
@@ -122,3 +270,18 @@ def test_graphs_off_by_environment():
         code = "import fused_ops.autotune as a; print(a._GRAPHS_ENABLED, a.is_enabled())"
         result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert result.stdout.split() == [str(enabled), "True"]
+
+
+@requires_cuda
+def test_failed_capture_leaves_random_ops_working():
+    """A capture CUDA refuses (a host synchronization in it) raises, and PyTorch's CUDA
+    generator is left usable (a failed capture otherwise leaves it in its capture state)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), pytest.raises(RuntimeError):
+        _graphed._capture(lambda: torch.ones(1, device="cuda").item())
+    torch.cuda.current_stream().wait_stream(side)
+    torch.manual_seed(0)
+    first = torch.rand(3, device="cuda")
+    torch.manual_seed(0)
+    assert torch.equal(torch.rand(3, device="cuda"), first)
