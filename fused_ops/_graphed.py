@@ -19,6 +19,7 @@ setting makes the next call capture again; a module whose graph has to be captur
 again stops being graphed.
 """
 import contextlib
+import functools
 import threading
 import warnings
 import weakref
@@ -26,7 +27,6 @@ from collections.abc import Callable, Hashable
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 # A graph whose capture holds more of the device's memory than this is dropped (its call is
 # then not graphed): graphs are for small, host-bound calls (at a batch of one the SPEC
@@ -124,6 +124,7 @@ class GraphedStep:
     def __init__(self, module: nn.Module, run: Run, name: str, x: Tensor, stamp: Hashable):
         self.stamp = stamp
         self._lock = threading.Lock()
+        self._module, self._run = weakref.ref(module), functools.partial(run, name)
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._token = torch.empty(0, device=x.device)  # (saved by each replay: freed with its autograd graph)
         self._last: weakref.ref | None = None  # the latest replay's autograd node
@@ -164,6 +165,23 @@ class GraphedStep:
                 return None
             return _ReplayedStep.apply(self, x, *self._params)
 
+    def recorded_grads(self, x: Tensor, grad: Tensor, autocast: tuple[bool, torch.dtype]) -> list[Tensor | None]:
+        """The gradients to x (where it requires them) and the parameters, their own backward
+        recorded (a backward with create_graph): the formulation's call made again without the
+        graph, under the forward's autocast state, the buffers it updates restored after."""
+        module = self._module()
+        buffers = list(module.buffers())
+        saved = [b.clone() for b in buffers]
+        try:
+            with torch.autocast(x.device.type, enabled=autocast[0], dtype=autocast[1]):
+                out = self._run(x)
+            inputs = ([x] if self._x.requires_grad else []) + self._params
+            grads = list(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
+        finally:  # (through .data: the recorded backward saved some buffers, at their versions)
+            for buffer, value in zip(buffers, saved):
+                buffer.data.copy_(value)
+        return ([] if self._x.requires_grad else [None]) + grads
+
 
 @contextlib.contextmanager
 def _parameters_aliased(module: nn.Module):
@@ -197,16 +215,18 @@ class _ReplayedStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, step: GraphedStep, x: Tensor, *params: Tensor) -> Tensor:
         ctx.step = step
-        ctx.save_for_backward(step._token)
+        ctx.autocast = torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type)
+        ctx.save_for_backward(step._token, x)
         step._last = weakref.ref(ctx)
         step._x.copy_(x)
         step._forward.replay()
         return step._out.clone()
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad: Tensor):
         step = ctx.step
+        if torch.is_grad_enabled():  # (create_graph: a graph's gradients record no backward of their own)
+            return None, *step.recorded_grads(ctx.saved_tensors[1], grad, ctx.autocast)
         with step._lock:
             step._grad_out.copy_(grad)
             step._backward.replay()

@@ -187,6 +187,33 @@ def test_second_forward_before_backward(name, args, shape, graphs_win, count_ste
 
 @requires_cuda
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_double_backward_through_a_replay(name, args, shape, graphs_win, count_step_replays, monkeypatch):
+    """A gradient penalty (the input's gradient with create_graph, then differentiated) through a
+    replayed step of the original's own ops: the original's second-order gradients, its running
+    statistics updated once."""
+    fastest = autotune._fastest
+    monkeypatch.setattr(autotune, "_fastest", lambda calls, device, **kwargs: "original" if "original" in calls
+                        else fastest(calls, device, **kwargs))
+    original, fused = pair(name, args, "cuda")
+    x = torch.rand(shape, dtype=torch.float64, device="cuda", requires_grad=True)
+    grad = torch.rand_like(original(x.detach()))
+    training_step(fused, x, grad)
+    original.load_state_dict(fused.state_dict())
+    count_step_replays.clear()
+    results = []
+    for module in (original, fused):
+        out = module(x)
+        (grad_x,) = torch.autograd.grad(out, x, grad, create_graph=True)
+        penalty = grad_x.square().sum()  # (A's bias does not reach x's gradient: a zero one)
+        results.append(torch.autograd.grad(penalty, list(module.parameters()), allow_unused=True, materialize_grads=True)
+                       + tuple(module.buffers()))
+    assert count_step_replays == [True] and fused.formulation(x) == "original"
+    for e, a in zip(*results, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 def test_checkpointed_steps_not_replayed(name, args, shape, graphs_win, count_step_replays):
     """A non-reentrant checkpoint (saved-tensor hooks that match the recomputation's saved
     tensors with the call's): no replay, the original's gradients."""
