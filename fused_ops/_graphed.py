@@ -62,6 +62,21 @@ def _on_side_stream(device: torch.device):
     torch.cuda.current_stream(device).wait_stream(stream)
 
 
+@contextlib.contextmanager
+def buffers_restored(module: nn.Module, keep_versions: bool = False):
+    """The block's calls may update the module's buffers (running statistics: calls made to
+    time or capture a formulation); their values are put back after, through ``.data`` where
+    keep_versions (an autograd graph recorded in the block saved some of them at their versions)."""
+    buffers = list(module.buffers())
+    saved = [b.clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, saved):
+                (buffer.data if keep_versions else buffer).copy_(value)
+
+
 def _capture(call: Callable[[], object], pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
     """(graph, what call() returned) of call() captured on the current stream (a side stream)."""
     graph = torch.cuda.CUDAGraph()
@@ -128,33 +143,27 @@ class GraphedStep:
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._token = torch.empty(0, device=x.device)  # (saved by each replay: freed with its autograd graph)
         self._last: weakref.ref | None = None  # the latest replay's autograd node
-        buffers = list(module.buffers())
-        saved = [b.clone() for b in buffers]
-        try:
-            with _on_side_stream(x.device), _parameters_aliased(module) as aliases:
-                # (new leaves made here: the gradients' consumers on the capture's stream; a parameter's
-                # own accumulator may be tied to the default stream, which a capture may not wait on)
-                self._x = _static_input(x).requires_grad_(x.requires_grad)
-                inputs = ([self._x] if x.requires_grad else []) + [a for a in aliases if a.requires_grad]
+        # (the warm-up's update of running statistics undone)
+        with buffers_restored(module), _on_side_stream(x.device), _parameters_aliased(module) as aliases:
+            # (new leaves made here: the gradients' consumers on the capture's stream; a parameter's
+            # own accumulator may be tied to the default stream, which a capture may not wait on)
+            self._x = _static_input(x).requires_grad_(x.requires_grad)
+            inputs = ([self._x] if x.requires_grad else []) + [a for a in aliases if a.requires_grad]
 
-                def backward(out, grad_out):  # (outside autocast, as AMP runs it)
-                    # the saved activations kept (not freed into the graph's memory for the backward's own
-                    # intermediates): a backward that keeps its graph may replay the backward again
-                    with torch.autocast(x.device.type, enabled=False):
-                        return torch.autograd.grad(out, inputs, grad_out, allow_unused=True, retain_graph=True)
+            def backward(out, grad_out):  # (outside autocast, as AMP runs it)
+                # the saved activations kept (not freed into the graph's memory for the backward's own
+                # intermediates): a backward that keeps its graph may replay the backward again
+                with torch.autocast(x.device.type, enabled=False):
+                    return torch.autograd.grad(out, inputs, grad_out, allow_unused=True, retain_graph=True)
 
-                out = run(name, self._x)  # (warm-up, forward and backward, on the capture's stream)
-                if out is None or not out.requires_grad:
-                    raise CaptureRefused(f"formulation {name} does not record gradients for the captured call")
-                backward(out, torch.ones_like(out))
-                reserved = torch.cuda.memory_reserved(x.device)
-                self._forward, out = _capture(lambda: run(name, self._x))
-                self._grad_out = torch.empty_like(out)
-                self._backward, self._grads = _capture(lambda: backward(out, self._grad_out), self._forward.pool())
-        finally:
-            with torch.no_grad():  # (the warm-up's update of running statistics undone)
-                for buffer, value in zip(buffers, saved):
-                    buffer.copy_(value)
+            out = run(name, self._x)  # (warm-up, forward and backward, on the capture's stream)
+            if out is None or not out.requires_grad:
+                raise CaptureRefused(f"formulation {name} does not record gradients for the captured call")
+            backward(out, torch.ones_like(out))
+            reserved = torch.cuda.memory_reserved(x.device)
+            self._forward, out = _capture(lambda: run(name, self._x))
+            self._grad_out = torch.empty_like(out)
+            self._backward, self._grads = _capture(lambda: backward(out, self._grad_out), self._forward.pool())
         self._out = out.detach()
         _check_held(x.device, reserved)
 
@@ -169,17 +178,11 @@ class GraphedStep:
         """The gradients to x (where it requires them) and the parameters, their own backward
         recorded (a backward with create_graph): the formulation's call made again without the
         graph, under the forward's autocast state, the buffers it updates restored after."""
-        module = self._module()
-        buffers = list(module.buffers())
-        saved = [b.clone() for b in buffers]
-        try:
+        with buffers_restored(self._module(), keep_versions=True):
             with torch.autocast(x.device.type, enabled=autocast[0], dtype=autocast[1]):
                 out = self._run(x)
             inputs = ([x] if self._x.requires_grad else []) + self._params
             grads = list(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
-        finally:  # (through .data: the recorded backward saved some buffers, at their versions)
-            for buffer, value in zip(buffers, saved):
-                buffer.data.copy_(value)
         return ([] if self._x.requires_grad else [None]) + grads
 
 

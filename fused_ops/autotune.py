@@ -280,8 +280,6 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signat
     then, where the call may be graphed, the fastest replayed from a CUDA graph against itself.
     The module's buffers (running statistics) are restored after. A formulation that raises
     is passed over; where all do, the first one's error is raised."""
-    buffers = [b for b in module.buffers()]
-    saved = [b.clone() for b in buffers]
     device = x.device
     graphable = _graph_kind(module, x) is not None and not _saved_tensors_hooked()
 
@@ -302,35 +300,30 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signat
     errors = []
     # the timing calls' saved tensors kept from any saved-tensor hooks around the call (a
     # non-reentrant checkpoint counts them, and its recomputation makes no timing calls)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(_keep_saved, _keep_saved):
-            steps = {}
-            for name in formulations:
-                call = functools.partial(_run_benchmarked, unreplayed, name, x)
-                try:
-                    if call() is None:  # does not hold
-                        continue
-                except Exception as error:  # (a limit of one formulation: the others may hold)
-                    errors.append(error)
+    with _graphed.buffers_restored(module), torch.autograd.graph.saved_tensors_hooks(_keep_saved, _keep_saved):
+        steps = {}
+        for name in formulations:
+            call = functools.partial(_run_benchmarked, unreplayed, name, x)
+            try:
+                if call() is None:  # does not hold
                     continue
-                steps[name] = call
-            if not steps:  # the input is wrong for all: the rule's error
-                raise errors[0]
-            # where a graph may replay the call, the formulations compared by their time on the device
-            # (what a replay takes; the host's time per op varies by tens of percent from moment to moment),
-            # then the fastest replayed against itself unreplayed; where the graph loses, by the time a call
-            # takes unreplayed
-            best = _fastest(steps, device, preferred="original", device_time=graphable)
-            graphed = graphable and replayed(best, x) is not None
-            if graphed:
-                graphed = _fastest({False: steps[best], True: functools.partial(replayed, best, x)}, device,
-                                   preferred=True)
-            if graphable and not graphed:
-                best = _fastest(steps, device, preferred="original")
-    finally:
-        with torch.no_grad():
-            for buffer, value in zip(buffers, saved):
-                buffer.copy_(value)
+            except Exception as error:  # (a limit of one formulation: the others may hold)
+                errors.append(error)
+                continue
+            steps[name] = call
+        if not steps:  # the input is wrong for all: the rule's error
+            raise errors[0]
+        # where a graph may replay the call, the formulations compared by their time on the device
+        # (what a replay takes; the host's time per op varies by tens of percent from moment to moment),
+        # then the fastest replayed against itself unreplayed; where the graph loses, by the time a call
+        # takes unreplayed
+        best = _fastest(steps, device, preferred="original", device_time=graphable)
+        graphed = graphable and replayed(best, x) is not None
+        if graphed:
+            graphed = _fastest({False: steps[best], True: functools.partial(replayed, best, x)}, device,
+                               preferred=True)
+        if graphable and not graphed:
+            best = _fastest(steps, device, preferred="original")
     if not graphed:
         _graphed.drop(module, signature)
     return best, graphed
