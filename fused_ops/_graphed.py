@@ -19,7 +19,6 @@ setting makes the next call capture again; a module whose graph has to be captur
 again stops being graphed.
 """
 import contextlib
-import functools
 import threading
 import warnings
 import weakref
@@ -139,7 +138,7 @@ class GraphedStep:
     def __init__(self, module: nn.Module, run: Run, name: str, x: Tensor, stamp: Hashable):
         self.stamp = stamp
         self._lock = threading.Lock()
-        self._module, self._run = weakref.ref(module), functools.partial(run, name)
+        self._module, self._run, self._name = weakref.ref(module), run, name
         self._params = [p for p in module.parameters() if p.requires_grad]
         self._token = torch.empty(0, device=x.device)  # (saved by each replay: freed with its autograd graph)
         self._last: weakref.ref | None = None  # the latest replay's autograd node
@@ -176,11 +175,15 @@ class GraphedStep:
 
     def recorded_grads(self, x: Tensor, grad: Tensor, autocast: tuple[bool, torch.dtype]) -> list[Tensor | None]:
         """The gradients to x (where it requires them) and the parameters, their own backward
-        recorded (a backward with create_graph): the formulation's call made again without the
-        graph, under the forward's autocast state, the buffers it updates restored after."""
+        recorded (a backward with create_graph): the call made again without the graph by the
+        original's ops (the fused ops' backwards have no derivatives of their own; the captured
+        formulation where the original's does not hold), under the forward's autocast state,
+        the buffers it updates restored after."""
         with buffers_restored(self._module(), keep_versions=True):
             with torch.autocast(x.device.type, enabled=autocast[0], dtype=autocast[1]):
-                out = self._run(x)
+                out = self._run("original", x)
+                if out is None:
+                    out = self._run(self._name, x)
             inputs = ([x] if self._x.requires_grad else []) + self._params
             grads = list(torch.autograd.grad(out, inputs, grad, create_graph=True, allow_unused=True))
         return ([] if self._x.requires_grad else [None]) + grads

@@ -32,6 +32,7 @@ outputs (DistributedDataParallel averages them over the ranks).
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from .ops import _accumulation_dtype
 
@@ -89,6 +90,7 @@ class _SyncBatchNormGap(torch.autograd.Function):
         return out.view(batch, channels, 1, 1, 1).to(y.dtype)
 
     @staticmethod
+    @once_differentiable  # (its statistics were saved without a graph: refused, never wrong, twice)
     def backward(ctx, grad_out):
         y, weight, centered, rstd, mu, total = ctx.saved_tensors
         batch, channels = centered.shape

@@ -120,14 +120,33 @@ inline const at::Tensor& check_saved(const at::Tensor& saved, int64_t dim, const
   return saved;
 }
 
+// Second-order gradients. The backward ops have no derivatives of their own, so
+// a backward made with create_graph=True (grad mode on inside it) is refused
+// wherever its result would carry them wrong: a smooth tail's gradient depends
+// on x and the parameters (always refused); a max-pool tail's, its picks fixed,
+// is linear in the result's gradient and constant in x (right as it is, unless
+// the result's gradient itself records a graph).
+enum class Curvature { kSmooth, kPiecewiseLinear };
+
+inline void check_first_order(const char* op, Curvature curvature, const at::Tensor& grad) {
+  const bool refused =
+      at::GradMode::is_enabled() && (curvature == Curvature::kSmooth || grad.requires_grad());
+  TORCH_CHECK_NOT_IMPLEMENTED(!refused, "fused_ops.", op,
+                              ": second-order gradients (a backward with create_graph=True through it) are not "
+                              "implemented; a fused_ops.nn module computes them with its original's ops, within "
+                              "`with fused_ops.autotune.force(\"original\"):`");
+}
+
 // The backward of an op differentiable in its first input only, x, with
 // num_inputs inputs: grad_x(the result's gradient in x's dtype), then none; no
 // gradient at all where the graph after the result gave it none.
 template <typename GradX>
 variable_list first_input_backward(AutogradContext* ctx, const variable_list& grads, size_t num_inputs,
-                                   GradX grad_x) {
+                                   const char* op, Curvature curvature, GradX grad_x) {
   variable_list grad_inputs(num_inputs);
-  if (grads[0].defined()) grad_inputs[0] = grad_x(grad_in_input_dtype(ctx, grads[0]));
+  if (!grads[0].defined()) return grad_inputs;
+  check_first_order(op, curvature, grads[0]);
+  grad_inputs[0] = grad_x(grad_in_input_dtype(ctx, grads[0]));
   return grad_inputs;
 }
 

@@ -52,7 +52,7 @@ class AvgPool2dSigmoidSumFunction : public torch::autograd::Function<AvgPool2dSi
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_input_backward(ctx, grads, 9, [ctx](const at::Tensor& grad_out) {
+    return first_input_backward(ctx, grads, 9, "avg_pool2d_sigmoid_sum", Curvature::kSmooth, [ctx](const at::Tensor& grad_out) {
       const at::Tensor grad_factor = ctx->get_saved_variables()[0];
       check_saved(grad_factor, 4, "avg_pool2d_sigmoid_sum", "save_grad_factor", "x");
       auto& data = ctx->saved_data;

@@ -59,6 +59,7 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     if (!grads[0].defined()) return variable_list(8);  // no gradient for any input
+    check_first_order("batch_norm_gap", Curvature::kSmooth, grads[0]);
     const auto saved = ctx->get_saved_variables();
     const bool has_weight = saved[1].defined();  // saved whenever given
     const bool has_bias = ctx->saved_data["has_bias"].toBool();

@@ -55,7 +55,7 @@ class MaxPool3dCascadeSumFunction : public torch::autograd::Function<MaxPool3dCa
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_input_backward(ctx, grads, 9, [ctx](const at::Tensor& grad_out) {
+    return first_input_backward(ctx, grads, 9, "max_pool3d_cascade_sum", Curvature::kPiecewiseLinear, [ctx](const at::Tensor& grad_out) {
       const auto saved = ctx->get_saved_variables();
       std::vector<int64_t> pools[6];
       for (int i = 0; i < 6; ++i) pools[i] = ctx->saved_data[kPoolArgs[i]].toIntVector();

@@ -51,7 +51,7 @@ class MaxPool3dMeanFunction : public torch::autograd::Function<MaxPool3dMeanFunc
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_input_backward(ctx, grads, 8, [ctx](const at::Tensor& grad_mean) {
+    return first_input_backward(ctx, grads, 8, "max_pool3d_mean", Curvature::kPiecewiseLinear, [ctx](const at::Tensor& grad_mean) {
       const auto saved = ctx->get_saved_variables();
       auto& data = ctx->saved_data;
       const at::Tensor grad_x = call_max_pool3d_mean_backward(

@@ -43,7 +43,7 @@ class ParityMaxPool3dCascadeSumFunction : public torch::autograd::Function<Parit
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_input_backward(ctx, grads, 4, [ctx](const at::Tensor& grad_out) {
+    return first_input_backward(ctx, grads, 4, "parity_max_pool3d_cascade_sum", Curvature::kPiecewiseLinear, [ctx](const at::Tensor& grad_out) {
       const at::Tensor picks = ctx->get_saved_variables()[0];
       check_saved(picks, 5, "parity_max_pool3d_cascade_sum", "save_indices", "y");
       auto& data = ctx->saved_data;

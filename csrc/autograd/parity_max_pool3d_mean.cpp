@@ -38,7 +38,7 @@ class ParityMaxPool3dMeanFunction : public torch::autograd::Function<ParityMaxPo
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_input_backward(ctx, grads, 3, [ctx](const at::Tensor& grad_mean) {
+    return first_input_backward(ctx, grads, 3, "parity_max_pool3d_mean", Curvature::kPiecewiseLinear, [ctx](const at::Tensor& grad_mean) {
       const at::Tensor picks = ctx->get_saved_variables()[0];
       check_saved(picks, 5, "parity_max_pool3d_mean", "save_indices", "y");
       return call_parity_max_pool3d_mean_backward(grad_mean, picks, ctx->saved_data["parity_classes"].toInt());
