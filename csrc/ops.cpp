@@ -21,6 +21,12 @@ TORCH_LIBRARY(fused_ops, m) {
       "avg_pool2d_sigmoid_sum_backward(Tensor grad_out, Tensor grad_factor, SymInt[2] input_hw, "
       "int[2] kernel_size, int[2] stride, int[2] padding, bool channels_last) -> Tensor");
 
+  // sum over (O, OH, OW) of sigmoid(conv2d(x, weight, bias, stride, padding)) -> (B,):
+  // the convolution and its tail in one kernel on a GPU (conv2d_sigmoid_sum.h).
+  m.def(
+      "conv2d_sigmoid_sum(Tensor x, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, "
+      "ScalarType? dtype=None) -> Tensor");
+
   // mean over (D', H', W') of max_pool3d(x / divisor) -> (B, C); with
   // save_indices, also each window's pick as a uint8 offset in scan order
   // (B, C, D', H', W'), else an empty tensor. An empty stride means kernel_size.

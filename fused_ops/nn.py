@@ -123,6 +123,7 @@ class _Formulations:
     the rule's first: the last always holds)."""
 
     _CONV = "conv"  # the name of the module's convolution
+    FORMULATIONS: tuple[str, ...] = autotune.FORMULATIONS  # every formulation the module has
 
     def _order(self, x: Tensor) -> tuple[str, ...]:
         return _order(x)
@@ -188,9 +189,13 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
     """conv2d -> avg_pool2d -> sigmoid -> sum over (C, H, W). Formulations
     (``fused_ops.autotune``): ``rewrite`` where the pool's windows do not pad
     (``fused_ops.rewrites.conv2d_avg_pool``): the pool folded into the convolution, which
-    runs over space-to-depth input, then the sigmoid and the sum; ``fused``: the convolution,
-    then the tail fused into one kernel (``fused_ops.avg_pool2d_sigmoid_sum``); ``original``;
-    and the last two with the convolution channels last."""
+    runs over space-to-depth input, then the sigmoid and the sum; ``fused_conv`` where the pool
+    folds so: the folded convolution, sigmoid and sum in one op
+    (``fused_ops.conv2d_sigmoid_sum``: on a GPU one tensor-core kernel); ``fused``: the
+    convolution, then the tail fused into one kernel (``fused_ops.avg_pool2d_sigmoid_sum``);
+    ``original``; and the last two with the convolution channels last."""
+
+    FORMULATIONS = ("fused_conv", *autotune.FORMULATIONS)
 
     def __init__(self, in_channels, out_channels, kernel_size, pool_kernel_size):
         super().__init__()
@@ -214,10 +219,18 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
         return _conv_config(self.conv), _pool_config(self.avg_pool)
 
     def _order(self, x: Tensor) -> tuple[str, ...]:
-        return _order(x, rewrite_first=True)  # (its rewrite torch.compile lowers on a CPU too)
+        order = _order(x, rewrite_first=True)  # (its rewrite torch.compile lowers on a CPU too)
+        if x.is_cuda:
+            return ("fused_conv", *order)
+        if _autocast.cast_dtype(x) is not None:  # (a CPU's 16-bit convolutions: see _order)
+            return order
+        return (order[0], "fused_conv", *order[1:])
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         pool = self.avg_pool
+        if name == "fused_conv":
+            out = rewrites.conv2d_avg_pool_sigmoid_sum(x, self.conv, pool)
+            return None if out is None else _as_original(out, x, self._TAIL_OPS)
         if name == "rewrite":
             pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
             return None if pooled is None else torch.sum(torch.sigmoid(pooled), dim=[1, 2, 3])

@@ -148,6 +148,40 @@ def _avg_pool2d_sigmoid_sum_backward_fake(grad_out, grad_factor, input_hw, kerne
     return torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=fmt)
 
 
+# ---------------------------------------------------------------------------
+# conv2d_sigmoid_sum
+
+
+def conv2d_sigmoid_sum(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride=1, padding=0, *,
+                       dtype: torch.dtype | None = None) -> Tensor:
+    """``torch.sigmoid(F.conv2d(x, weight, bias, stride, padding)).sum(dim=(1, 2, 3))``; on a GPU
+    (float32, TF32 convolutions allowed) the convolution and its tail in one tensor-core kernel
+    whose output never reaches memory.
+
+    x: (B, C, H, W); weight (O, C, kh, kw) and bias (O,) in x's dtype. dtype: the result's: x's
+    (None) or its accumulation type. Returns (B,). Differentiable in x, weight and bias (the
+    backward recomputes the convolution).
+    """
+    if not isinstance(x, Tensor):
+        raise TypeError(f"conv2d_sigmoid_sum: x must be a Tensor, got {type(x).__name__}")
+    return _ops.conv2d_sigmoid_sum(x, weight, bias, _pair(stride, "stride"), _pair(padding, "padding"), dtype)
+
+
+@torch.library.register_fake("fused_ops::conv2d_sigmoid_sum")
+def _conv2d_sigmoid_sum_fake(x, weight, bias, stride, padding, dtype=None):
+    torch._check(x.dim() == 4 and weight.dim() == 4,
+                 lambda: f"conv2d_sigmoid_sum: expected 4-D input and weight, got {x.dim()}-D and {weight.dim()}-D")
+    torch._check(x.dtype.is_floating_point and weight.dtype == x.dtype,
+                 lambda: f"conv2d_sigmoid_sum: input and weight must share a floating dtype, got {x.dtype}, {weight.dtype}")
+    torch._check(weight.shape[1] == x.shape[1],
+                 lambda: f"conv2d_sigmoid_sum: the input has {x.shape[1]} channels, the weight expects {weight.shape[1]}")
+    s, p = _pair(list(stride), "stride"), _pair(list(padding), "padding")
+    for d in range(2):
+        torch._check(x.shape[2 + d] + 2 * p[d] >= weight.shape[2 + d],
+                     lambda: "conv2d_sigmoid_sum: the padded input is smaller than the kernel")
+    return x.new_empty((x.shape[0],), dtype=_result_dtype(x, dtype, "conv2d_sigmoid_sum"))
+
+
 # --------------------------------------------------------------------------
 # max_pool3d_mean
 # --------------------------------------------------------------------------

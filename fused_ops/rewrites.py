@@ -49,7 +49,8 @@ from torch import Tensor, nn
 
 from . import _autocast
 from ._derived import derived
-from .ops import _accumulation_dtype, _expand, _pool_triples, _pooled_size, depth_stacked_channels_last
+from .ops import (_accumulation_dtype, _expand, _pool_triples, _pooled_size, conv2d_sigmoid_sum,
+                  depth_stacked_channels_last)
 
 
 def _triple(v) -> tuple[int, int, int]:
@@ -360,10 +361,21 @@ def conv_transpose3d_spatial_mean(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor
     return torch.addmm(mapped[1], spatial_sums(x), mapped[0]).to(x.dtype)
 
 
-def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:
-    """``pool(conv(x))`` as one convolution over the space-to-depth input, (N, O, H', W')
-    channels last, or None where the rewrite does not hold (a strided, dilated or grouped
-    convolution, a padding pool, ceil_mode adding windows)."""
+@dataclass(frozen=True)
+class _PoolFold:
+    """avg_pool2d(conv2d(x)) as one convolution: the pool's box and stride, its divisor, the
+    folded kernel's size, the convolution's padding and the output's size."""
+    box: tuple[int, int]
+    stride: tuple[int, int]
+    divisor: float
+    folded: tuple[int, int]
+    padding: tuple[int, int]
+    out: tuple[int, int]
+
+
+def _pool_fold(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> _PoolFold | None:
+    """How ``pool(conv(x))`` folds into one convolution, or None where it does not (a strided,
+    dilated or grouped convolution, a padding pool, ceil_mode adding windows)."""
     if not (_is_plain_conv(conv, x) and _pair(conv.stride) == (1, 1)):
         return None
     box = _pair(pool.kernel_size)
@@ -371,19 +383,57 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     if _pair(pool.padding) != (0, 0):
         return None
     kernel, padding = _pair(conv.kernel_size), _pair(conv.padding)
-    folded = [kernel[d] + box[d] - 1 for d in range(2)]
+    folded = tuple([kernel[d] + box[d] - 1 for d in range(2)])
     padded = [x.shape[2 + d] + 2 * padding[d] for d in range(2)]
-    out = [(padded[d] - folded[d]) // stride[d] + 1 for d in range(2)]
+    out = tuple([(padded[d] - folded[d]) // stride[d] + 1 for d in range(2)])
     conv_size = [padded[d] - kernel[d] + 1 for d in range(2)]
     # the folded convolution's windows are the pool's (ceil_mode may add a partial last one)
-    if min(out) < 1 or out != [_pooled_size(c, b, s, 0, pool.ceil_mode) for c, b, s in zip(conv_size, box, stride)]:
+    if min(out) < 1 or list(out) != [_pooled_size(c, b, s, 0, pool.ceil_mode)
+                                     for c, b, s in zip(conv_size, box, stride)]:
         return None
-    divisor = pool.divisor_override or box[0] * box[1]
-    taps = [-(-folded[d] // stride[d]) for d in range(2)]
+    return _PoolFold(box, stride, pool.divisor_override or box[0] * box[1], folded, padding, out)
+
+
+def _pool_folded_kernel(weight: Tensor, box: tuple[int, int], divisor: float) -> Tensor:
+    """(O, I, kh + bh - 1, kw + bw - 1) in float64: the kernel (O, I, kh, kw) convolved with the
+    box over the divisor (exact sums; a float64 convolution is never TF32)."""
+    o, i, *kernel = weight.shape
+    ones = torch.ones(1, 1, *box, dtype=torch.float64, device=weight.device)
+    folded = F.conv2d(weight.double().reshape(o * i, 1, *kernel), ones, padding=(box[0] - 1, box[1] - 1)) / divisor
+    return folded.reshape(o, i, *folded.shape[2:])
+
+
+def _pool_folded_bias(bias: Tensor | None, fold: _PoolFold) -> Tensor | None:
+    return None if bias is None else bias * (fold.box[0] * fold.box[1] / fold.divisor)  # the box's average of a constant
+
+
+def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:
+    """``torch.sigmoid(pool(conv(x))).sum(dim=(1, 2, 3))`` by fused_ops.conv2d_sigmoid_sum over the
+    pool-folded kernel (stride the pool's): on a GPU one kernel, the convolution's output never
+    in memory. In the dtype the convolution computes in (autocast's: x cast first); None where
+    the fold does not hold."""
+    fold = _pool_fold(x, conv, pool)
+    if fold is None:
+        return None
+    cast, dtype = _autocast.cast_dtype(x), kernel_dtype(x, conv.weight)
+    weight, bias = derived(("conv2d_pool_folded", fold.box, fold.divisor, dtype), (conv.weight, conv.bias),
+                           lambda: (_pool_folded_kernel(conv.weight, fold.box, fold.divisor).to(dtype),
+                                    None if conv.bias is None else _pool_folded_bias(conv.bias, fold).to(dtype)))
+    return conv2d_sigmoid_sum(x if cast is None else x.to(cast), weight, bias, fold.stride, fold.padding)
+
+
+def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:
+    """``pool(conv(x))`` as one convolution over the space-to-depth input, (N, O, H', W')
+    channels last, or None where the rewrite does not hold (_pool_fold)."""
+    fold = _pool_fold(x, conv, pool)
+    if fold is None:
+        return None
+    box, stride, padding, out = fold.box, fold.stride, fold.padding, fold.out
+    padded = [x.shape[2 + d] + 2 * padding[d] for d in range(2)]
+    taps = [-(-fold.folded[d] // stride[d]) for d in range(2)]
     weight, bias, dtype = conv.weight, conv.bias, kernel_dtype(x, conv.weight)
-    s2d_kernel, bias = derived(("conv2d_avg_pool", box, stride, divisor, dtype), (weight, bias), lambda: (
-        _space_to_depth_kernel(weight, box, stride, divisor, taps, dtype),
-        None if bias is None else bias * (box[0] * box[1] / divisor)))  # the box's average of a constant
+    s2d_kernel, bias = derived(("conv2d_avg_pool", box, stride, fold.divisor, dtype), (weight, bias), lambda: (
+        _space_to_depth_kernel(weight, fold, taps, dtype), _pool_folded_bias(bias, fold)))
     # Pad (or crop) x to the blocks the outputs read, then blocks of S x S as channels (Sw, Sh, I),
     # channels last.
     blocks = [out[d] - 1 + taps[d] for d in range(2)]
@@ -407,16 +457,13 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     return F.conv2d(s2d, s2d_kernel, bias)
 
 
-def _space_to_depth_kernel(weight: Tensor, box: tuple[int, int], stride: tuple[int, int], divisor: float,
-                           taps: list[int], dtype: torch.dtype) -> Tensor:
-    """(O, Sw Sh I, Th, Tw) channels last, in `dtype`: the kernel (O, I, kh, kw) convolved with the box
-    over the divisor, in float64 (exact sums; a float64 convolution is never TF32), zero-padded
-    to taps x stride and split into the space-to-depth input's channels (Sw, Sh, I)."""
-    o, i, *kernel = weight.shape
-    folded = [kernel[d] + box[d] - 1 for d in range(2)]
-    ones = torch.ones(1, 1, *box, dtype=torch.float64, device=weight.device)
-    kernel_folded = F.conv2d(weight.double().reshape(o * i, 1, *kernel), ones, padding=(box[0] - 1, box[1] - 1)) / divisor
-    kernel_folded = F.pad(kernel_folded, (0, taps[1] * stride[1] - folded[1], 0, taps[0] * stride[0] - folded[0]))
+def _space_to_depth_kernel(weight: Tensor, fold: _PoolFold, taps: list[int], dtype: torch.dtype) -> Tensor:
+    """(O, Sw Sh I, Th, Tw) channels last, in `dtype`: the pool-folded kernel (_pool_folded_kernel)
+    zero-padded to taps x stride and split into the space-to-depth input's channels (Sw, Sh, I)."""
+    o, i = weight.shape[:2]
+    stride = fold.stride
+    kernel_folded = _pool_folded_kernel(weight, fold.box, fold.divisor)
+    kernel_folded = F.pad(kernel_folded, (0, taps[1] * stride[1] - fold.folded[1], 0, taps[0] * stride[0] - fold.folded[0]))
     # (O, I, Th, Sh, Tw, Sw) -> (O, (Sw, Sh, I), Th, Tw)
     return kernel_folded.reshape(o, i, taps[0], stride[0], taps[1], stride[1]).permute(0, 5, 3, 1, 2, 4).reshape(
         o, i * stride[0] * stride[1], *taps).to(dtype).contiguous(memory_format=torch.channels_last)

@@ -23,6 +23,9 @@ CONFIGS = [
     ("ConvTranspose3dScaleBatchNormGAP", (3, 4, 3, 2.0), (3, 3, 4, 5, 6)),
 ]
 IDS = ["A", "B", "C", "D"]
+# (name, args, shape, formulation) for each configuration and each formulation of its module
+FORMULATION_CASES = [pytest.param(*config, formulation, id=f"{letter}-{formulation}")
+                     for config, letter in zip(CONFIGS, IDS) for formulation in getattr(fnn, config[0]).FORMULATIONS]
 
 
 def pair(name, args, device, dtype=torch.float64, train=True):
@@ -45,9 +48,8 @@ def step(module, x, grad):
     return [out, x.grad, *[p.grad for p in module.parameters()], *module.buffers()]
 
 
-@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("name,args,shape,formulation", FORMULATION_CASES)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("formulation", autotune.FORMULATIONS)
 def test_each_formulation_is_the_original(name, args, shape, train, formulation, device):
     """float64: the output, every gradient and the running statistics, forced to each formulation."""
     original, fused = pair(name, args, device, train=train)
@@ -83,7 +85,7 @@ def test_autotuner_keeps_its_choice(name, args, shape, train, device, monkeypatc
     assert len(tuned) == 1
     with torch.enable_grad():
         assert fused.formulation(x.clone().requires_grad_()) == autotune.last_formulation()
-    assert autotune.last_formulation() in autotune.FORMULATIONS
+    assert autotune.last_formulation() in fused.FORMULATIONS
     with torch.no_grad():  # another key: tuned again
         fused(x)
     assert len(tuned) == 2
@@ -218,10 +220,9 @@ def test_make_graphed_callables_training(name, args, shape):
             torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("name,args,shape,formulation", FORMULATION_CASES)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-@pytest.mark.parametrize("formulation", autotune.FORMULATIONS)
 def test_each_formulation_without_autograd(name, args, shape, train, mode, formulation, device):
     """float64, no gradient recorded (the derived kernels kept, the one-pass stacking copy):
     the output and the running statistics, twice (the second call reads what the first kept)."""

@@ -9,6 +9,7 @@ import torch
 
 from conftest import build_pair
 from fused_ops import autotune
+from fused_ops import nn as fnn
 
 # (architecture, constructor arguments, input shape): small, odd sizes, pools that do not
 # divide them; on a GPU A and B take their rewrites, C its pool-folded convolution, D in
@@ -43,10 +44,11 @@ def step(module, x, grad, device, autocast_dtype=None):
     return out, [p.grad for p in module.parameters()] if module.training else []
 
 
-@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("name,args,shape,formulation",
+                         [pytest.param(*config, formulation, id=f"{config[0]}-{formulation}")
+                          for config in CONFIGS for formulation in getattr(fnn, config[0]).FORMULATIONS])
 @pytest.mark.parametrize("autocast_dtype", LOW_PRECISION, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("formulation", autotune.FORMULATIONS)
 def test_autocast_like_original(name, args, shape, autocast_dtype, train, formulation, device):
     original, fused = build_pair(name, args)
     original.to(device).train(train)

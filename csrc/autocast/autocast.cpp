@@ -15,6 +15,7 @@
 // result's dtype last (ScalarType? dtype=None, ../ops.cpp). It sets the dtype,
 // then calls the op again with the autocast key excluded, as ATen's autocast
 // wrappers do (ATen/autocast_mode.h), which runs the op's kernels below autocast.
+#include <ATen/autocast_mode.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
@@ -52,18 +53,45 @@ void register_float32_results(torch::Library& m) {
   }
 }
 
+// conv2d_sigmoid_sum, as autocast runs its ops: the convolution's input, weight
+// and bias cast to autocast's dtype (a float32 or 16-bit input; float64 is
+// left alone), the sigmoid in that dtype, the sum's result float32 on CUDA
+// (where autocast runs torch.sum in float32), autocast's dtype on the CPU.
+template <c10::DispatchKey autocast_key>
+void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, stride, padding, dtype
+  const at::ScalarType input = (*stack)[first].toTensor().scalar_type();
+  if (input == at::kHalf || input == at::kBFloat16 || input == at::kFloat) {
+    const at::ScalarType cast = at::autocast::get_autocast_dtype(
+        autocast_key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
+    for (size_t i = first; i < first + 3; ++i) {
+      if ((*stack)[i].isTensor()) (*stack)[i] = (*stack)[i].toTensor().to(cast);
+    }
+    if (autocast_key == c10::DispatchKey::AutocastCUDA && stack->back().isNone()) stack->back() = at::kFloat;
+  }
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
+  op.callBoxed(stack);
+}
+
+template <c10::DispatchKey autocast_key>
+void register_autocast_kernels(torch::Library& m) {
+  register_float32_results<autocast_key>(m);
+  m.impl("conv2d_sigmoid_sum",
+         torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key>>());
+}
+
 }  // namespace
 
 // depth_stacked_channels_last runs as called (a fallthrough, registered to say
 // so): a copy with a cast to the dtype its caller always names (autocast's,
 // where the copy feeds a convolution), with nothing for autocast to choose.
 TORCH_LIBRARY_IMPL(fused_ops, AutocastCPU, m) {
-  register_float32_results<c10::DispatchKey::AutocastCPU>(m);
+  register_autocast_kernels<c10::DispatchKey::AutocastCPU>(m);
   m.impl("depth_stacked_channels_last", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(fused_ops, AutocastCUDA, m) {
-  register_float32_results<c10::DispatchKey::AutocastCUDA>(m);
+  register_autocast_kernels<c10::DispatchKey::AutocastCUDA>(m);
   m.impl("depth_stacked_channels_last", torch::CppFunction::makeFallthrough());
 }
 

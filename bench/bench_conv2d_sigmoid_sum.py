@@ -1,0 +1,65 @@
+"""conv2d_sigmoid_sum (architecture C's pool-folded convolution and tail in one tensor-core
+kernel) at SPEC's sizes, float32 with PyTorch's default TF32 convolutions: the op against the
+same folded convolution by cuDNN then PyTorch's sigmoid and sum, and architecture C's eval
+forward by each formulation against the original eager, in one run (interleaved rounds, CUDA
+events). Prints the achieved TFLOP/s of the convolution and GB/s of the input read once, and
+the error of each against the float64 result.
+
+    python bench/bench_conv2d_sigmoid_sum.py [--batch 128] [--rounds 5]
+"""
+import argparse
+import contextlib
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from fused_ops import autotune, conv2d_sigmoid_sum, reference, rewrites
+from fused_ops import nn as fnn
+from timing import copy_bandwidth_gbs, device_name, interleaved_medians
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    original = reference.Conv2dAvgPoolSigmoidSum(8, 64, 3, 4).to(device).eval()
+    fused = fnn.Conv2dAvgPoolSigmoidSum.from_module(original)
+    x = torch.rand(args.batch, 8, 384, 384, device=device)
+    weight = rewrites._pool_folded_kernel(original.conv.weight.detach(), (4, 4), 16).float()
+    bias = original.conv.bias.detach()
+    with torch.no_grad():
+        expected = original.double()(x.double())
+        original.float()
+
+    def forced(name):
+        def call():
+            with autotune.force(name):
+                return fused(x)
+        return call
+
+    calls = {"op": lambda: conv2d_sigmoid_sum(x, weight, bias, 4, 0),
+             "folded cuDNN": lambda: torch.sigmoid(F.conv2d(x, weight, bias, 4)).sum(dim=(1, 2, 3)),
+             "C fused_conv": forced("fused_conv"),
+             "C rewrite": forced("rewrite"),
+             "C original": lambda: original(x)}
+    flop = 2 * args.batch * 95 * 95 * 64 * 8 * 36
+    read = x.numel() * x.element_size()
+    copy = copy_bandwidth_gbs(device, 1 << 28)
+    print(f"{device_name(device)}; x {tuple(x.shape)} float32, TF32 {torch.backends.cudnn.allow_tf32}; "
+          f"convolution {flop / 1e9:.1f} GFLOP, input {read / 1e6:.0f} MB; copy {copy:.0f} GB/s")
+    with torch.no_grad():
+        errors = {name: ((call().double() - expected).abs() / expected.abs()).max().item() for name, call in calls.items()}
+        times = interleaved_medians(calls, device, {name: 20 for name in calls}, args.rounds,
+                                    lambda name: contextlib.nullcontext())
+    print(f"{'variant':<14}{'ms':>8}{'TFLOP/s':>9}{'GB/s':>7}{'max rel err':>13}")
+    for name, rounds in times.items():
+        ms = statistics.median(rounds)
+        print(f"{name:<14}{ms:>8.3f}{flop / ms / 1e9:>9.0f}{read / ms / 1e6:>7.0f}{errors[name]:>13.1e}")
+
+
+if __name__ == "__main__":
+    main()

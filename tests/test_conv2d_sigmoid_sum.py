@@ -1,0 +1,222 @@
+"""fused_ops.conv2d_sigmoid_sum against PyTorch's conv2d -> sigmoid -> sum, and architecture C's
+``fused_conv`` formulation. On a GPU, float32 with TF32 allowed runs the tensor-core kernel
+(cuda/conv2d_sigmoid_sum.cu): its kernel shapes (6 x 6 stride 4, 4 x 4 stride 2) are tested at
+sizes that take every path (several column tiles, a half-used row pair, padding, an odd channel
+count, more than 8 channels, fewer than 64 output channels, unaligned rows, no bias)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import requires_cuda
+from fused_ops import autotune, conv2d_sigmoid_sum, reference, rewrites
+from fused_ops import nn as fnn
+
+OP = torch.ops.fused_ops.conv2d_sigmoid_sum.default
+
+# (x shape, weight shape, stride, padding, bias)
+CASES = [
+    ((2, 8, 45, 41), (64, 8, 6, 6), 4, 0, True),     # architecture C's folded convolution, small
+    ((1, 8, 24, 402), (64, 8, 6, 6), 4, 0, True),    # two column tiles (99 outputs a row)
+    ((3, 3, 31, 37), (5, 3, 6, 6), 4, 1, False),     # odd channels, padding, 5 outputs, no bias
+    ((2, 16, 22, 27), (64, 16, 6, 6), 4, 0, True),   # 8 channel blocks (two stages fit)
+    ((2, 8, 30, 33), (64, 8, 4, 4), 2, 0, True),     # the 4 x 4 stride-2 kernel shape
+    ((1, 5, 19, 213), (48, 5, 4, 4), 2, (1, 2), True),  # two tiles, rows of odd length, padding
+    ((2, 4, 17, 18), (7, 4, 3, 5), (2, 3), 1, True),  # no kernel for it: PyTorch's ops
+]
+IDS = ["C-small", "two-tiles", "odd-channels", "16-channels", "k4s2", "k4s2-odd-rows", "uncompiled-shape"]
+
+
+@pytest.fixture
+def tf32():
+    """TF32 convolutions allowed (PyTorch's default; the suite's fixture turns them off): the
+    fused kernel's condition."""
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=True):
+        yield
+
+
+def composite(x, weight, bias, stride, padding):
+    return torch.sigmoid(F.conv2d(x, weight, bias, stride, padding)).sum(dim=(1, 2, 3))
+
+
+def make_case(x_shape, w_shape, bias, dtype, device, seed=0, integers=False):
+    g = torch.Generator().manual_seed(seed)
+    if integers:  # exact in TF32 and in float32 sums: every path gives PyTorch's float64 result
+        x = torch.randint(-2, 3, x_shape, generator=g).to(dtype)
+        w = torch.randint(-1, 2, w_shape, generator=g).to(dtype) / 8
+        b = torch.randint(-4, 5, (w_shape[0],), generator=g).to(dtype) / 8
+    else:
+        x = torch.rand(x_shape, generator=g, dtype=torch.float64).to(dtype)
+        w = ((torch.rand(w_shape, generator=g, dtype=torch.float64) - 0.5) / 4).to(dtype)
+        b = (torch.rand(w_shape[0], generator=g, dtype=torch.float64) - 0.5).to(dtype)
+    return x.to(device), w.to(device), (b.to(device) if bias else None)
+
+
+def tf32_bound(x, w, b, stride, padding):
+    """A bound on a TF32 convolution's effect on the sums: each product's operands rounded to
+    10-bit mantissas (relative error 2^-11 each), sigmoid' <= 1/4, plus float32 accumulation."""
+    magnitude = F.conv2d(x.double().abs(), w.double().abs(), None if b is None else b.double().abs(), stride, padding)
+    return 0.25 * (2.0 ** -10 + 2.0 ** -20) * magnitude.sum(dim=(1, 2, 3)) + 1e-5 * magnitude[0].numel()
+
+
+@pytest.mark.parametrize("x_shape,w_shape,stride,padding,bias", CASES, ids=IDS)
+def test_float64_is_pytorchs(x_shape, w_shape, stride, padding, bias, device):
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float64, device)
+    torch.testing.assert_close(conv2d_sigmoid_sum(x, w, b, stride, padding), composite(x, w, b, stride, padding),
+                               rtol=1e-12, atol=1e-12)
+
+
+def kernel_ran(call) -> bool:
+    """Whether call() ran the tensor-core kernel (the profiler's CUDA kernel names)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return any("conv2d_sigmoid_sum_kernel" in e.name for e in prof.events())
+
+
+@requires_cuda
+@pytest.mark.parametrize("x_shape,w_shape,stride,padding,bias", CASES, ids=IDS)
+@pytest.mark.parametrize("allow_tf32", [True, False], ids=["tf32", "full-float32"])
+def test_float32_within_tf32_or_float32(x_shape, w_shape, stride, padding, bias, allow_tf32):
+    """float32: with TF32 allowed, the kernel (where its shapes cover the call) within the TF32
+    bound of the float64 result; with it off, PyTorch's full-float32 ops, within float32's."""
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda")
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=True, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=allow_tf32):
+        out = conv2d_sigmoid_sum(x, w, b, stride, padding)
+        ran = kernel_ran(lambda: conv2d_sigmoid_sum(x, w, b, stride, padding))
+    assert ran == (allow_tf32 and w_shape[2:] in ((6, 6), (4, 4)))
+    expected = composite(x.double(), w.double(), None if b is None else b.double(), stride, padding)
+    assert out.dtype == torch.float32 and out.shape == expected.shape
+    bound = tf32_bound(x, w, b, stride, padding) if allow_tf32 else 1e-5 * expected.abs() + 1e-6
+    assert ((out.double() - expected).abs() <= bound).all(), ((out.double() - expected).abs(), bound)
+
+
+@requires_cuda
+@pytest.mark.parametrize("x_shape,w_shape,stride,padding,bias", CASES, ids=IDS)
+def test_integer_valued_exact(x_shape, w_shape, stride, padding, bias, tf32):
+    """Integer-valued input and eighths as weights: every product and sum exact in TF32 and
+    float32, so the kernel's result is the float64 one to float32's sigmoid and sums."""
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda", integers=True)
+    expected = composite(x.double(), w.double(), None if b is None else b.double(), stride, padding)
+    torch.testing.assert_close(conv2d_sigmoid_sum(x, w, b, stride, padding).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@requires_cuda
+def test_nan_and_inf_as_pytorch(tf32):
+    """A NaN in an item's input makes its sum NaN; +-inf saturate the sigmoids as PyTorch's do."""
+    x, w, b = make_case((4, 8, 45, 41), (64, 8, 6, 6), True, torch.float32, "cuda")
+    w = w.abs()  # (one sign: an infinite input gives infinite outputs, not inf - inf)
+    x[1, 3, 10, 7] = float("nan")
+    x[2, 0, 20, 20] = float("inf")
+    x[3, 5, 0, 0] = float("-inf")
+    out = conv2d_sigmoid_sum(x, w, b, 4, 0)
+    expected = composite(x.double(), w.double(), b.double(), 4, 0)
+    assert out[1].isnan() and not out[[0, 2, 3]].isnan().any()
+    torch.testing.assert_close(out[[0, 2, 3]].double(), expected[[0, 2, 3]], rtol=2e-3, atol=0)
+
+
+@requires_cuda
+def test_strided_input_and_deterministic(tf32):
+    """A channels-last or sliced input gives the contiguous input's result; calls repeat bit for bit."""
+    x, w, b = make_case((3, 8, 50, 47), (64, 8, 6, 6), True, torch.float32, "cuda")
+    out = conv2d_sigmoid_sum(x, w, b, 4, 0)
+    assert torch.equal(conv2d_sigmoid_sum(x.contiguous(memory_format=torch.channels_last), w, b, 4, 0), out)
+    wide = torch.zeros(3, 8, 50, 60, device="cuda")
+    wide[..., 5:52] = x
+    assert torch.equal(conv2d_sigmoid_sum(wide[..., 5:52], w, b, 4, 0), out)
+    assert all(torch.equal(conv2d_sigmoid_sum(x, w, b, 4, 0), out) for _ in range(3))
+
+
+def test_gradcheck(device):
+    x, w, b = make_case((2, 3, 9, 10), (4, 3, 3, 4), True, torch.float64, device)
+    inputs = [t.requires_grad_() for t in (x, w, b)]
+    assert torch.autograd.gradcheck(lambda x, w, b: conv2d_sigmoid_sum(x, w, b, (2, 3), 1), inputs)
+
+
+@requires_cuda
+def test_gradients_float32_kernel(tf32):
+    """The backward of a call the fused kernel computed: PyTorch's gradients of the composite."""
+    x, w, b = make_case((2, 8, 45, 41), (64, 8, 6, 6), True, torch.float32, "cuda")
+    grads = []
+    for f in (conv2d_sigmoid_sum, composite):
+        inputs = [t.clone().requires_grad_() for t in (x, w, b)]
+        f(*inputs, 4, 0).backward(torch.tensor([0.5, -2.0], device="cuda"))
+        grads.append([t.grad for t in inputs])
+    for a, e in zip(*grads):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+
+
+def test_opcheck(device):
+    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    torch.library.opcheck(OP, (x, w, b, [4, 4], [0, 0]))
+    torch.library.opcheck(OP, (x.double().requires_grad_(), w.double().requires_grad_(), b.double(), [2, 3], [1, 0]))
+    torch.library.opcheck(OP, (x, w, None, [4, 4], [1, 1], torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_as_pytorch(dtype, device):
+    """A 16-bit input: PyTorch's ops in that dtype (the result its dtype, or float32 asked for)."""
+    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, dtype, device)
+    out = conv2d_sigmoid_sum(x, w, b, 4, 0)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, composite(x, w, b, 4, 0))
+    assert conv2d_sigmoid_sum(x, w, b, 4, 0, dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_autocast_casts_as_a_convolution(autocast_dtype, device):
+    """Under autocast the convolution's operands are cast as autocast casts a convolution's, the
+    result's dtype is the sum's (float32 on CUDA): the original's ops under autocast, exactly."""
+    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    with torch.autocast(device, dtype=autocast_dtype):
+        out = conv2d_sigmoid_sum(x, w, b, 4, 0)
+        expected = composite(x, w, b, 4, 0)
+    assert out.dtype == expected.dtype == (torch.float32 if device == "cuda" else autocast_dtype)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("args,match", [
+    (lambda x, w, b: (x[0], w, b, 4, 0), "4-D input"),
+    (lambda x, w, b: (x, w[0], b, 4, 0), "4-D weight"),
+    (lambda x, w, b: (x.int(), w, b, 4, 0), "floating-point"),
+    (lambda x, w, b: (x, w.double(), b, 4, 0), "weight .* must have the input's dtype"),
+    (lambda x, w, b: (x, w[:, :2], b, 4, 0), "3 channels, the weight expects 2"),
+    (lambda x, w, b: (x, w, b[:2], 4, 0), "bias must have shape"),
+    (lambda x, w, b: (x[..., :5], w, b, 4, 0), "smaller than the kernel"),
+    (lambda x, w, b: (x, w, b, 0, 0), "stride must be positive"),
+    (lambda x, w, b: (x, w, b, 4, -1), "padding must be non-negative"),
+])
+def test_bad_input_named(args, match, device):
+    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        conv2d_sigmoid_sum(*args(x, w, b))
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape", [(2, 8, 45, 41), (1, 8, 70, 402)], ids=["small", "two-tiles"])
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "train"])
+def test_module_fused_conv_float32(shape, mode, tf32):
+    """Architecture C forced to ``fused_conv`` in float32 (TF32 on, the kernel): the original's
+    float64 result within the TF32 bound of its folded convolution; in training the original's
+    gradients (the backward is PyTorch's convolution's)."""
+    original = reference.Conv2dAvgPoolSigmoidSum(8, 64, 3, 4).cuda().train(mode == "train")
+    fused = fnn.Conv2dAvgPoolSigmoidSum.from_module(original)
+    x = torch.rand(shape, device="cuda")
+    with torch.set_grad_enabled(mode != "no_grad"), autotune.force("fused_conv"):
+        out = fused(x)
+    assert autotune.last_formulation() == "fused_conv"
+    expected = copy.deepcopy(original).double()(x.double())
+    folded = rewrites._pool_folded_kernel(original.conv.weight.detach(), (4, 4), 16)
+    bound = tf32_bound(x, folded, original.conv.bias.detach(), 4, 0)
+    assert ((out.double() - expected).abs() <= bound).all()
+    if mode == "train":
+        out.sum().backward()
+        grads = [p.grad.clone() for p in original.parameters()]
+        original.zero_grad()
+        original(x).sum().backward()
+        for a, e in zip(grads, [p.grad for p in original.parameters()]):
+            torch.testing.assert_close(a, e, rtol=2e-3, atol=1e-4)
