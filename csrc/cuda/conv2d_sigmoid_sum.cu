@@ -21,7 +21,7 @@
 // costs less than those conflicts (8-byte copies into conflict-free rows of 2
 // mod 4 words took twice the loader's instructions).
 //
-// Each task's per-warp sums go to `partial` (N, tasks per image x 4); each
+// Each task's per-warp sums go to `partial` (N, tasks per image x kWarps); each
 // image's are added in a fixed order after (deterministic results).
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -30,10 +30,9 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "../conv2d_sigmoid_sum.h"
 #include "plane_rows.cuh"
@@ -165,7 +164,7 @@ __device__ __forceinline__ void load_stage(float* stage, int64_t task, int block
 // k loop reads them: [block][k step][n8 tile pair][lane] x {b0, b1 of tile 2j,
 // b0, b1 of tile 2j + 1}, with b0 = w[k = 8 step + lane % 4][n = 8 tile + lane / 4],
 // b1 the same at k + 4; zero past the block's k, past C and past O.
-template <typename T, int KW>
+template <typename T>
 __device__ void stage_weight_fragments(float* fragments, const Params& p) {
   const int total = p.channel_blocks * T::kWeightWords;
   for (int i = threadIdx.x; i < total; i += kThreads) {
@@ -190,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) conv2d_sigmoid_sum_kernel(const P
   float* stages = smem + p.channel_blocks * T::kWeightWords;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
-  stage_weight_fragments<T, KW>(fragments, p);
+  stage_weight_fragments<T>(fragments, p);
   for (int s = threadIdx.x; s < p.stages; s += kThreads) {
     stages[s * T::kStageWords + T::kZeroOffset] = 0.f;
     stages[s * T::kStageWords + T::kZeroOffset + 1] = 0.f;
@@ -334,31 +333,20 @@ bool with_compiled_shape(int64_t kh, int64_t kw, int64_t sh, int64_t sw, F&& f) 
   return false;
 }
 
-// A device attribute, asked of the driver once per device.
-int device_attribute(cudaDeviceAttr attribute, int device) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, int> known;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(static_cast<int>(attribute), device);
-  const auto found = known.find(key);
-  if (found != known.end()) return found->second;
-  int value = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
-  return known[key] = value;
-}
-
-// Whether the fused kernel computes this call: float32 on a GPU of compute
+// Whether the fused kernel may compute this call: float32 on a GPU of compute
 // capability 8.0 or later, with TF32 convolutions allowed (PyTorch's
 // torch.backends.cudnn.allow_tf32, as its own convolution would use them), a
-// compiled kernel shape, at most 64 output channels, its weight fragments and two
-// stages fitting in shared memory, and indices in range.
+// compiled kernel shape, at most 64 output channels, and sizes the kernel's int
+// fields hold (launch_fused then checks that the weight fragments and two stages
+// fit in shared memory).
 bool fused_kernel_applies(const at::Tensor& x, const at::Tensor& weight, const Conv2dGeometry& g) {
   if (x.scalar_type() != at::kFloat || !at::globalContext().allowTF32CuDNN()) return false;
-  if (weight.size(0) > 64 || x.numel() >= (int64_t{1} << 40)) return false;
+  if (weight.size(0) > 64) return false;
+  const int64_t widest = std::max({x.size(1), x.size(2) + 2 * g.padding[0], x.size(3) + 2 * g.padding[1]});
+  if (widest > INT_MAX) return false;
   if (device_attribute(cudaDevAttrComputeCapabilityMajor, x.get_device()) < 8) return false;
   return with_compiled_shape(weight.size(2), weight.size(3), g.stride[0], g.stride[1], [&](auto) {});
 }
-
 
 // The fused kernel's launch where it applies (its shared memory: the weight
 // fragments and as many stages as fit, up to kMaxStages, at least two), else

@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace fused_ops {
 
@@ -92,6 +93,20 @@ struct ItemCursor {
   }
 };
 
+// A device attribute (compute capability, the shared memory a block may opt
+// into, ...), asked of the driver once per device, then remembered.
+inline int device_attribute(cudaDeviceAttr attribute, int device) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int>, int> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(static_cast<int>(attribute), device);
+  const auto found = known.find(key);
+  if (found != known.end()) return found->second;
+  int value = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  return known[key] = value;
+}
+
 // Resident blocks of `kernel` over the whole device: the grid of a grid-stride
 // loop. Asked of the driver once per kernel, block shape, shared memory and
 // device, then remembered (launches are on the host's critical path).
@@ -106,10 +121,9 @@ int64_t resident_blocks(Kernel kernel, int block_threads, size_t smem) {
   const std::lock_guard<std::mutex> lock(mutex);
   const auto found = known.find(key);
   if (found != known.end()) return found->second;
-  int sms = 0, per_sm = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, smem));
-  return known[key] = int64_t{sms} * std::max(per_sm, 1);
+  return known[key] = int64_t{device_attribute(cudaDevAttrMultiProcessorCount, device)} * std::max(per_sm, 1);
 }
 
 // The grid of a grid-stride loop over `items`, `items_per_block` per block and
