@@ -49,8 +49,10 @@ def main():
         print(f"depth_stacked_channels_last {dtype}: ok")
     # the tensor-core kernel (float32, TF32): both kernel shapes, two column tiles, odd rows, padding,
     # an odd channel count (forward; its backward is PyTorch's convolution's)
-    for x, w, stride, padding in ((rand(2, 3, 21, 395), rand(5, 3, 6, 6), 4, 1),
-                                  (rand(1, 16, 13, 203), rand(64, 16, 4, 4), 2, (0, 1))):
+    for x, w, stride, padding in ((rand(2, 3, 21, 395), rand(5, 3, 6, 6), 4, 1),  # (cp.async)
+                                  (rand(2, 3, 21, 396), rand(5, 3, 6, 6), 4, 1),  # (copy engine)
+                                  (rand(1, 16, 13, 203), rand(64, 16, 4, 4), 2, (0, 1)),
+                                  (rand(1, 16, 13, 204), rand(64, 16, 4, 4), 2, (0, 1))):
         fused_ops.conv2d_sigmoid_sum(x, w, rand(w.shape[0]), stride, padding)
     print("conv2d_sigmoid_sum: ok")
     for dtype in (torch.float32, torch.bfloat16):

@@ -2,7 +2,10 @@
 ``fused_conv`` formulation. On a GPU, float32 with TF32 allowed runs the tensor-core kernel
 (cuda/conv2d_sigmoid_sum.cu): its kernel shapes (6 x 6 stride 4, 4 x 4 stride 2) are tested at
 sizes that take every path (several column tiles, a half-used row pair, padding, an odd channel
-count, more than 8 channels, fewer than 64 output channels, unaligned rows, no bias)."""
+count, more than 8 channels, fewer than 64 output channels, unaligned rows, no bias), with either
+loader: the bulk tensor copy engine (Hopper, rows of whole 16-byte chunks) or cp.async."""
+import re
+
 import copy
 
 import pytest
@@ -18,14 +21,19 @@ OP = torch.ops.fused_ops.conv2d_sigmoid_sum.default
 # (x shape, weight shape, stride, padding, bias)
 CASES = [
     ((2, 8, 45, 41), (64, 8, 6, 6), 4, 0, True),     # architecture C's folded convolution, small
+    ((2, 8, 45, 44), (64, 8, 6, 6), 4, 0, True),     # the same, rows of whole 16-byte chunks
     ((1, 8, 24, 402), (64, 8, 6, 6), 4, 0, True),    # two column tiles (99 outputs a row)
+    ((1, 8, 24, 400), (64, 8, 6, 6), 4, 0, True),    # two column tiles, 16-byte rows
     ((3, 3, 31, 37), (5, 3, 6, 6), 4, 1, False),     # odd channels, padding, 5 outputs, no bias
+    ((3, 3, 31, 36), (5, 3, 6, 6), 4, 1, False),     # the same, 16-byte rows
     ((2, 16, 22, 27), (64, 16, 6, 6), 4, 0, True),   # 8 channel blocks (two stages fit)
     ((2, 8, 30, 33), (64, 8, 4, 4), 2, 0, True),     # the 4 x 4 stride-2 kernel shape
     ((1, 5, 19, 213), (48, 5, 4, 4), 2, (1, 2), True),  # two tiles, rows of odd length, padding
+    ((1, 5, 19, 212), (48, 5, 4, 4), 2, (1, 2), True),  # the same, 16-byte rows
     ((2, 4, 17, 18), (7, 4, 3, 5), (2, 3), 1, True),  # no kernel for it: PyTorch's ops
 ]
-IDS = ["C-small", "two-tiles", "odd-channels", "16-channels", "k4s2", "k4s2-odd-rows", "uncompiled-shape"]
+IDS = ["C-small", "C-small-aligned", "two-tiles", "two-tiles-aligned", "odd-channels", "odd-channels-aligned",
+       "16-channels", "k4s2", "k4s2-odd-rows", "k4s2-aligned", "uncompiled-shape"]
 
 
 @pytest.fixture
@@ -69,12 +77,26 @@ def test_float64_is_pytorchs(x_shape, w_shape, stride, padding, bias, device):
                                rtol=1e-12, atol=1e-12)
 
 
-def kernel_ran(call) -> bool:
-    """Whether call() ran the tensor-core kernel (the profiler's CUDA kernel names)."""
+def kernel_loaders(call) -> set:
+    """The loaders of the tensor-core kernels call() ran, by the profiler's CUDA kernel names
+    (the kernel's last template argument): "copy engine" or "cp.async"; empty if none ran."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    return any("conv2d_sigmoid_sum_kernel" in e.name for e in prof.events())
+    loaders = set()
+    for e in prof.events():
+        found = re.search(r"conv2d_sigmoid_sum_kernel<[^>]*, (true|false)>", e.name)
+        if found:
+            loaders.add("copy engine" if found.group(1) == "true" else "cp.async")
+    return loaders
+
+
+def expected_loader(x) -> str:
+    """The loader the kernel takes for x: the copy engine on Hopper for rows of whole 16-byte
+    chunks (a contiguous x at a 16-byte aligned address), else cp.async."""
+    copy_engine = (torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % 4 == 0
+                   and x.data_ptr() % 16 == 0)
+    return "copy engine" if copy_engine else "cp.async"
 
 
 @requires_cuda
@@ -87,8 +109,8 @@ def test_float32_within_tf32_or_float32(x_shape, w_shape, stride, padding, bias,
     cudnn = torch.backends.cudnn
     with cudnn.flags(enabled=True, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=allow_tf32):
         out = conv2d_sigmoid_sum(x, w, b, stride, padding)
-        ran = kernel_ran(lambda: conv2d_sigmoid_sum(x, w, b, stride, padding))
-    assert ran == (allow_tf32 and w_shape[2:] in ((6, 6), (4, 4)))
+        loaders = kernel_loaders(lambda: conv2d_sigmoid_sum(x, w, b, stride, padding))
+    assert loaders == ({expected_loader(x)} if allow_tf32 and w_shape[2:] in ((6, 6), (4, 4)) else set())
     expected = composite(x.double(), w.double(), None if b is None else b.double(), stride, padding)
     assert out.dtype == torch.float32 and out.shape == expected.shape
     bound = tf32_bound(x, w, b, stride, padding) if allow_tf32 else 1e-5 * expected.abs() + 1e-6
@@ -106,9 +128,10 @@ def test_integer_valued_exact(x_shape, w_shape, stride, padding, bias, tf32):
 
 
 @requires_cuda
-def test_nan_and_inf_as_pytorch(tf32):
+@pytest.mark.parametrize("width", [41, 44])
+def test_nan_and_inf_as_pytorch(width, tf32):
     """A NaN in an item's input makes its sum NaN; +-inf saturate the sigmoids as PyTorch's do."""
-    x, w, b = make_case((4, 8, 45, 41), (64, 8, 6, 6), True, torch.float32, "cuda")
+    x, w, b = make_case((4, 8, 45, width), (64, 8, 6, 6), True, torch.float32, "cuda")
     w = w.abs()  # (one sign: an infinite input gives infinite outputs, not inf - inf)
     x[1, 3, 10, 7] = float("nan")
     x[2, 0, 20, 20] = float("inf")
@@ -120,15 +143,22 @@ def test_nan_and_inf_as_pytorch(tf32):
 
 
 @requires_cuda
-def test_strided_input_and_deterministic(tf32):
-    """A channels-last or sliced input gives the contiguous input's result; calls repeat bit for bit."""
-    x, w, b = make_case((3, 8, 50, 47), (64, 8, 6, 6), True, torch.float32, "cuda")
+@pytest.mark.parametrize("width", [47, 48])
+def test_strided_input_and_deterministic(width, tf32):
+    """A channels-last or sliced input gives the contiguous input's result; calls repeat bit for
+    bit; both loaders stage the same values (rows of whole 16-byte chunks at an address that is
+    not 16-byte aligned take cp.async)."""
+    x, w, b = make_case((3, 8, 50, width), (64, 8, 6, 6), True, torch.float32, "cuda")
     out = conv2d_sigmoid_sum(x, w, b, 4, 0)
     assert torch.equal(conv2d_sigmoid_sum(x.contiguous(memory_format=torch.channels_last), w, b, 4, 0), out)
     wide = torch.zeros(3, 8, 50, 60, device="cuda")
-    wide[..., 5:52] = x
-    assert torch.equal(conv2d_sigmoid_sum(wide[..., 5:52], w, b, 4, 0), out)
+    wide[..., 5:5 + width] = x
+    assert torch.equal(conv2d_sigmoid_sum(wide[..., 5:5 + width], w, b, 4, 0), out)
     assert all(torch.equal(conv2d_sigmoid_sum(x, w, b, 4, 0), out) for _ in range(3))
+    shifted = torch.empty(x.numel() + 1, device="cuda")[1:].view_as(x).copy_(x)
+    assert expected_loader(shifted) == "cp.async"
+    assert kernel_loaders(lambda: conv2d_sigmoid_sum(shifted, w, b, 4, 0)) == {"cp.async"}
+    assert torch.equal(conv2d_sigmoid_sum(shifted, w, b, 4, 0), out)
 
 
 def test_gradcheck(device):

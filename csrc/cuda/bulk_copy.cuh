@@ -1,10 +1,15 @@
 // Hopper's bulk copy engine (sm_90): global memory into shared memory in one
-// request that completes on a shared-memory barrier (mbarrier). Kernels that
-// use it are launched only on devices of compute capability 9.0 or later
+// request that completes on a shared-memory barrier (mbarrier), either a
+// contiguous range (bulk_load_async) or a box of a tensor described by a
+// tensor map (tensor_load_4d, tiled_tensor_map). Kernels that use it are
+// launched only on devices of compute capability 9.0 or later
 // (runs_bulk_copy); on older targets these helpers compile to a trap.
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -19,10 +24,11 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// A barrier one thread arrives at, completing when the bytes it announced have landed.
-__device__ __forceinline__ void barrier_init(uint64_t* bar) {
+// A barrier whose phase completes when `arrivals` threads have arrived and
+// the bytes they announced (barrier_arrive_expect) have landed.
+__device__ __forceinline__ void barrier_init(uint64_t* bar, uint32_t arrivals = 1) {
 #ifdef FUSED_OPS_BULK_COPY
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(shared_address(bar)));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(arrivals));
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #else
   __trap();
@@ -38,6 +44,27 @@ __device__ __forceinline__ void barrier_wait(uint64_t* bar, uint32_t parity) {
       " @!done bra WAIT_%=;\n}" ::"r"(shared_address(bar)),
       "r"(parity)
       : "memory");
+#else
+  __trap();
+#endif
+}
+
+// One arrival on the barrier, announcing `bytes` that copies will land on it
+// (release: the arriving thread's stores before it are visible to whoever waits).
+__device__ __forceinline__ void barrier_arrive_expect(uint64_t* bar, uint32_t bytes) {
+#ifdef FUSED_OPS_BULK_COPY
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
+// One arrival on the barrier (release: the arriving thread's memory accesses
+// before it, reads included, happen before whatever waits on the barrier).
+__device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
+#ifdef FUSED_OPS_BULK_COPY
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
 #else
   __trap();
 #endif
@@ -77,9 +104,7 @@ __device__ __forceinline__ void bulk_load_async(T* dst, const T* src, int n, uin
 #ifdef FUSED_OPS_BULK_COPY
   if (lane == 0) {
     const uint32_t bytes = static_cast<uint32_t>(middle * sizeof(T));
-    // Release: the lanes' stores above are visible to whoever waits on bar.
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
-                 : "memory");
+    barrier_arrive_expect(bar, bytes);  // (after the lanes' stores above: the warp synced)
     if (bytes > 0) {
       asm volatile(
           "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
@@ -91,6 +116,49 @@ __device__ __forceinline__ void bulk_load_async(T* dst, const T* src, int n, uin
 #else
   __trap();
 #endif
+}
+
+// The box of `map` whose first element is at coordinates (c0, c1, c2, c3)
+// (innermost first; negative or past the end where the box overhangs the
+// tensor, whose missing elements arrive as zeros) into shared memory at `dst`
+// (128-byte aligned), densely, innermost dimension fastest; completes on
+// `bar`, whose expected bytes the caller announced (barrier_arrive_expect).
+// `map` is a __grid_constant__ kernel parameter.
+__device__ __forceinline__ void tensor_load_4d(void* dst, const CUtensorMap& map, int c0, int c1, int c2, int c3,
+                                               uint64_t* bar) {
+#ifdef FUSED_OPS_BULK_COPY
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(shared_address(bar))
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
+// A tensor map of `rank` dimensions over `base` (16-byte aligned): sizes
+// `dims` and byte strides `strides` (of dimensions 1..rank-1, multiples of 16)
+// innermost first, boxes of `box` elements (box[0] times the element size a
+// multiple of 16 bytes, each at most 256), no swizzle, zeros outside the tensor.
+inline CUtensorMap tiled_tensor_map(CUtensorMapDataType type, const void* base, int rank, const cuuint64_t* dims,
+                                    const cuuint64_t* strides, const cuuint32_t* box) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr,
+                "fused_ops: the CUDA driver has no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
+  CUtensorMap map;
+  const CUresult result = encode(&map, type, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides,
+                                 box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(result == CUDA_SUCCESS, "fused_ops: cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(result),
+              ")");
+  return map;
 }
 
 // Whether `kernel` runs on the current device as code built for sm_90 or

@@ -7,19 +7,21 @@
 // one image, 96 output columns wide; its eight warps each own 48 pixels (three
 // m16 tiles) of one row by half the channels (two warps per scheduler: one
 // alone there stalls on every dependent load). The k loop runs over blocks of two
-// input channels, staged in shared memory: those channels' input rows under the
-// task (NCHW read in place, 16-byte cp.async, zero-filled outside the image),
-// several blocks in flight. A lane's A fragment is read straight from the staged
-// rows (each lane keeps the offset of its k columns); the B fragments (the
-// weight, rounded to TF32) sit in shared memory in fragment order for the
-// whole kernel, one 16-byte load per two n8 tiles.
+// input channels, staged in shared memory, several blocks in flight: for each
+// half of the task's columns, a box of those channels' input rows under it
+// (NCHW read in place, zeros outside the image). The boxes come by the bulk
+// tensor copy engine where the device has it and x's rows are 16-byte aligned
+// (a ninth warp issues them; barriers per stage let the computing warps run
+// apart), else by 16-byte cp.async spread over the computing warps (a block
+// barrier per k block). A lane's A fragment is read straight from the boxes (each
+// lane keeps the offset of its k columns); the B fragments (the weight, rounded
+// to TF32) sit in shared memory in fragment order for the whole kernel, one
+// 16-byte load per two n8 tiles.
 //
 // Bank conflicts: a fragment load's lanes are 8 pixels (stride SW words) by 4 k
 // columns. For SW = 4 and a 6-wide kernel, 4 consecutive taps fall in 4 banks
-// unless a row break sits among them (a third of the loads: 2-way). Rows of
-// whole 16-byte chunks keep the staging to one cp.async per 16 bytes, which
-// costs less than those conflicts (8-byte copies into conflict-free rows of 2
-// mod 4 words took twice the loader's instructions).
+// unless a row break sits among them (a third of the loads: 2-way); boxes of
+// whole 16-byte rows (as the copy engine writes them) leave it so.
 //
 // Each task's per-warp sums go to `partial` (N, tasks per image x kWarps); each
 // image's are added in a fixed order after (deterministic results).
@@ -35,12 +37,13 @@
 #include <cstdint>
 
 #include "../conv2d_sigmoid_sum.h"
+#include "bulk_copy.cuh"
 #include "plane_rows.cuh"
 
 namespace fused_ops {
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 8;            // computing warps
 constexpr int kThreads = 32 * kWarps;
 constexpr int kChannelGroups = 2;   // warps splitting the channels
 constexpr int kTileRows = 2;        // output rows per task, one per warp pair
@@ -49,6 +52,7 @@ constexpr int kTilePixels = 2 * kWarpPixels;
 constexpr int kMTiles = kWarpPixels / 16;
 constexpr int kStageChannels = 2;   // input channels per k block
 constexpr int kMaxStages = 4;
+constexpr int kBarrierWords = 32;   // the stages' barriers (full, empty), padded to 128 bytes
 
 // The geometry of one kernel shape (KH x KW kernel, stride SH x SW, NT n8 tiles).
 template <int KH, int KW, int SH, int SW, int NT>
@@ -56,19 +60,24 @@ struct Tile {
   static constexpr int kSH = SH, kSW = SW;
   static constexpr int kTaps = KH * KW;
   static constexpr int kStageK = kStageChannels * kTaps;  // k of a block
-  static constexpr int kKSteps = (kStageK + 7) / 8;
-  static constexpr bool kPaddedK = kStageK % 8 != 0;      // the last k step reads zeros past kStageK
+  static constexpr int kKSteps = kStageK / 8;
   static constexpr int kRows = (kTileRows - 1) * SH + KH;
-  static constexpr int kSpan = (kTilePixels - 1) * SW + KW;  // input columns a task reads
-  static constexpr int kRowStride = (kSpan + 3) / 4 * 4;  // whole 16-byte chunks
-  static constexpr int kChannelStride = kRows * kRowStride;
-  static constexpr int kZeroOffset = kStageChannels * kChannelStride;  // zero words after the rows
-  static constexpr int kStageWords = kZeroOffset + 4;
-  static constexpr int kStageChunks = kStageChannels * kRows * kRowStride / 4;
+  static constexpr int kHalfColumn = kWarpPixels * SW;  // the second half's first input column, from the first's
+  // a half's input columns from a multiple of 4 (the copy engine's boxes start at 16-byte
+  // columns: up to 3 more in front), in whole 16-byte chunks
+  static constexpr int kBoxCols = ((kWarpPixels - 1) * SW + KW + 3 + 3) / 4 * 4;
+  static constexpr int kChannelStride = kRows * kBoxCols;
+  static constexpr int kBoxWords = kStageChannels * kChannelStride;
+  static constexpr int kBoxStride = (kBoxWords + 31) / 32 * 32;  // boxes 128-byte aligned
+  static constexpr int kStageWords = 2 * kBoxStride;
+  static constexpr int kStageChunks = 2 * kBoxWords / 4;
   static constexpr int kPairs = NT / 2;  // n8 tile pairs: one 16-byte weight load each
   static constexpr int kWarpTiles = NT / kChannelGroups;  // a warp's n8 tiles
   static constexpr int kWeightWords = kKSteps * kPairs * 32 * 4;  // per k block
+  static_assert(kStageK % 8 == 0, "a k block of whole k steps");
   static_assert(NT % (2 * kChannelGroups) == 0 && NT <= 8, "NT: 4 or 8 n8 tiles");
+  static_assert(kBoxCols <= 256 && kRows <= 256, "boxes the copy engine takes");
+  static_assert(kTilePixels * SW % 4 == 0 && kHalfColumn % 4 == 0, "boxes at 16-byte columns");
 };
 
 struct Params {
@@ -78,6 +87,7 @@ struct Params {
   float* partial;       // (N, tasks_per_image * kWarps)
   int C, H, W, O, OH, OW, pad_h, pad_w;
   int row_pairs, col_tiles, channel_blocks, stages;
+  int lead;  // columns staged in front of a box's first input column: (-pad_w) mod 4
   int64_t tasks;
 };
 
@@ -114,10 +124,14 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
 }
 
-// 1 / (1 + e^-v) by the special-function unit's exponential (a few ulp, growing
-// with |v| where the sigmoid saturates: far below TF32's 2^-11) and a correctly
-// rounded reciprocal; NaN stays NaN, -inf gives 0, +inf 1.
-__device__ __forceinline__ float fast_sigmoid(float v) { return __frcp_rn(1.f + __expf(-v)); }
+// 1 / (1 + e^-v) by the special-function unit's exponential and reciprocal (a
+// few ulp, growing with |v| where the sigmoid saturates: far below TF32's
+// 2^-11); NaN stays NaN, -inf gives 0, +inf 1.
+__device__ __forceinline__ float fast_sigmoid(float v) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + __expf(-v)));
+  return r;
+}
 
 struct TaskCoords {
   int64_t n;
@@ -131,23 +145,45 @@ __device__ __forceinline__ TaskCoords task_coords(int64_t task, const Params& p)
   return {n, rest / p.col_tiles, rest % p.col_tiles};
 }
 
-// Stages k block `block` of `task` (its input channels' rows under the task) at
-// `stage`, in 16-byte chunks spread over the block's threads: each from x where
-// its four words lie inside the image and are 16-byte aligned there, else word by
-// word, zeros outside the image (padding, the tile's overhang, channels past C).
+// The input coordinates of a task's first box: column (a multiple of 4, p.lead
+// before the task's first input column), row (negative in the padding above).
+__device__ __forceinline__ int2 task_origin(const TaskCoords& tc, int sh, int sw, const Params& p) {
+  return {tc.col_tile * kTilePixels * sw - p.pad_w - p.lead, tc.row_pair * kTileRows * sh - p.pad_h};
+}
+
+// Stages k block `block` of `task` (two boxes: for each half of the task's
+// columns, its input channels' rows under it) at `stage` by the copy engine,
+// called by one thread: it announces the bytes on `bar` and issues both copies
+// (zeros outside the image: padding, the tile's overhang, channels past C).
 template <typename T>
-__device__ __forceinline__ void load_stage(float* stage, int64_t task, int block, const Params& p) {
+__device__ __forceinline__ void load_stage_tensor(float* stage, uint64_t* bar, const CUtensorMap& map, int64_t task,
+                                                  int block, const Params& p) {
   const TaskCoords tc = task_coords(task, p);
-  const int ih0 = tc.row_pair * kTileRows * T::kSH - p.pad_h;
-  const int iw0 = tc.col_tile * kTilePixels * T::kSW - p.pad_w;
-  constexpr int kRowChunks = T::kRowStride / 4;
+  const int2 origin = task_origin(tc, T::kSH, T::kSW, p);
+  barrier_arrive_expect(bar, 2 * T::kBoxWords * sizeof(float));
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    tensor_load_4d(stage + half * T::kBoxStride, map, origin.x + half * T::kHalfColumn, origin.y,
+                   block * kStageChannels, static_cast<int>(tc.n), bar);
+  }
+}
+
+// The same boxes by cp.async, in 16-byte chunks spread over the block's
+// threads: each from x where its four words lie inside the image and are
+// 16-byte aligned there, else word by word, zeros outside the image.
+template <typename T>
+__device__ __forceinline__ void load_stage_async(float* stage, int64_t task, int block, const Params& p) {
+  const TaskCoords tc = task_coords(task, p);
+  const int2 origin = task_origin(tc, T::kSH, T::kSW, p);
+  constexpr int kRowChunks = T::kBoxCols / 4;
   for (int chunk = threadIdx.x; chunk < T::kStageChunks; chunk += kThreads) {
-    const int row = chunk / kRowChunks, q = chunk % kRowChunks;  // row: (channel of the block, row)
-    const int c = block * kStageChannels + row / T::kRows, ih = ih0 + row % T::kRows;
+    const int row = chunk / kRowChunks, q = chunk % kRowChunks;  // row: (half, channel of the block, row)
+    const int half = row / (kStageChannels * T::kRows), box_row = row % (kStageChannels * T::kRows);
+    const int c = block * kStageChannels + box_row / T::kRows, ih = origin.y + box_row % T::kRows;
     const bool row_inside = c < p.C && ih >= 0 && ih < p.H;
-    const int iw = iw0 + 4 * q;
+    const int iw = origin.x + half * T::kHalfColumn + 4 * q;
     const float* src = p.x + ((tc.n * p.C + (row_inside ? c : 0)) * p.H + (row_inside ? ih : 0)) * p.W + iw;
-    float* dst = stage + (row / T::kRows) * T::kChannelStride + (row % T::kRows) * T::kRowStride + 4 * q;
+    float* dst = stage + half * T::kBoxStride + box_row * T::kBoxCols + 4 * q;
     if (!row_inside || (iw >= 0 && iw + 3 < p.W && (reinterpret_cast<uintptr_t>(src) & 15) == 0)) {
       cp_async_zfill<16>(dst, row_inside ? src : p.x, row_inside);
     } else {
@@ -163,11 +199,11 @@ __device__ __forceinline__ void load_stage(float* stage, int64_t task, int block
 // The weight's B fragments for every k block, rounded to TF32, in the order the
 // k loop reads them: [block][k step][n8 tile pair][lane] x {b0, b1 of tile 2j,
 // b0, b1 of tile 2j + 1}, with b0 = w[k = 8 step + lane % 4][n = 8 tile + lane / 4],
-// b1 the same at k + 4; zero past the block's k, past C and past O.
+// b1 the same at k + 4; zero past C and past O.
 template <typename T>
 __device__ void stage_weight_fragments(float* fragments, const Params& p) {
   const int total = p.channel_blocks * T::kWeightWords;
-  for (int i = threadIdx.x; i < total; i += kThreads) {
+  for (int i = threadIdx.x; i < total; i += blockDim.x) {
     const int e = i % 4, lane = (i / 4) % 32;
     const int rest = i / (4 * 32);
     const int pair = rest % T::kPairs, step = (rest / T::kPairs) % T::kKSteps;
@@ -176,28 +212,65 @@ __device__ void stage_weight_fragments(float* fragments, const Params& p) {
     const int k = 8 * step + lane % 4 + 4 * (e % 2);
     const int c = block * kStageChannels + k / T::kTaps, tap = k % T::kTaps;
     float v = 0.f;
-    if (k < T::kStageK && c < p.C && n < p.O) v = p.weight[((int64_t{n} * p.C + c) * T::kTaps) + tap];
+    if (c < p.C && n < p.O) v = p.weight[((int64_t{n} * p.C + c) * T::kTaps) + tap];
     fragments[i] = __uint_as_float(to_tf32(v));
   }
 }
 
-template <int KH, int KW, int SH, int SW, int NT>
-__global__ void __launch_bounds__(kThreads, 1) conv2d_sigmoid_sum_kernel(const Params p) {
+// kTensorLoads: the boxes come by the copy engine (`map`: x as a 4-D tensor
+// (W, H, C, N), boxes of (kBoxCols, kRows, kStageChannels, 1)), issued by one
+// more warp (a stage is refilled once each computing warp has arrived on its
+// `empty` barrier, and read once its `full` barrier has seen the bytes land);
+// else the computing warps load by cp.async, a block barrier between items.
+template <int KH, int KW, int SH, int SW, int NT, bool kTensorLoads>
+__global__ void __launch_bounds__(kThreads + 32, 1)
+    conv2d_sigmoid_sum_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
   using T = Tile<KH, KW, SH, SW, NT>;
-  extern __shared__ __align__(16) float smem[];
-  float* fragments = smem;
-  float* stages = smem + p.channel_blocks * T::kWeightWords;
+  // shared memory: the stages' barriers (copy engine), the weight fragments, the stages
+  extern __shared__ __align__(128) float smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kMaxStages;
+  float* fragments = smem + kBarrierWords;
+  float* stages = fragments + p.channel_blocks * T::kWeightWords;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
+  // this block's tasks: an equal contiguous share, k block by k block (items)
+  const int64_t first = blockIdx.x * p.tasks / gridDim.x;
+  const int64_t last = (blockIdx.x + 1) * p.tasks / gridDim.x;
+
+  if constexpr (kTensorLoads) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < p.stages; ++s) {
+        barrier_init(&full[s]);
+        barrier_init(&empty[s], kWarps);
+      }
+    }
+  }
   stage_weight_fragments<T>(fragments, p);
-  for (int s = threadIdx.x; s < p.stages; s += kThreads) {
-    stages[s * T::kStageWords + T::kZeroOffset] = 0.f;
-    stages[s * T::kStageWords + T::kZeroOffset + 1] = 0.f;
+  if constexpr (kTensorLoads) {
+    __syncthreads();  // (the barriers and fragments are ready; no block barrier after this)
+    if (warp == kWarps) {  // the loading warp: one lane issues every item's copies
+      if (lane == 0) {
+        int s = 0;
+        uint32_t phase = 0;
+        for (int64_t task = first; task < last; ++task) {
+          for (int block = 0; block < p.channel_blocks; ++block) {
+            barrier_wait(&empty[s], phase ^ 1);  // (the first round passes: its "previous" phase counts as done)
+            load_stage_tensor<T>(stages + s * T::kStageWords, &full[s], map, task, block, p);
+            if (++s == p.stages) {
+              s = 0;
+              phase ^= 1;
+            }
+          }
+        }
+      }
+      return;
+    }
   }
 
   // This lane's A fragment words relative to a stage: its k columns' offsets
-  // (k = 8 step + t, and + 4), its pixels' (row of the pair, 48 pixels of the
-  // warp, + 8 for a1 / a3).
+  // (k = 8 step + t, and + 4), its pixels' (the half's box, row of the pair, 48
+  // pixels of the warp, + 8 for a1 / a3).
   int k_offset[T::kKSteps][2];
 #pragma unroll
   for (int step = 0; step < T::kKSteps; ++step) {
@@ -205,12 +278,12 @@ __global__ void __launch_bounds__(kThreads, 1) conv2d_sigmoid_sum_kernel(const P
     for (int h = 0; h < 2; ++h) {
       const int k = 8 * step + t + 4 * h;
       const int tap = k % T::kTaps;
-      k_offset[step][h] = (k / T::kTaps) * T::kChannelStride + (tap / KW) * T::kRowStride + tap % KW;
+      k_offset[step][h] = (k / T::kTaps) * T::kChannelStride + (tap / KW) * T::kBoxCols + tap % KW;
     }
   }
   const int row_in_pair = warp / 4, half = (warp / 2) % 2, channel_group = warp % 2;
   // (the m16 tiles' and a1 / a3 rows' offsets from it are constants: immediate offsets of the loads)
-  const int pixel_offset = row_in_pair * SH * T::kRowStride + (kWarpPixels * half + g) * SW;
+  const int pixel_offset = half * T::kBoxStride + row_in_pair * SH * T::kBoxCols + p.lead + g * SW;
   float bias[T::kWarpTiles][2];
 #pragma unroll
   for (int j = 0; j < T::kWarpTiles; ++j) {
@@ -221,15 +294,12 @@ __global__ void __launch_bounds__(kThreads, 1) conv2d_sigmoid_sum_kernel(const P
     }
   }
 
-  // this block's tasks: an equal contiguous share, k block by k block (items); the loader
-  // runs stages - 1 items ahead of the compute, each with its own (task, block) cursor
-  const int64_t first = blockIdx.x * p.tasks / gridDim.x;
-  const int64_t last = (blockIdx.x + 1) * p.tasks / gridDim.x;
+  // cp.async: the loader runs stages - 1 items ahead of the compute, with its own (task, block) cursor
   int64_t load_task = first;
   int load_block = 0, load_stage_index = 0;
   auto load_next = [&]() {
     if (load_task < last) {
-      load_stage<T>(stages + load_stage_index * T::kStageWords, load_task, load_block, p);
+      load_stage_async<T>(stages + load_stage_index * T::kStageWords, load_task, load_block, p);
       load_stage_index = load_stage_index + 1 == p.stages ? 0 : load_stage_index + 1;
       if (++load_block == p.channel_blocks) {
         load_block = 0;
@@ -238,7 +308,9 @@ __global__ void __launch_bounds__(kThreads, 1) conv2d_sigmoid_sum_kernel(const P
     }
     cp_async_commit();
   };
-  for (int s = 0; s < p.stages - 1; ++s) load_next();
+  if constexpr (!kTensorLoads) {
+    for (int s = 0; s < p.stages - 1; ++s) load_next();
+  }
 
   float acc[kMTiles][T::kWarpTiles][4];
 #pragma unroll
@@ -249,18 +321,23 @@ __global__ void __launch_bounds__(kThreads, 1) conv2d_sigmoid_sum_kernel(const P
       for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
 
   int stage_index = 0;
+  uint32_t phase = 0;  // of the stages' barriers in this round over them
   for (int64_t task = first; task < last; ++task) {
     for (int block = 0; block < p.channel_blocks; ++block) {
-      // (wait_group takes a constant: the deepest pipeline's count, less where stages are fewer)
-      if (p.stages == kMaxStages) {
-        cp_async_wait<kMaxStages - 2>();
-      } else if (p.stages == 3) {
-        cp_async_wait<1>();
+      if constexpr (kTensorLoads) {
+        barrier_wait(&full[stage_index], phase);
       } else {
-        cp_async_wait<0>();
+        // (wait_group takes a constant: the deepest pipeline's count, less where stages are fewer)
+        if (p.stages == kMaxStages) {
+          cp_async_wait<kMaxStages - 2>();
+        } else if (p.stages == 3) {
+          cp_async_wait<1>();
+        } else {
+          cp_async_wait<0>();
+        }
+        __syncthreads();  // (every warp is done with the stage the loader refills now)
+        load_next();
       }
-      __syncthreads();  // (also: every warp is done with the stage the loader refills now)
-      load_next();
 
       const float* stage = stages + stage_index * T::kStageWords;
       const float4* w = reinterpret_cast<const float4*>(fragments + block * T::kWeightWords);
@@ -271,11 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) conv2d_sigmoid_sum_kernel(const P
         for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float* word = stage + pixel_offset + k_offset[step][e >> 1] + (16 * mt + 8 * (e & 1)) * SW;
-            if (T::kPaddedK && step == T::kKSteps - 1 && 8 * step + t + 4 * (e >> 1) >= T::kStageK) {
-              word = stage + T::kZeroOffset;
-            }
-            a[mt][e] = to_tf32(*word);
+            a[mt][e] = to_tf32(stage[pixel_offset + k_offset[step][e >> 1] + (16 * mt + 8 * (e & 1)) * SW]);
           }
         }
 #pragma unroll
@@ -288,7 +361,14 @@ __global__ void __launch_bounds__(kThreads, 1) conv2d_sigmoid_sum_kernel(const P
           }
         }
       }
-      stage_index = stage_index + 1 == p.stages ? 0 : stage_index + 1;
+      if constexpr (kTensorLoads) {
+        __syncwarp();  // (every lane's reads of the stage are done)
+        if (lane == 0) barrier_arrive(&empty[stage_index]);
+      }
+      if (++stage_index == p.stages) {
+        stage_index = 0;
+        phase ^= 1;
+      }
     }
 
     // the task's epilogue: the bias, the sigmoid and this warp's sum over its pixels and channels
@@ -315,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, 1) conv2d_sigmoid_sum_kernel(const P
       p.partial[(tc.n * per_image + tc.row_pair * p.col_tiles + tc.col_tile) * kWarps + warp] = sum;
     }
   }
-  cp_async_wait<0>();
+  if constexpr (!kTensorLoads) cp_async_wait<0>();
 }
 
 // The kernel shapes compiled: (KH, KW, SH, SW) of architecture C's folded
@@ -348,16 +428,17 @@ bool fused_kernel_applies(const at::Tensor& x, const at::Tensor& weight, const C
   return with_compiled_shape(weight.size(2), weight.size(3), g.stride[0], g.stride[1], [&](auto) {});
 }
 
-// The fused kernel's launch where it applies (its shared memory: the weight
-// fragments and as many stages as fit, up to kMaxStages, at least two), else
-// false.
+// The fused kernel's launch where it applies (its shared memory: the
+// barriers, the weight fragments and as many stages as fit, up to kMaxStages,
+// at least two), else false. The copy engine loads the boxes where the device
+// runs the kernel's sm_90 code and x's rows are 16-byte aligned (the tensor
+// map's strides are multiples of 16 bytes: W % 4 == 0).
 bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   const Conv2dGeometry& g, at::Tensor& partial, int row_pairs, int col_tiles, int OH, int OW) {
   bool launched = false;
   with_compiled_shape(weight.size(2), weight.size(3), g.stride[0], g.stride[1], [&](auto shape) {
     using S = decltype(shape);
     using T = Tile<S::kh, S::kw, S::sh, S::sw, 8>;
-    const auto kernel = conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8>;
     Params p{};
     p.C = static_cast<int>(x.size(1));
     p.H = static_cast<int>(x.size(2));
@@ -370,22 +451,36 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
     p.row_pairs = row_pairs;
     p.col_tiles = col_tiles;
     p.channel_blocks = (p.C + kStageChannels - 1) / kStageChannels;
+    p.lead = static_cast<int>((4 - p.pad_w % 4) % 4);
     p.tasks = x.size(0) * row_pairs * col_tiles;
-    const int device = x.get_device();
-    const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    const int64_t weight_bytes = int64_t{p.channel_blocks} * T::kWeightWords * sizeof(float);
+    const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, x.get_device());
+    const int64_t fixed_bytes = (kBarrierWords + int64_t{p.channel_blocks} * T::kWeightWords) * sizeof(float);
     const int64_t stage_bytes = T::kStageWords * sizeof(float);
-    p.stages = static_cast<int>(std::min<int64_t>(kMaxStages, (limit - weight_bytes) / stage_bytes));
+    p.stages = static_cast<int>(std::min<int64_t>(kMaxStages, (limit - fixed_bytes) / stage_bytes));
     if (p.stages < 2) return;
-    const size_t smem = weight_bytes + p.stages * stage_bytes;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    const size_t smem = fixed_bytes + p.stages * stage_bytes;
     p.x = x.const_data_ptr<float>();
     p.weight = weight.const_data_ptr<float>();
     p.bias = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
     p.partial = partial.mutable_data_ptr<float>();
-    const int64_t blocks = std::min<int64_t>(p.tasks, resident_blocks(kernel, kThreads, smem));
-    kernel<<<static_cast<unsigned>(blocks), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+    auto launch = [&](auto kernel, int threads, const CUtensorMap& map) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      const int64_t blocks = std::min<int64_t>(p.tasks, resident_blocks(kernel, threads, smem));
+      kernel<<<static_cast<unsigned>(blocks), threads, smem, c10::cuda::getCurrentCUDAStream()>>>(p, map);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    const auto tensor_kernel = conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, true>;
+    if (p.W % 4 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && runs_bulk_copy(tensor_kernel)) {
+      const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.W), static_cast<cuuint64_t>(p.H),
+                                  static_cast<cuuint64_t>(p.C), static_cast<cuuint64_t>(x.size(0))};
+      const cuuint64_t strides[3] = {dims[0] * sizeof(float), dims[0] * dims[1] * sizeof(float),
+                                     dims[0] * dims[1] * dims[2] * sizeof(float)};
+      const cuuint32_t box[4] = {T::kBoxCols, T::kRows, kStageChannels, 1};
+      launch(tensor_kernel, kThreads + 32, tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.x, 4, dims, strides, box));
+    } else {
+      launch(conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, false>, kThreads, CUtensorMap{});
+    }
     launched = true;
   });
   return launched;
