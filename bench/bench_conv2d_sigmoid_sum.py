@@ -1,9 +1,9 @@
 """conv2d_sigmoid_sum (architecture C's pool-folded convolution and tail in one tensor-core
-kernel) at SPEC's sizes, float32 with PyTorch's default TF32 convolutions: the op against the
-same folded convolution by cuDNN then PyTorch's sigmoid and sum, and architecture C's eval
-forward by each formulation against the original eager, in one run (interleaved rounds, CUDA
-events). Prints the achieved TFLOP/s of the convolution and GB/s of the input read once, and
-the error of each against the float64 result.
+kernel) at SPEC's sizes, float32 input with PyTorch's default TF32 convolutions and under
+bfloat16 autocast: the op against the same folded convolution by cuDNN then PyTorch's sigmoid
+and sum, and architecture C's eval forward by each formulation against the original eager, in
+one run (interleaved rounds, CUDA events). Prints the achieved TFLOP/s of the convolution and
+GB/s of the input read once, and the error of each against the float64 result.
 
     python bench/bench_conv2d_sigmoid_sum.py [--batch 128] [--rounds 5]
 """
@@ -41,20 +41,28 @@ def main():
                 return fused(x)
         return call
 
-    calls = {"op": lambda: conv2d_sigmoid_sum(x, weight, bias, 4, 0),
-             "folded cuDNN": lambda: torch.sigmoid(F.conv2d(x, weight, bias, 4)).sum(dim=(1, 2, 3)),
-             "C fused_conv": forced("fused_conv"),
-             "C rewrite": forced("rewrite"),
-             "C original": lambda: original(x)}
+    float32 = {"op": lambda: conv2d_sigmoid_sum(x, weight, bias, 4, 0),
+               "folded cuDNN": lambda: torch.sigmoid(F.conv2d(x, weight, bias, 4)).sum(dim=(1, 2, 3)),
+               "C fused_conv": forced("fused_conv"),
+               "C rewrite": forced("rewrite"),
+               "C original": lambda: original(x)}
+    # the same calls under bfloat16 autocast (names ending in " bf16")
+    calls = {**float32, **{f"{name} bf16": call for name, call in float32.items()}}
+
+    def settings(name):
+        return torch.autocast("cuda", torch.bfloat16) if name.endswith(" bf16") else contextlib.nullcontext()
+
     flop = 2 * args.batch * 95 * 95 * 64 * 8 * 36
     read = x.numel() * x.element_size()
     copy = copy_bandwidth_gbs(device, 1 << 28)
     print(f"{device_name(device)}; x {tuple(x.shape)} float32, TF32 {torch.backends.cudnn.allow_tf32}; "
           f"convolution {flop / 1e9:.1f} GFLOP, input {read / 1e6:.0f} MB; copy {copy:.0f} GB/s")
     with torch.no_grad():
-        errors = {name: ((call().double() - expected).abs() / expected.abs()).max().item() for name, call in calls.items()}
-        times = interleaved_medians(calls, device, {name: 20 for name in calls}, args.rounds,
-                                    lambda name: contextlib.nullcontext())
+        errors = {}
+        for name, call in calls.items():
+            with settings(name):
+                errors[name] = ((call().double() - expected).abs() / expected.abs()).max().item()
+        times = interleaved_medians(calls, device, {name: 20 for name in calls}, args.rounds, settings)
     print(f"{'variant':<14}{'ms':>8}{'TFLOP/s':>9}{'GB/s':>7}{'max rel err':>13}")
     for name, rounds in times.items():
         ms = statistics.median(rounds)

@@ -47,13 +47,15 @@ def main():
             fused_ops.depth_stacked_channels_last(rand(1, 20, 5, 6, 7, dtype=dtype), 3, 1, [0, -1, 0], [3, 8, 7],
                                                   dtype=out_dtype)
         print(f"depth_stacked_channels_last {dtype}: ok")
-    # the tensor-core kernel (float32, TF32): both kernel shapes, two column tiles, odd rows, padding,
+    # the tensor-core kernel (TF32; bf16 with x rounded): both kernel shapes, both loaders, odd rows, padding,
     # an odd channel count (forward; its backward is PyTorch's convolution's)
     for x, w, stride, padding in ((rand(2, 3, 21, 395), rand(5, 3, 6, 6), 4, 1),  # (cp.async)
                                   (rand(2, 3, 21, 396), rand(5, 3, 6, 6), 4, 1),  # (copy engine)
                                   (rand(1, 16, 13, 203), rand(64, 16, 4, 4), 2, (0, 1)),
                                   (rand(1, 16, 13, 204), rand(64, 16, 4, 4), 2, (0, 1))):
-        fused_ops.conv2d_sigmoid_sum(x, w, rand(w.shape[0]), stride, padding)
+        b = rand(w.shape[0])
+        fused_ops.conv2d_sigmoid_sum(x, w, b, stride, padding)
+        fused_ops.conv2d_sigmoid_sum(x, w.bfloat16(), b.bfloat16(), stride, padding)  # (x rounded: m16n8k16)
     print("conv2d_sigmoid_sum: ok")
     for dtype in (torch.float32, torch.bfloat16):
         bn = torch.nn.BatchNorm3d(3).to(DEV)

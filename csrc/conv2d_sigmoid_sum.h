@@ -3,6 +3,8 @@
 // Architecture C's tail after its pool is folded into the convolution
 // (fused_ops/rewrites.py: avg_pool2d(k, stride k) after a stride-1 conv2d is one
 // conv2d with the kernel convolved with the k x k box over the divisor, stride k).
+// A float32 x may come with a 16-bit weight and bias (as autocast passes them):
+// the convolution is then x.to(weight.dtype)'s, x rounded as it is read.
 //
 // On a GPU (cuda/conv2d_sigmoid_sum.cu) the convolution runs on tensor cores and
 // the sigmoid and sum are its epilogue: y never reaches memory. Elsewhere, and
@@ -38,15 +40,18 @@ inline Conv2dGeometry conv2d_sigmoid_sum_geometry(const at::Tensor& x, const at:
   TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), what,
                    ": input must be a floating-point tensor (float64, float32, float16 or bfloat16), got ",
                    x.scalar_type());
-  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), what, ": weight (", weight.scalar_type(),
-                   ") must have the input's dtype (", x.scalar_type(), ")");
+  const bool rounded_input = x.scalar_type() == at::kFloat &&
+                             (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf);
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type() || rounded_input, what, ": weight (",
+                   weight.scalar_type(), ") must have the input's dtype (", x.scalar_type(),
+                   "), or be float16 or bfloat16 for a float32 input");
   TORCH_CHECK_VALUE(weight.device() == x.device(), what, ": weight is on ", weight.device(),
                     ", the input on ", x.device());
   if (bias.has_value()) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), what,
                       ": bias must have shape (out_channels,) = (", weight.size(0), ",), got ", bias->sizes());
-    TORCH_CHECK_TYPE(bias->scalar_type() == x.scalar_type(), what, ": bias (", bias->scalar_type(),
-                     ") must have the input's dtype (", x.scalar_type(), ")");
+    TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), what, ": bias (", bias->scalar_type(),
+                     ") must have the weight's dtype (", weight.scalar_type(), ")");
     TORCH_CHECK_VALUE(bias->device() == x.device(), what, ": bias is on ", bias->device(), ", the input on ",
                       x.device());
   }
@@ -74,7 +79,7 @@ inline Conv2dGeometry conv2d_sigmoid_sum_geometry(const at::Tensor& x, const at:
 inline at::Tensor conv2d_sigmoid_sum_composite(const at::Tensor& x, const at::Tensor& weight,
                                                const std::optional<at::Tensor>& bias, const Conv2dGeometry& g,
                                                at::ScalarType dtype) {
-  const at::Tensor y = at::conv2d(x, weight, bias, g.stride, g.padding);
+  const at::Tensor y = at::conv2d(x.to(weight.scalar_type()), weight, bias, g.stride, g.padding);
   return at::sum(at::sigmoid(y), {1, 2, 3}, false, dtype);
 }
 

@@ -158,9 +158,11 @@ def conv2d_sigmoid_sum(x: Tensor, weight: Tensor, bias: Tensor | None = None, st
     (float32, TF32 convolutions allowed) the convolution and its tail in one tensor-core kernel
     whose output never reaches memory.
 
-    x: (B, C, H, W); weight (O, C, kh, kw) and bias (O,) in x's dtype. dtype: the result's: x's
-    (None) or its accumulation type. Returns (B,). Differentiable in x, weight and bias (the
-    backward recomputes the convolution).
+    x: (B, C, H, W); weight (O, C, kh, kw) and bias (O,) in x's dtype, or float16 / bfloat16 with
+    a float32 x (as autocast passes them: x is rounded to the weight's dtype as it is read, no
+    copy made; on a GPU the kernel takes this too). dtype: the result's: the weight's (None) or
+    its accumulation type. Returns (B,). Differentiable in x, weight and bias (the backward
+    recomputes the convolution).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"conv2d_sigmoid_sum: x must be a Tensor, got {type(x).__name__}")
@@ -171,15 +173,17 @@ def conv2d_sigmoid_sum(x: Tensor, weight: Tensor, bias: Tensor | None = None, st
 def _conv2d_sigmoid_sum_fake(x, weight, bias, stride, padding, dtype=None):
     torch._check(x.dim() == 4 and weight.dim() == 4,
                  lambda: f"conv2d_sigmoid_sum: expected 4-D input and weight, got {x.dim()}-D and {weight.dim()}-D")
-    torch._check(x.dtype.is_floating_point and weight.dtype == x.dtype,
-                 lambda: f"conv2d_sigmoid_sum: input and weight must share a floating dtype, got {x.dtype}, {weight.dtype}")
+    rounded_input = x.dtype == torch.float32 and weight.dtype in (torch.float16, torch.bfloat16)
+    torch._check(x.dtype.is_floating_point and (weight.dtype == x.dtype or rounded_input),
+                 lambda: f"conv2d_sigmoid_sum: weight must have the input's floating dtype, or be 16-bit for a "
+                         f"float32 input, got {x.dtype}, {weight.dtype}")
     torch._check(weight.shape[1] == x.shape[1],
                  lambda: f"conv2d_sigmoid_sum: the input has {x.shape[1]} channels, the weight expects {weight.shape[1]}")
     s, p = _pair(list(stride), "stride"), _pair(list(padding), "padding")
     for d in range(2):
         torch._check(x.shape[2 + d] + 2 * p[d] >= weight.shape[2 + d],
                      lambda: "conv2d_sigmoid_sum: the padded input is smaller than the kernel")
-    return x.new_empty((x.shape[0],), dtype=_result_dtype(x, dtype, "conv2d_sigmoid_sum"))
+    return x.new_empty((x.shape[0],), dtype=_result_dtype(weight, dtype, "conv2d_sigmoid_sum"))
 
 
 # --------------------------------------------------------------------------

@@ -410,8 +410,8 @@ def _pool_folded_bias(bias: Tensor | None, fold: _PoolFold) -> Tensor | None:
 def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:
     """``torch.sigmoid(pool(conv(x))).sum(dim=(1, 2, 3))`` by fused_ops.conv2d_sigmoid_sum over the
     pool-folded kernel (stride the pool's): on a GPU one kernel, the convolution's output never
-    in memory. In the dtype the convolution computes in (autocast's: x cast first); None where
-    the fold does not hold."""
+    in memory. In the dtype the convolution computes in (autocast's: a float32 x is rounded to
+    it by the op as it reads x, another x cast first); None where the fold does not hold."""
     fold = _pool_fold(x, conv, pool)
     if fold is None:
         return None
@@ -419,7 +419,9 @@ def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) 
     weight, bias = derived(("conv2d_pool_folded", fold.box, fold.divisor, dtype), (conv.weight, conv.bias),
                            lambda: (_pool_folded_kernel(conv.weight, fold.box, fold.divisor).to(dtype),
                                     None if conv.bias is None else _pool_folded_bias(conv.bias, fold).to(dtype)))
-    return conv2d_sigmoid_sum(x if cast is None else x.to(cast), weight, bias, fold.stride, fold.padding)
+    if cast is not None and x.dtype != torch.float32:
+        x = x.to(cast)
+    return conv2d_sigmoid_sum(x, weight, bias, fold.stride, fold.padding)
 
 
 def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:

@@ -26,14 +26,15 @@ CASES = [
     ((1, 8, 24, 400), (64, 8, 6, 6), 4, 0, True),    # two column tiles, 16-byte rows
     ((3, 3, 31, 37), (5, 3, 6, 6), 4, 1, False),     # odd channels, padding, 5 outputs, no bias
     ((3, 3, 31, 36), (5, 3, 6, 6), 4, 1, False),     # the same, 16-byte rows
-    ((2, 16, 22, 27), (64, 16, 6, 6), 4, 0, True),   # 8 channel blocks (two stages fit)
+    ((2, 16, 22, 27), (64, 16, 6, 6), 4, 0, True),   # 8 channel blocks
+    ((1, 37, 22, 28), (64, 37, 6, 6), 4, 0, True),   # 19 channel blocks, the last half empty
     ((2, 8, 30, 33), (64, 8, 4, 4), 2, 0, True),     # the 4 x 4 stride-2 kernel shape
     ((1, 5, 19, 213), (48, 5, 4, 4), 2, (1, 2), True),  # two tiles, rows of odd length, padding
     ((1, 5, 19, 212), (48, 5, 4, 4), 2, (1, 2), True),  # the same, 16-byte rows
     ((2, 4, 17, 18), (7, 4, 3, 5), (2, 3), 1, True),  # no kernel for it: PyTorch's ops
 ]
 IDS = ["C-small", "C-small-aligned", "two-tiles", "two-tiles-aligned", "odd-channels", "odd-channels-aligned",
-       "16-channels", "k4s2", "k4s2-odd-rows", "k4s2-aligned", "uncompiled-shape"]
+       "16-channels", "37-channels", "k4s2", "k4s2-odd-rows", "k4s2-aligned", "uncompiled-shape"]
 
 
 @pytest.fixture
@@ -162,9 +163,13 @@ def test_strided_input_and_deterministic(width, tf32):
 
 
 def test_gradcheck(device):
+    """(cuDNN's deterministic algorithms: gradcheck checks that repeated backwards agree bit for bit,
+    which PyTorch's own convolution backward need not otherwise)"""
     x, w, b = make_case((2, 3, 9, 10), (4, 3, 3, 4), True, torch.float64, device)
     inputs = [t.requires_grad_() for t in (x, w, b)]
-    assert torch.autograd.gradcheck(lambda x, w, b: conv2d_sigmoid_sum(x, w, b, (2, 3), 1), inputs)
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=True, allow_tf32=False):
+        assert torch.autograd.gradcheck(lambda x, w, b: conv2d_sigmoid_sum(x, w, b, (2, 3), 1), inputs)
 
 
 @requires_cuda
@@ -185,6 +190,7 @@ def test_opcheck(device):
     torch.library.opcheck(OP, (x, w, b, [4, 4], [0, 0]))
     torch.library.opcheck(OP, (x.double().requires_grad_(), w.double().requires_grad_(), b.double(), [2, 3], [1, 0]))
     torch.library.opcheck(OP, (x, w, None, [4, 4], [1, 1], torch.float32))
+    torch.library.opcheck(OP, (x.requires_grad_(), w.bfloat16(), b.bfloat16(), [4, 4], [0, 0]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -197,16 +203,84 @@ def test_16_bit_as_pytorch(dtype, device):
     assert conv2d_sigmoid_sum(x, w, b, 4, 0, dtype=torch.float32).dtype == torch.float32
 
 
-@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
-def test_autocast_casts_as_a_convolution(autocast_dtype, device):
-    """Under autocast the convolution's operands are cast as autocast casts a convolution's, the
-    result's dtype is the sum's (float32 on CUDA): the original's ops under autocast, exactly."""
+def rounded_bound(x, w, b, stride, padding):
+    """A bound on the kernel's error against the float64 sums of a 16-bit convolution (operands
+    already rounded: every product exact in float32): float32 accumulation of k terms (relative
+    k 2^-24), sigmoid' <= 1/4, plus float32 sigmoids and sums."""
+    magnitude = F.conv2d(x.double().abs(), w.double().abs(), None if b is None else b.double().abs(), stride, padding)
+    return 0.25 * (w[0].numel() + 1) * 2.0 ** -24 * magnitude.sum(dim=(1, 2, 3)) + 1e-5 * magnitude[0].numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [41, 44])
+def test_rounded_input(dtype, width, device):
+    """A float32 x with a 16-bit weight and bias: the convolution of x rounded to the weight's dtype
+    (the result in that dtype by default). PyTorch's ops on the CPU, exactly; the kernel on a GPU
+    (either loader), within float32 accumulation's bound of the float64 sums."""
+    x, w, b = make_case((2, 8, 45, width), (64, 8, 6, 6), True, torch.float32, device)
+    w, b = w.to(dtype), b.to(dtype)
+    out = conv2d_sigmoid_sum(x, w, b, 4, 0, dtype=torch.float32)
+    assert conv2d_sigmoid_sum(x, w, b, 4, 0).dtype == dtype
+    if device == "cpu":
+        expected = torch.sigmoid(F.conv2d(x.to(dtype), w, b, 4)).sum(dim=(1, 2, 3), dtype=torch.float32)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        return
+    assert kernel_loaders(lambda: conv2d_sigmoid_sum(x, w, b, 4, 0)) == {expected_loader(x)}
+    exact = composite(x.to(dtype).double(), w.double(), b.double(), 4, 0)
+    assert ((out.double() - exact).abs() <= rounded_bound(x.to(dtype), w, b, 4, 0)).all()
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounded_input_kernel_shapes(dtype):
+    """The kernel at the rounded input for every case it takes (both kernel shapes, padding, odd
+    channels, fewer outputs, no bias), integer-valued (exact in 16 bits): the float64 result."""
+    for x_shape, w_shape, stride, padding, bias in CASES[:-1]:
+        x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda", integers=True)
+        w, b = w.to(dtype), None if b is None else b.to(dtype)
+        assert kernel_loaders(lambda: conv2d_sigmoid_sum(x, w, b, stride, padding)) == {expected_loader(x)}
+        expected = composite(x.double(), w.double(), None if b is None else b.double(), stride, padding)
+        torch.testing.assert_close(conv2d_sigmoid_sum(x, w, b, stride, padding, dtype=torch.float32).double(),
+                                   expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rounded_input_gradients(device):
+    """The backward of a rounded input: x's gradient in float32 (the rounding's is the identity),
+    the weight's and bias's in their dtype, PyTorch's gradients of the composite on x.to(dtype)."""
     x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    w, b = w.bfloat16(), b.bfloat16()
+    grads = []
+    for f in (conv2d_sigmoid_sum, lambda x, w, b, s, p: composite(x.bfloat16(), w, b, s, p).float()):
+        inputs = [t.clone().requires_grad_() for t in (x, w, b)]
+        f(*inputs, 4, 0).float().backward(torch.tensor([0.5, -2.0], device=device))
+        grads.append([t.grad for t in inputs])
+    assert [g.dtype for g in grads[0]] == [torch.float32, torch.bfloat16, torch.bfloat16]
+    for a, e in zip(*grads):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("w_shape", [(4, 3, 6, 6), (4, 3, 3, 5)], ids=["kernel-shape", "other-shape"])
+def test_autocast_casts_as_a_convolution(autocast_dtype, w_shape, device):
+    """Under autocast the convolution's operands are rounded as autocast casts a convolution's and
+    the result's dtype is the sum's (float32 on CUDA). Where PyTorch's ops compute it (the CPU, a
+    shape the kernel does not take) it is the original's ops under autocast, exactly; the kernel
+    adds float32 sigmoids of the rounded operands' convolution (the original also rounds y and the
+    sigmoids to 16 bits): within float32 accumulation's bound of the float64 sums."""
+    x, w, b = make_case((2, 3, 13, 16), w_shape, True, torch.float32, device)
+    kernel = device == "cuda" and w_shape[2:] == (6, 6)
     with torch.autocast(device, dtype=autocast_dtype):
         out = conv2d_sigmoid_sum(x, w, b, 4, 0)
         expected = composite(x, w, b, 4, 0)
+        if device == "cuda":
+            assert bool(kernel_loaders(lambda: conv2d_sigmoid_sum(x, w, b, 4, 0))) == kernel
     assert out.dtype == expected.dtype == (torch.float32 if device == "cuda" else autocast_dtype)
-    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    if kernel:
+        rounded = [t.to(autocast_dtype) for t in (x, w, b)]
+        exact = composite(*[t.double() for t in rounded], 4, 0)
+        assert ((out.double() - exact).abs() <= rounded_bound(*rounded, 4, 0)).all()
+    else:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -214,6 +288,8 @@ def test_autocast_casts_as_a_convolution(autocast_dtype, device):
     (lambda x, w, b: (x, w[0], b, 4, 0), "4-D weight"),
     (lambda x, w, b: (x.int(), w, b, 4, 0), "floating-point"),
     (lambda x, w, b: (x, w.double(), b, 4, 0), "weight .* must have the input's dtype"),
+    (lambda x, w, b: (x.half(), w.bfloat16(), b.bfloat16(), 4, 0), "weight .* must have the input's dtype"),
+    (lambda x, w, b: (x, w.bfloat16(), b, 4, 0), "bias .* must have the weight's dtype"),
     (lambda x, w, b: (x, w[:, :2], b, 4, 0), "3 channels, the weight expects 2"),
     (lambda x, w, b: (x, w, b[:2], 4, 0), "bias must have shape"),
     (lambda x, w, b: (x[..., :5], w, b, 4, 0), "smaller than the kernel"),

@@ -56,7 +56,9 @@ void register_float32_results(torch::Library& m) {
 // conv2d_sigmoid_sum, as autocast runs its ops: the convolution's input, weight
 // and bias cast to autocast's dtype (a float32 or 16-bit input; float64 is
 // left alone), the sigmoid in that dtype, the sum's result float32 on CUDA
-// (where autocast runs torch.sum in float32), autocast's dtype on the CPU.
+// (where autocast runs torch.sum in float32), autocast's dtype on the CPU. A
+// float32 input is passed as it is, the op rounding it to the weight's dtype
+// as it reads it (the same values, without the cast's copy).
 template <c10::DispatchKey autocast_key>
 void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, stride, padding, dtype
@@ -64,7 +66,7 @@ void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stac
   if (input == at::kHalf || input == at::kBFloat16 || input == at::kFloat) {
     const at::ScalarType cast = at::autocast::get_autocast_dtype(
         autocast_key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
-    for (size_t i = first; i < first + 3; ++i) {
+    for (size_t i = input == at::kFloat ? first + 1 : first; i < first + 3; ++i) {
       if ((*stack)[i].isTensor()) (*stack)[i] = (*stack)[i].toTensor().to(cast);
     }
     if (autocast_key == c10::DispatchKey::AutocastCUDA && stack->back().isNone()) stack->back() = at::kFloat;

@@ -2,7 +2,8 @@
 // backward recomputes the convolution (the forward keeps nothing of its size),
 //   s = sigmoid(conv2d(x, weight, bias)),  grad_y = grad_out[n] * s * (1 - s),
 // then PyTorch's convolution backward gives x's, the weight's and the bias's
-// gradients, those asked for.
+// gradients, those asked for (x's in its own dtype where it was rounded to the
+// weight's: the rounding's gradient is the identity).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -42,14 +43,15 @@ class Conv2dSigmoidSumFunction : public torch::autograd::Function<Conv2dSigmoidS
     const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
     const auto stride = ctx->saved_data["stride"].toIntVector();
     const auto padding = ctx->saved_data["padding"].toIntVector();
-    const at::Tensor s = at::sigmoid(at::conv2d(x, weight, defined_or_none(bias), stride, padding));
-    const at::Tensor grad_y = grads[0].to(s.scalar_type()).view({-1, 1, 1, 1}) * s * (1 - s);
+    const at::Tensor input = x.to(weight.scalar_type());
+    const at::Tensor s = at::sigmoid(at::conv2d(input, weight, defined_or_none(bias), stride, padding));
+    const at::Tensor grad_y = at::sigmoid_backward(grads[0].to(s.scalar_type()).view({-1, 1, 1, 1}).expand_as(s), s);
     const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                    bias.defined() && ctx->needs_input_grad(2)};
     auto [grad_x, grad_weight, grad_bias] = at::convolution_backward(
-        grad_y, x, weight, bias.defined() ? std::optional<at::IntArrayRef>(bias.sizes()) : std::nullopt, stride,
+        grad_y, input, weight, bias.defined() ? std::optional<at::IntArrayRef>(bias.sizes()) : std::nullopt, stride,
         padding, {1, 1}, false, {0, 0}, 1, mask);
-    grad_inputs[0] = grad_x;
+    grad_inputs[0] = grad_x.defined() ? grad_x.to(x.scalar_type()) : grad_x;
     grad_inputs[1] = grad_weight;
     grad_inputs[2] = grad_bias;
     return grad_inputs;

@@ -11,7 +11,7 @@ at::Tensor conv2d_sigmoid_sum_cpu(const at::Tensor& x, const at::Tensor& weight,
                                   at::IntArrayRef stride, at::IntArrayRef padding,
                                   std::optional<at::ScalarType> dtype) {
   const Conv2dGeometry g = conv2d_sigmoid_sum_geometry(x, weight, bias, stride, padding);
-  return conv2d_sigmoid_sum_composite(x, weight, bias, g, result_dtype("conv2d_sigmoid_sum", x.scalar_type(), dtype));
+  return conv2d_sigmoid_sum_composite(x, weight, bias, g, result_dtype("conv2d_sigmoid_sum", weight.scalar_type(), dtype));
 }
 
 }  // namespace

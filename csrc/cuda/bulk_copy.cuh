@@ -70,6 +70,20 @@ __device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
 #endif
 }
 
+// `bytes` (a multiple of 16) from global memory at `src` into shared memory at
+// `dst` (both 16-byte aligned) in one copy, completing on `bar`; called by one
+// thread, which announced the bytes (barrier_arrive_expect).
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#ifdef FUSED_OPS_BULK_COPY
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   shared_address(dst)),
+               "l"(src), "r"(bytes), "r"(shared_address(bar))
+               : "memory");
+#else
+  __trap();
+#endif
+}
+
 // Elements of `src` before its first 16-byte boundary.
 template <typename T>
 __device__ __forceinline__ int bulk_load_head(const T* src) {
@@ -105,13 +119,7 @@ __device__ __forceinline__ void bulk_load_async(T* dst, const T* src, int n, uin
   if (lane == 0) {
     const uint32_t bytes = static_cast<uint32_t>(middle * sizeof(T));
     barrier_arrive_expect(bar, bytes);  // (after the lanes' stores above: the warp synced)
-    if (bytes > 0) {
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-              shared_address(out + head)),
-          "l"(src + head), "r"(bytes), "r"(shared_address(bar))
-          : "memory");
-    }
+    if (bytes > 0) bulk_load(out + head, src + head, bytes, bar);
   }
 #else
   __trap();
