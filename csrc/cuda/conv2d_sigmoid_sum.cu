@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <cstdint>
 
 #include "../conv2d_sigmoid_sum.h"
@@ -60,6 +61,12 @@ constexpr int kBarrierWords = 32;   // the stages' barriers (full, empty), padde
 // rounded to it as it is read, as a cast would round it). Each lane's A and B
 // registers hold k = kStepK * step + kPerRegister * t + kStepK / 2 * h (h = 0, 1:
 // a0 / a1 and a2 / a3; b0 and b1) and the kPerRegister - 1 after it.
+// c += a b by one mma.sync of the shape and types PTX spells as `shape_and_types`.
+#define FUSED_OPS_MMA_SYNC(shape_and_types, c, a, b0, b1)                                                       \
+  asm volatile("mma.sync.aligned." shape_and_types " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                               \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+
 struct Tf32Mma {
   static constexpr int kStepK = 8, kPerRegister = 1;
   __device__ static uint32_t pack(float v, float) {
@@ -68,43 +75,35 @@ struct Tf32Mma {
     return r;
   }
   __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    FUSED_OPS_MMA_SYNC("m16n8k8.row.col.f32.tf32.tf32.f32", c, a, b0, b1);
   }
 };
 
-struct Bf16Mma {
+// m16n8k16 on bfloat16 (kBf16) or float16, each rounded to nearest even as .to() rounds.
+template <bool kBf16>
+struct Mma16 {
   static constexpr int kStepK = 16, kPerRegister = 2;
-  __device__ static uint32_t pack(float lo, float hi) {  // (round to nearest even, as .to(bfloat16))
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
+  __device__ static uint32_t pack(float lo, float hi) {
+    uint32_t r;
+    if constexpr (kBf16) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+      memcpy(&r, &v, sizeof(r));
+    } else {
+      const __half2 v = __floats2half2_rn(lo, hi);
+      memcpy(&r, &v, sizeof(r));
+    }
+    return r;
   }
   __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    if constexpr (kBf16) {
+      FUSED_OPS_MMA_SYNC("m16n8k16.row.col.f32.bf16.bf16.f32", c, a, b0, b1);
+    } else {
+      FUSED_OPS_MMA_SYNC("m16n8k16.row.col.f32.f16.f16.f32", c, a, b0, b1);
+    }
   }
 };
-
-struct F16Mma {
-  static constexpr int kStepK = 16, kPerRegister = 2;
-  __device__ static uint32_t pack(float lo, float hi) {  // (round to nearest even, as .to(float16))
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
+using Bf16Mma = Mma16<true>;
+using F16Mma = Mma16<false>;
 
 // The order of a k block's taps in the GEMM's k: GEMM k i is the block's k
 // natural[i] (natural: (channel, kh, kw)). One fragment load's lanes t = 0..3
