@@ -177,6 +177,8 @@ def _conv2d_sigmoid_sum_fake(x, weight, bias, stride, padding, dtype=None):
     torch._check(x.dtype.is_floating_point and (weight.dtype == x.dtype or rounded_input),
                  lambda: f"conv2d_sigmoid_sum: weight must have the input's floating dtype, or be 16-bit for a "
                          f"float32 input, got {x.dtype}, {weight.dtype}")
+    torch._check(bias is None or bias.dtype == weight.dtype,
+                 lambda: f"conv2d_sigmoid_sum: bias must have the weight's dtype, got {bias.dtype}, {weight.dtype}")
     torch._check(weight.shape[1] == x.shape[1],
                  lambda: f"conv2d_sigmoid_sum: the input has {x.shape[1]} channels, the weight expects {weight.shape[1]}")
     s, p = _pair(list(stride), "stride"), _pair(list(padding), "padding")

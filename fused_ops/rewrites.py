@@ -413,9 +413,10 @@ def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) 
     in memory. In the dtype the convolution computes in (autocast's: a float32 x is rounded to
     it by the op as it reads x, another x cast first); None where the fold does not hold."""
     fold = _pool_fold(x, conv, pool)
-    if fold is None:
+    cast = _autocast.cast_dtype(x)
+    if fold is None or (cast is None and x.dtype != conv.weight.dtype):  # (the latter: the original's error)
         return None
-    cast, dtype = _autocast.cast_dtype(x), kernel_dtype(x, conv.weight)
+    dtype = kernel_dtype(x, conv.weight)
     weight, bias = derived(("conv2d_pool_folded", fold.box, fold.divisor, dtype), (conv.weight, conv.bias),
                            lambda: (_pool_folded_kernel(conv.weight, fold.box, fold.divisor).to(dtype),
                                     None if conv.bias is None else _pool_folded_bias(conv.bias, fold).to(dtype)))

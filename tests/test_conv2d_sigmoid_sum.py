@@ -86,7 +86,7 @@ def kernel_loaders(call) -> set:
         torch.cuda.synchronize()
     loaders = set()
     for e in prof.events():
-        found = re.search(r"conv2d_sigmoid_sum_kernel<[^>]*, (true|false)>", e.name)
+        found = re.search(r"conv2d_sigmoid_sum_kernel<.*, (true|false)>", e.name)
         if found:
             loaders.add("copy engine" if found.group(1) == "true" else "cp.async")
     return loaders
@@ -326,3 +326,16 @@ def test_module_fused_conv_float32(shape, mode, tf32):
         original(x).sum().backward()
         for a, e in zip(grads, [p.grad for p in original.parameters()]):
             torch.testing.assert_close(a, e, rtol=2e-3, atol=1e-4)
+
+
+def test_module_dtype_mismatch_raises_as_original(device):
+    """A bfloat16 C given a float32 input outside autocast: ``fused_conv`` raises the original's
+    error (the op itself would take the pair, rounding x, as autocast has it call)."""
+    original = reference.Conv2dAvgPoolSigmoidSum(3, 8, 3, 4).to(device, torch.bfloat16)
+    fused = fnn.Conv2dAvgPoolSigmoidSum.from_module(original)
+    x = torch.rand(2, 3, 22, 19, device=device)
+    with pytest.raises(RuntimeError) as expected:
+        original(x)
+    with autotune.force("fused_conv"), pytest.raises(RuntimeError) as raised:
+        fused(x)
+    assert str(raised.value) == str(expected.value)

@@ -270,7 +270,8 @@ __device__ __forceinline__ void load_stage_async(float* stage, int64_t task, int
     const float* src = p.x + ((tc.n * p.C + (row_inside ? c : 0)) * p.H + (row_inside ? ih : 0)) * p.W + iw;
     float* dst = stage + half * T::kBoxStride + box_row * T::kBoxCols + 4 * q;
     if (!row_inside || (iw >= 0 && iw + 3 < p.W && (reinterpret_cast<uintptr_t>(src) & 15) == 0)) {
-      cp_async_zfill<16>(dst, row_inside ? src : p.x, row_inside);
+      // (outside: nothing read, from an address of a 16-byte aligned allocation)
+      cp_async_zfill<16>(dst, row_inside ? src : reinterpret_cast<const float*>(p.fragments), row_inside);
     } else {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
