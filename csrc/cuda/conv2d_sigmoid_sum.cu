@@ -56,17 +56,17 @@ constexpr int kStageChannels = 2;   // input channels per k block
 constexpr int kMaxStages = 4;
 constexpr int kBarrierWords = 32;   // the stages' barriers (full, empty), padded to 128 bytes
 
-// The tensor-core operation: TF32 m16n8k8 (one k per operand register) for
-// float32, or m16n8k16 on bfloat16 / float16 (two adjacent k per register; x
-// rounded to it as it is read, as a cast would round it). Each lane's A and B
-// registers hold k = kStepK * step + kPerRegister * t + kStepK / 2 * h (h = 0, 1:
-// a0 / a1 and a2 / a3; b0 and b1) and the kPerRegister - 1 after it.
 // c += a b by one mma.sync of the shape and types PTX spells as `shape_and_types`.
 #define FUSED_OPS_MMA_SYNC(shape_and_types, c, a, b0, b1)                                                       \
   asm volatile("mma.sync.aligned." shape_and_types " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" \
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                               \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 
+// The tensor-core operation: TF32 m16n8k8 (one k per operand register) for
+// float32, or m16n8k16 on bfloat16 / float16 (two adjacent k per register; x
+// rounded to it as it is read, as a cast would round it). Each lane's A and B
+// registers hold k = kStepK * step + kPerRegister * t + kStepK / 2 * h (h = 0, 1:
+// a0 / a1 and a2 / a3; b0 and b1) and the kPerRegister - 1 after it.
 struct Tf32Mma {
   static constexpr int kStepK = 8, kPerRegister = 1;
   __device__ static uint32_t pack(float v, float) {
@@ -585,10 +585,10 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     p.fragments = reinterpret_cast<const uint32_t*>(fragments.const_data_ptr<int32_t>());
 
-    auto launch = [&](auto kernel, int threads, const CUtensorMap& map) {
+    auto launch = [&](auto kernel, const CUtensorMap& map) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      const int64_t blocks = std::min<int64_t>(p.tasks, resident_blocks(kernel, threads, smem));
-      kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(p, map);
+      const int64_t blocks = std::min<int64_t>(p.tasks, resident_blocks(kernel, kThreads, smem));
+      kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, map);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     const auto tensor_kernel = conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, Mma, true>;
@@ -600,9 +600,9 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
       const cuuint64_t strides[3] = {dims[0] * sizeof(float), dims[0] * dims[1] * sizeof(float),
                                      dims[0] * dims[1] * dims[2] * sizeof(float)};
       const cuuint32_t box[4] = {T::kBoxCols, T::kRows, kStageChannels, 1};
-      launch(tensor_kernel, kThreads, tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.x, 4, dims, strides, box));
+      launch(tensor_kernel, tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.x, 4, dims, strides, box));
     } else {
-      launch(conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, Mma, false>, kThreads, CUtensorMap{});
+      launch(conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, Mma, false>, CUtensorMap{});
     }
     launched = true;
   });
