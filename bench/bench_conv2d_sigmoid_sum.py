@@ -3,9 +3,14 @@ kernel) at SPEC's sizes, float32 input with PyTorch's default TF32 convolutions 
 bfloat16 autocast: the op against the same folded convolution by cuDNN then PyTorch's sigmoid
 and sum, and architecture C's eval forward by each formulation against the original eager, in
 one run (interleaved rounds, CUDA events). Prints the achieved TFLOP/s of the convolution and
-GB/s of the input read once, and the error of each against the float64 result.
+GB/s of the input read once, and the error of each against the float64 result. Then the
+training step (forward, and the parameters' gradients; x needs none) the same way: the op
+(its forward saving sigmoid', the weight-gradient kernel) and C by each formulation.
 
     python bench/bench_conv2d_sigmoid_sum.py [--batch 128] [--rounds 5]
+
+(TFLOP/s of a training step: the forward's convolution and the weight gradient's GEMM, 2 x 42.6
+GFLOP at SPEC's sizes.)
 """
 import argparse
 import contextlib
@@ -67,6 +72,31 @@ def main():
     for name, rounds in times.items():
         ms = statistics.median(rounds)
         print(f"{name:<14}{ms:>8.3f}{flop / ms / 1e9:>9.0f}{read / ms / 1e6:>7.0f}{errors[name]:>13.1e}")
+
+    # training steps: the op on leaf parameters (the folded kernel), and the module (original's parameters)
+    original.train()
+    weight_leaf, bias_leaf = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    grad = torch.rand(args.batch, device=device)
+
+    def op_step():
+        conv2d_sigmoid_sum(x, weight_leaf, bias_leaf, 4, 0).backward(grad)
+
+    def module_step(module, name=None):
+        def step():
+            with autotune.force(name) if name else contextlib.nullcontext():
+                out = module(x)
+            out.float().backward(grad)
+        return step
+
+    train32 = {"op": op_step, "C fused_conv": module_step(fused, "fused_conv"),
+               "C rewrite": module_step(fused, "rewrite"), "C original": module_step(original)}
+    train = {**train32, **{f"{name} bf16": call for name, call in train32.items()}}
+    times = interleaved_medians(train, device, {name: 10 for name in train}, args.rounds, settings)
+    print(f"\ntraining step (forward + the parameters' gradients), {device_name(device)}")
+    print(f"{'variant':<14}{'ms':>8}{'TFLOP/s':>9}")
+    for name, rounds in times.items():
+        ms = statistics.median(rounds)
+        print(f"{name:<14}{ms:>8.3f}{2 * flop / ms / 1e9:>9.0f}")
 
 
 if __name__ == "__main__":

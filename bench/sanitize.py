@@ -47,15 +47,21 @@ def main():
             fused_ops.depth_stacked_channels_last(rand(1, 20, 5, 6, 7, dtype=dtype), 3, 1, [0, -1, 0], [3, 8, 7],
                                                   dtype=out_dtype)
         print(f"depth_stacked_channels_last {dtype}: ok")
-    # the tensor-core kernel (TF32; bf16 with x rounded): both kernel shapes, both loaders, odd rows, padding,
-    # an odd channel count (forward; its backward is PyTorch's convolution's)
+    # the tensor-core kernels (TF32; bf16 with x rounded): both kernel shapes, both loaders, odd rows, padding,
+    # an odd channel count, more than one pass of eight channels in the weight gradient; forward alone, then
+    # forward saving sigmoid' and the weight-gradient kernel (copy engine: rows of whole 16-byte chunks)
+    torch.backends.cudnn.allow_tf32 = True
     for x, w, stride, padding in ((rand(2, 3, 21, 395), rand(5, 3, 6, 6), 4, 1),  # (cp.async)
                                   (rand(2, 3, 21, 396), rand(5, 3, 6, 6), 4, 1),  # (copy engine)
                                   (rand(1, 16, 13, 203), rand(64, 16, 4, 4), 2, (0, 1)),
-                                  (rand(1, 16, 13, 204), rand(64, 16, 4, 4), 2, (0, 1))):
+                                  (rand(1, 19, 13, 204), rand(64, 19, 4, 4), 2, (0, 1))):
         b = rand(w.shape[0])
-        fused_ops.conv2d_sigmoid_sum(x, w, b, stride, padding)
-        fused_ops.conv2d_sigmoid_sum(x, w.bfloat16(), b.bfloat16(), stride, padding)  # (x rounded: m16n8k16)
+        for weight, bias in ((w, b), (w.bfloat16(), b.bfloat16())):  # (bfloat16: x rounded, m16n8k16)
+            fused_ops.conv2d_sigmoid_sum(x, weight, bias, stride, padding)
+            leaves = [weight.clone().requires_grad_(), bias.clone().requires_grad_()]
+            fused_ops.conv2d_sigmoid_sum(x, *leaves, stride, padding).float().backward(torch.rand(x.shape[0], device=DEV))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
     print("conv2d_sigmoid_sum: ok")
     for dtype in (torch.float32, torch.bfloat16):
         bn = torch.nn.BatchNorm3d(3).to(DEV)

@@ -22,10 +22,17 @@ TORCH_LIBRARY(fused_ops, m) {
       "int[2] kernel_size, int[2] stride, int[2] padding, bool channels_last) -> Tensor");
 
   // sum over (O, OH, OW) of sigmoid(conv2d(x, weight, bias, stride, padding)) -> (B,):
-  // the convolution and its tail in one kernel on a GPU (conv2d_sigmoid_sum.h).
+  // the convolution and its tail in one kernel on a GPU (conv2d_sigmoid_sum.h). With
+  // save_grad_factor, also sigmoid'(y) per output in the layout conv2d_sigmoid_sum.h
+  // gives (N, OH, ceil(OW / 48), ceil(O / 64), 3072), else an empty tensor.
   m.def(
       "conv2d_sigmoid_sum(Tensor x, Tensor weight, Tensor? bias, int[2] stride, int[2] padding, "
-      "ScalarType? dtype=None) -> Tensor");
+      "bool save_grad_factor, ScalarType? dtype=None) -> (Tensor, Tensor)");
+  // grad_x (x's shape and dtype), grad_weight, grad_bias (the weight's dtype) from the
+  // forward's factor, each where output_mask asks for it, else an empty tensor.
+  m.def(
+      "conv2d_sigmoid_sum_backward(Tensor grad_out, Tensor grad_factor, Tensor x, Tensor weight, "
+      "int[2] stride, int[2] padding, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 
   // mean over (D', H', W') of max_pool3d(x / divisor) -> (B, C); with
   // save_indices, also each window's pick as a uint8 offset in scan order

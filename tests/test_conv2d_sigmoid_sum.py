@@ -17,6 +17,7 @@ from fused_ops import autotune, conv2d_sigmoid_sum, reference, rewrites
 from fused_ops import nn as fnn
 
 OP = torch.ops.fused_ops.conv2d_sigmoid_sum.default
+BACKWARD = torch.ops.fused_ops.conv2d_sigmoid_sum_backward.default
 
 # (x shape, weight shape, stride, padding, bias)
 CASES = [
@@ -173,24 +174,183 @@ def test_gradcheck(device):
 
 
 @requires_cuda
-def test_gradients_float32_kernel(tf32):
-    """The backward of a call the fused kernel computed: PyTorch's gradients of the composite."""
+def test_input_gradient_float32_kernel(tf32):
+    """x's gradient of a call the fused kernel computed: PyTorch's TF32 convolution backward of
+    grad_y = grad_out * the saved factor, within TF32's bound of the float64 gradient. Per term
+    grad_out * factor * w: the factor's error (y's TF32 error 2^-10 of its magnitude times
+    |sigmoid''| <= 0.1; its rounding to TF32, 2^-11 of sigmoid' <= 1/4), the backward's own
+    rounding of grad_y and w to TF32 (2^-10), plus float32 accumulation."""
     x, w, b = make_case((2, 8, 45, 41), (64, 8, 6, 6), True, torch.float32, "cuda")
-    grads = []
-    for f in (conv2d_sigmoid_sum, composite):
-        inputs = [t.clone().requires_grad_() for t in (x, w, b)]
-        f(*inputs, 4, 0).backward(torch.tensor([0.5, -2.0], device="cuda"))
-        grads.append([t.grad for t in inputs])
-    for a, e in zip(*grads):
-        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+    grad_out = torch.tensor([0.5, -2.0], device="cuda")
+    leaf = x.clone().requires_grad_()
+    conv2d_sigmoid_sum(leaf, w, b, 4, 0).backward(grad_out)
+    exact = x.double().requires_grad_()
+    composite(exact, w.double(), b.double(), 4, 0).backward(grad_out.double())
+    magnitude = F.conv2d(x.double().abs(), w.double().abs(), b.double().abs(), 4)
+    per_output = grad_out.double().abs().view(-1, 1, 1, 1) * (
+        0.1 * 2.0 ** -10 * magnitude + 0.25 * (2.0 ** -11 + 2.0 ** -10 + w[0].numel() * 64 * 2.0 ** -24))
+    bound = torch.ops.aten.convolution_backward(per_output, x.double(), w.double().abs(), None, [4, 4], [0, 0],
+                                                [1, 1], False, [0, 0], 1, [True, False, False])[0] + 1e-7
+    assert ((leaf.grad.double() - exact.grad).abs() <= bound).all(), (leaf.grad.double() - exact.grad).abs().max()
 
 
 def test_opcheck(device):
     x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
-    torch.library.opcheck(OP, (x, w, b, [4, 4], [0, 0]))
-    torch.library.opcheck(OP, (x.double().requires_grad_(), w.double().requires_grad_(), b.double(), [2, 3], [1, 0]))
-    torch.library.opcheck(OP, (x, w, None, [4, 4], [1, 1], torch.float32))
-    torch.library.opcheck(OP, (x.requires_grad_(), w.bfloat16(), b.bfloat16(), [4, 4], [0, 0]))
+    torch.library.opcheck(OP, (x, w, b, [4, 4], [0, 0], False))
+    torch.library.opcheck(OP, (x.double().requires_grad_(), w.double().requires_grad_(), b.double(), [2, 3], [1, 0],
+                               True))
+    torch.library.opcheck(OP, (x, w, None, [4, 4], [1, 1], True, torch.float32))
+    torch.library.opcheck(OP, (x.requires_grad_(), w.bfloat16(), b.bfloat16(), [4, 4], [0, 0], True))
+
+
+@pytest.mark.parametrize("mask", [(True, True, True), (False, True, False), (True, False, False)])
+def test_backward_opcheck(mask, device):
+    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    _, factor = OP(x, w, b, [4, 4], [1, 0], True)
+    grad_out = torch.tensor([0.5, -2.0], device=device)
+    torch.library.opcheck(BACKWARD, (grad_out, factor, x, w, [4, 4], [1, 0], list(mask)))
+    torch.library.opcheck(BACKWARD, (grad_out.double(), factor.double(), x.double(), w.double(), [4, 4], [1, 0],
+                                     list(mask)))
+
+
+def layout_index(n, o, oh, ow):
+    """For the factor's layout (csrc/conv2d_sigmoid_sum.h) of an (n, o, oh, ow) output: per element
+    of the layout, the flat index of its (n, o, oh, ow) element, or -1 for a zero past O or OW;
+    built from the header's formula, word by word."""
+    blocks, groups = -(-ow // 48), -(-o // 64)
+    word = torch.arange(3072)
+    q, lane, pair, kk = word % 4, word // 4 % 32, word // 128 % 4, word // 512
+    g, t = lane // 4, lane % 4
+    column = 16 * (kk // 2) + 4 * (kk % 2) + t + 8 * (q % 2)
+    channel = 16 * pair + 8 * (q // 2) + g
+    index = torch.full((n, oh, blocks, groups, 3072), -1, dtype=torch.long)
+    for b in range(blocks):
+        for group in range(groups):
+            cols, chans = 48 * b + column, 64 * group + channel
+            inside = (cols < ow) & (chans < o)
+            for i in range(n):
+                for r in range(oh):
+                    flat = ((i * o + chans) * oh + r) * ow + cols
+                    index[i, r, b, group] = torch.where(inside, flat, -1)
+    return index
+
+
+def in_layout(values, index):
+    """values (N, O, OH, OW) placed in the factor's layout by layout_index's index (zeros at -1)."""
+    flat = values.reshape(-1)
+    return torch.where(index >= 0, flat[index.clamp(min=0)], torch.zeros((), dtype=values.dtype))
+
+
+@pytest.mark.parametrize("w_shape,stride,padding", [((5, 3, 6, 6), 4, 1), ((70, 3, 3, 5), (2, 3), 0)],
+                         ids=["one-block", "two-channel-groups"])
+def test_grad_factor_is_sigmoid_derivative_in_layout(w_shape, stride, padding, device):
+    """The saved factor is s (1 - s) of every output, placed as the header's formula says (two
+    column blocks; two channel groups past 64 outputs), zeros elsewhere; float64 exactly."""
+    x, w, b = make_case((2, 3, 30, 211), w_shape, True, torch.float64, device)
+    out, factor = OP(x, w, b, _pair(stride), _pair(padding), True)
+    s = torch.sigmoid(F.conv2d(x, w, b, stride, padding))
+    assert factor.dtype == torch.float64
+    assert torch.equal(factor.cpu(), in_layout((s * (1 - s)).cpu(), layout_index(*s.shape)))
+    assert OP(x, w, b, _pair(stride), _pair(padding), False)[1].numel() == 0
+
+
+def _pair(v):
+    return [v, v] if isinstance(v, int) else list(v)
+
+
+@requires_cuda
+@pytest.mark.parametrize("x_shape,w_shape,stride,padding,bias", CASES[:-1], ids=IDS[:-1])
+def test_kernel_grad_factor(x_shape, w_shape, stride, padding, bias, tf32):
+    """The tensor-core forward's factor: sigmoid'(y) of its TF32 convolution rounded to TF32, in the
+    layout, zeros past OW and O: within TF32's effect (y's error times |sigmoid''| <= 0.1, and the
+    rounding's 2^-11 relative) of the float64 factor."""
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda")
+    out, factor = OP(x, w, b, _pair(stride), _pair(padding), True)
+    assert kernel_loaders(lambda: OP(x, w, b, _pair(stride), _pair(padding), True)) == {expected_loader(x)}
+    torch.testing.assert_close(out, OP(x, w, b, _pair(stride), _pair(padding), False)[0], rtol=0, atol=0)
+    y = F.conv2d(x.double(), w.double(), None if b is None else b.double(), stride, padding)
+    s = torch.sigmoid(y)
+    expected = in_layout((s * (1 - s)).cpu(), layout_index(*s.shape))
+    magnitude = F.conv2d(x.double().abs(), w.double().abs(), None if b is None else b.double().abs(), stride, padding)
+    bound = in_layout((0.1 * 2.0 ** -10 * magnitude + 2.0 ** -11 * s * (1 - s) + 1e-7).cpu(), layout_index(*s.shape))
+    assert ((factor.double().cpu() - expected).abs() <= bound).all()
+
+
+def weight_grad_loaders(call) -> set:
+    """Whether the weight-gradient kernel ran in call(): {"kernel"} or empty, by the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return {"kernel" for e in prof.events() if "conv2d_sigmoid_sum_weight_grad_kernel" in e.name}
+
+
+def weight_grad_kernel_takes(x, w) -> bool:
+    return (torch.cuda.get_device_capability() >= (9, 0) and x.shape[-1] % 4 == 0 and w.shape[0] <= 64
+            and w.shape[2:] in ((6, 6), (4, 4)))
+
+
+@requires_cuda
+@pytest.mark.parametrize("x_shape,w_shape,stride,padding,bias", CASES, ids=IDS)
+def test_backward_kernel_exact_on_exact_factor(x_shape, w_shape, stride, padding, bias, tf32):
+    """The weight-gradient kernel on integer-valued x, a factor of 64ths and integer grad_out (every
+    product and sum exact in TF32 and float32): exactly the float64 convolution backward's
+    weight and bias gradients of grad_y = grad_out * factor; x's gradient as PyTorch's."""
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda", integers=True)
+    n = x.shape[0]
+    _, factor = OP(x, w, b, _pair(stride), _pair(padding), True)
+    g = torch.Generator().manual_seed(1)
+    values = torch.randint(0, 17, factor.shape, generator=g).double() / 64
+    oh, ow = F.conv2d(x, w, None, stride, padding).shape[2:]
+    index = layout_index(n, w.shape[0], oh, ow)
+    factor = torch.where(index >= 0, values, 0.0).float().cuda()
+    grad_out = torch.arange(1, n + 1, dtype=torch.float32, device="cuda") * torch.tensor([1.0, -1.0] * n)[:n].cuda()
+    mask = [True, True, True]
+    actual = BACKWARD(grad_out, factor, x, w, _pair(stride), _pair(padding), mask)
+    assert weight_grad_loaders(lambda: BACKWARD(grad_out, factor, x, w, _pair(stride), _pair(padding), mask)) == (
+        {"kernel"} if weight_grad_kernel_takes(x, w) else set())
+    # grad_y from the layout: each output's factor at its index
+    f = torch.zeros(n * w.shape[0] * oh * ow, dtype=torch.float64)
+    f[index[index >= 0]] = values[index >= 0]
+    grad_y = f.view(n, w.shape[0], oh, ow).cuda() * grad_out.double().view(-1, 1, 1, 1)
+    gx, gw, gb = torch.ops.aten.convolution_backward(grad_y, x.double(), w.double(), [w.shape[0]], _pair(stride),
+                                                    _pair(padding), [1, 1], False, [0, 0], 1, mask)
+    assert torch.equal(actual[1].double(), gw) and torch.equal(actual[2].double(), gb)
+    torch.testing.assert_close(actual[0].double(), gx, rtol=1e-5, atol=1e-5)
+
+
+@requires_cuda
+@pytest.mark.parametrize("x_shape,w_shape,stride,padding,bias", CASES, ids=IDS)
+def test_backward_kernel_within_tf32(x_shape, w_shape, stride, padding, bias, tf32):
+    """Through autograd on random data: the weight's (and bias's) gradients within TF32's bound of
+    the float64 gradients, and bit for bit the same in repeated calls. Per term grad_out * factor
+    * x: the factor's error from the forward's TF32 convolution (y's error 2^-10 of its
+    magnitude, times |sigmoid''| <= 0.1) and its and x's rounding to TF32 (2^-11 each of
+    sigmoid' <= 1/4), plus float32 accumulation over an image's pixels."""
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda")
+    grad_out = torch.linspace(-2, 2, x.shape[0], device="cuda")
+    params = [w] if b is None else [w, b]
+    grads = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in params]
+        conv2d_sigmoid_sum(x, *leaves, stride=stride, padding=padding).backward(grad_out)
+        grads.append([t.grad for t in leaves])
+    assert all(torch.equal(a, e) for a, e in zip(*grads))
+    exact = [t.double().requires_grad_() for t in params]
+    composite(x.double(), *exact, *([None] if b is None else []), stride, padding).backward(grad_out.double())
+    magnitude = F.conv2d(x.double().abs(), w.double().abs(), None if b is None else b.double().abs(), stride, padding)
+    pixels = magnitude.shape[2] * magnitude.shape[3]
+    per_output = grad_out.double().abs().view(-1, 1, 1, 1) * (
+        0.1 * 2.0 ** -10 * magnitude + 0.25 * (2.0 ** -10 + pixels * 2.0 ** -24))
+    bounds = [torch.ops.aten.convolution_backward(per_output, x.double().abs(), torch.ones_like(w.double()), None,
+                                                  _pair(stride), _pair(padding), [1, 1], False, [0, 0], 1,
+                                                  [False, True, False])[1] + 1e-6,
+              per_output.sum(dim=(0, 2, 3)) + 1e-6]
+    assert weight_grad_loaders(
+        lambda: conv2d_sigmoid_sum(x, *[t.clone().requires_grad_() for t in params], stride=stride,
+                                   padding=padding).backward(grad_out)) == (
+        {"kernel"} if weight_grad_kernel_takes(x, w) else set())
+    for actual, expected, bound in zip(grads[0], [t.grad for t in exact], bounds):
+        assert ((actual.double() - expected).abs() <= bound).all(), (actual.double() - expected).abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -244,19 +404,34 @@ def test_rounded_input_kernel_shapes(dtype):
                                    expected, rtol=1e-5, atol=1e-5)
 
 
-def test_rounded_input_gradients(device):
+@pytest.mark.parametrize("width", [14, 44], ids=["pytorch-backward", "kernel-backward"])
+def test_rounded_input_gradients(width, device, tf32):
     """The backward of a rounded input: x's gradient in float32 (the rounding's is the identity),
-    the weight's and bias's in their dtype, PyTorch's gradients of the composite on x.to(dtype)."""
-    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    the weight's and bias's in their dtype; each, and the original ops' (the composite on
+    x.to(dtype)), within 16-bit rounding's bound of the float64 gradients of the composite on
+    the rounded operands: per term grad_out * sigmoid' * (x or w), sigmoid' <= 1/4, relative
+    2^-7 (a few 16-bit roundings: y, sigmoid', grad_y, the result). On a GPU with rows of whole
+    16-byte chunks the weight's and bias's come from the weight-gradient kernel."""
+    x, w, b = make_case((2, 3, 13, width), (4, 3, 6, 6), True, torch.float32, device)
     w, b = w.bfloat16(), b.bfloat16()
+    grad_out = torch.tensor([0.5, -2.0], device=device)
     grads = []
     for f in (conv2d_sigmoid_sum, lambda x, w, b, s, p: composite(x.bfloat16(), w, b, s, p).float()):
         inputs = [t.clone().requires_grad_() for t in (x, w, b)]
-        f(*inputs, 4, 0).float().backward(torch.tensor([0.5, -2.0], device=device))
+        f(*inputs, 4, 0).float().backward(grad_out)
         grads.append([t.grad for t in inputs])
     assert [g.dtype for g in grads[0]] == [torch.float32, torch.bfloat16, torch.bfloat16]
-    for a, e in zip(*grads):
-        torch.testing.assert_close(a, e)
+    if device == "cuda":
+        backward = lambda: conv2d_sigmoid_sum(x, w.clone().requires_grad_(), b, 4, 0).float().backward(grad_out)
+        assert weight_grad_loaders(backward) == ({"kernel"} if weight_grad_kernel_takes(x, w) else set())
+    exact = [t.double().requires_grad_() for t in (x.bfloat16(), w, b)]
+    composite(*exact, 4, 0).backward(grad_out.double())
+    terms = (grad_out.double().abs() / 4).view(-1, 1, 1, 1).expand(-1, 4, 2, (width - 6) // 4 + 1).contiguous()
+    bounds = torch.ops.aten.convolution_backward(terms, exact[0].detach().abs(), exact[1].detach().abs(), [4], [4, 4],
+                                                 [0, 0], [1, 1], False, [0, 0], 1, [True, True, True])
+    for actual in grads:
+        for a, e, bound in zip(actual, exact, bounds):
+            assert ((a.double() - e.grad).abs() <= 2.0 ** -7 * bound + 1e-6).all()
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])

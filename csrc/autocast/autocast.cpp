@@ -61,7 +61,7 @@ void register_float32_results(torch::Library& m) {
 // as it reads it (the same values, without the cast's copy).
 template <c10::DispatchKey autocast_key>
 void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, stride, padding, dtype
+  const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, stride, padding, save_grad_factor, dtype
   const at::ScalarType input = (*stack)[first].toTensor().scalar_type();
   if (input == at::kHalf || input == at::kBFloat16 || input == at::kFloat) {
     const at::ScalarType cast = at::autocast::get_autocast_dtype(

@@ -1,9 +1,7 @@
-// Autograd of conv2d_sigmoid_sum (the math: ../conv2d_sigmoid_sum.h): the
-// backward recomputes the convolution (the forward keeps nothing of its size),
-//   s = sigmoid(conv2d(x, weight, bias)),  grad_y = grad_out[n] * s * (1 - s),
-// then PyTorch's convolution backward gives x's, the weight's and the bias's
-// gradients, those asked for (x's in its own dtype where it was rounded to the
-// weight's: the rounding's gradient is the identity).
+// Autograd of conv2d_sigmoid_sum (the math: ../conv2d_sigmoid_sum.h): the forward
+// saves sigmoid'(y) per output (save_grad_factor; x and the weight are saved as
+// they are), the backward op forms grad_y = grad_out[n] * sigmoid'(y) from it and
+// gives x's, the weight's and the bias's gradients, those asked for.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -14,64 +12,62 @@
 namespace fused_ops::autograd {
 namespace {
 
-at::Tensor call_conv2d_sigmoid_sum(const at::Tensor& x, const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                   at::IntArrayRef padding, std::optional<at::ScalarType> dtype) {
+std::tuple<at::Tensor, at::Tensor> call_conv2d_sigmoid_sum(const at::Tensor& x, const at::Tensor& weight,
+                                                           const std::optional<at::Tensor>& bias,
+                                                           at::IntArrayRef stride, at::IntArrayRef padding,
+                                                           bool save_grad_factor, std::optional<at::ScalarType> dtype) {
   static const auto op = typed_op<decltype(call_conv2d_sigmoid_sum)>("fused_ops::conv2d_sigmoid_sum");
-  return op.call(x, weight, bias, stride, padding, dtype);
+  return op.call(x, weight, bias, stride, padding, save_grad_factor, dtype);
 }
 
-// Differentiable in x, weight and bias.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_conv2d_sigmoid_sum_backward(
+    const at::Tensor& grad_out, const at::Tensor& grad_factor, const at::Tensor& x, const at::Tensor& weight,
+    at::IntArrayRef stride, at::IntArrayRef padding, std::array<bool, 3> output_mask) {
+  static const auto op =
+      typed_op<decltype(call_conv2d_sigmoid_sum_backward)>("fused_ops::conv2d_sigmoid_sum_backward");
+  return op.call(grad_out, grad_factor, x, weight, stride, padding, output_mask);
+}
+
+// Differentiable in x, weight and bias (the grad_factor output is not).
 class Conv2dSigmoidSumFunction : public torch::autograd::Function<Conv2dSigmoidSumFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                               at::IntArrayRef padding, std::optional<at::ScalarType> dtype) {
+                               at::IntArrayRef padding, bool save_grad_factor, std::optional<at::ScalarType> dtype) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::Tensor out = call_conv2d_sigmoid_sum(x, weight, bias, stride, padding, dtype);
-    ctx->save_for_backward({x, weight, bias.has_value() ? *bias : at::Tensor()});
+    auto [out, grad_factor] = call_conv2d_sigmoid_sum(x, weight, bias, stride, padding, save_grad_factor, dtype);
+    mark_non_differentiable(ctx, {grad_factor});
+    ctx->save_for_backward({x, weight, grad_factor});
     ctx->saved_data["stride"] = stride;
     ctx->saved_data["padding"] = padding;
-    return {out};
+    ctx->saved_data["has_bias"] = bias.has_value();
+    return {out, grad_factor};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list grad_inputs(6);
+    variable_list grad_inputs(7);
     if (!grads[0].defined()) return grad_inputs;
     check_first_order("conv2d_sigmoid_sum", Curvature::kSmooth, grads[0]);
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2];
-    const auto stride = ctx->saved_data["stride"].toIntVector();
-    const auto padding = ctx->saved_data["padding"].toIntVector();
-    const at::Tensor input = x.to(weight.scalar_type());
-    const at::Tensor s = at::sigmoid(at::conv2d(input, weight, defined_or_none(bias), stride, padding));
-    const at::Tensor grad_y = at::sigmoid_backward(grads[0].to(s.scalar_type()).view({-1, 1, 1, 1}).expand_as(s), s);
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const at::Tensor& grad_factor = check_saved(saved[2], 5, "conv2d_sigmoid_sum", "save_grad_factor",
+                                                "x, the weight or the bias");
     const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                   bias.defined() && ctx->needs_input_grad(2)};
-    auto [grad_x, grad_weight, grad_bias] = at::convolution_backward(
-        grad_y, input, weight, bias.defined() ? std::optional<at::IntArrayRef>(bias.sizes()) : std::nullopt, stride,
-        padding, {1, 1}, false, {0, 0}, 1, mask);
-    grad_inputs[0] = grad_x.defined() ? grad_x.to(x.scalar_type()) : grad_x;
-    grad_inputs[1] = grad_weight;
-    grad_inputs[2] = grad_bias;
+                                   ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)};
+    auto [grad_x, grad_weight, grad_bias] = call_conv2d_sigmoid_sum_backward(
+        grads[0], grad_factor, x, weight, ctx->saved_data["stride"].toIntVector(),
+        ctx->saved_data["padding"].toIntVector(), mask);
+    grad_inputs[0] = mask[0] ? grad_x : at::Tensor();
+    grad_inputs[1] = mask[1] ? grad_weight : at::Tensor();
+    grad_inputs[2] = mask[2] ? grad_bias : at::Tensor();
     return grad_inputs;
   }
 };
 
-at::Tensor conv2d_sigmoid_sum_autograd(const at::Tensor& x, const at::Tensor& weight,
-                                       const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                       at::IntArrayRef padding, std::optional<at::ScalarType> dtype) {
-  if (!records_grad(x, weight, bias)) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
-    return call_conv2d_sigmoid_sum(x, weight, bias, stride, padding, dtype);
-  }
-  return Conv2dSigmoidSumFunction::apply(x, weight, bias, stride, padding, dtype)[0];
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
-  m.impl("conv2d_sigmoid_sum", &conv2d_sigmoid_sum_autograd);
+  m.impl("conv2d_sigmoid_sum", &AutogradKernel<Conv2dSigmoidSumFunction, &call_conv2d_sigmoid_sum>::kernel);
 }
 
 }  // namespace fused_ops::autograd

@@ -30,17 +30,16 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <climits>
-#include <cstring>
 #include <cstdint>
 
 #include "../conv2d_sigmoid_sum.h"
 #include "bulk_copy.cuh"
+#include "conv2d_sigmoid_sum.cuh"
+#include "mma.cuh"
 #include "plane_rows.cuh"
 
 namespace fused_ops {
@@ -55,55 +54,6 @@ constexpr int kMTiles = kWarpPixels / 16;
 constexpr int kStageChannels = 2;   // input channels per k block
 constexpr int kMaxStages = 4;
 constexpr int kBarrierWords = 32;   // the stages' barriers (full, empty), padded to 128 bytes
-
-// c += a b by one mma.sync of the shape and types PTX spells as `shape_and_types`.
-#define FUSED_OPS_MMA_SYNC(shape_and_types, c, a, b0, b1)                                                       \
-  asm volatile("mma.sync.aligned." shape_and_types " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" \
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                               \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
-
-// The tensor-core operation: TF32 m16n8k8 (one k per operand register) for
-// float32, or m16n8k16 on bfloat16 / float16 (two adjacent k per register; x
-// rounded to it as it is read, as a cast would round it). Each lane's A and B
-// registers hold k = kStepK * step + kPerRegister * t + kStepK / 2 * h (h = 0, 1:
-// a0 / a1 and a2 / a3; b0 and b1) and the kPerRegister - 1 after it.
-struct Tf32Mma {
-  static constexpr int kStepK = 8, kPerRegister = 1;
-  __device__ static uint32_t pack(float v, float) {
-    uint32_t r;  // (round to nearest, ties away; the tensor cores ignore the 13 bits below)
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-    return r;
-  }
-  __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    FUSED_OPS_MMA_SYNC("m16n8k8.row.col.f32.tf32.tf32.f32", c, a, b0, b1);
-  }
-};
-
-// m16n8k16 on bfloat16 (kBf16) or float16, each rounded to nearest even as .to() rounds.
-template <bool kBf16>
-struct Mma16 {
-  static constexpr int kStepK = 16, kPerRegister = 2;
-  __device__ static uint32_t pack(float lo, float hi) {
-    uint32_t r;
-    if constexpr (kBf16) {
-      const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-      memcpy(&r, &v, sizeof(r));
-    } else {
-      const __half2 v = __floats2half2_rn(lo, hi);
-      memcpy(&r, &v, sizeof(r));
-    }
-    return r;
-  }
-  __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    if constexpr (kBf16) {
-      FUSED_OPS_MMA_SYNC("m16n8k16.row.col.f32.bf16.bf16.f32", c, a, b0, b1);
-    } else {
-      FUSED_OPS_MMA_SYNC("m16n8k16.row.col.f32.f16.f16.f32", c, a, b0, b1);
-    }
-  }
-};
-using Bf16Mma = Mma16<true>;
-using F16Mma = Mma16<false>;
 
 // The order of a k block's taps in the GEMM's k: GEMM k i is the block's k
 // natural[i] (natural: (channel, kh, kw)). One fragment load's lanes t = 0..3
@@ -181,6 +131,8 @@ struct Params {
   const float* bias;    // (O,) or null
   const uint32_t* fragments;  // the weight's B fragments: (channel_blocks, kWeightWords)
   float* partial;       // (N, tasks_per_image * kWarps)
+  float* factor;        // sigmoid'(y) in its layout (conv2d_sigmoid_sum.h), or null where not saved
+  int factor_tiles;     // its 48-column blocks per row
   int C, H, W, O, OH, OW, pad_h, pad_w;
   int row_groups, col_tiles, channel_blocks, stages;
   int lead;  // columns staged in front of a box's first input column: (-pad_w) mod 4
@@ -206,13 +158,19 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
 }
 
-// 1 / (1 + e^-v) by the special-function unit's exponential and reciprocal (a
-// few ulp, growing with |v| where the sigmoid saturates: far below TF32's
-// 2^-11); NaN stays NaN, -inf gives 0, +inf 1.
-__device__ __forceinline__ float fast_sigmoid(float v) {
-  float r;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(1.f + __expf(-v)));
-  return r;
+// s = 1 / (1 + e^-v) by the special-function unit's exponential and reciprocal
+// (a few ulp, growing with |v| where the sigmoid saturates: far below TF32's
+// 2^-11); NaN stays NaN, -inf gives 0, +inf 1. With its derivative s (1 - s),
+// as e^-v s^2 where v >= 0 (1 - s would cancel) and s - s^2 elsewhere.
+struct Sigmoid {
+  float s, derivative;
+};
+
+__device__ __forceinline__ Sigmoid fast_sigmoid(float v) {
+  const float e = __expf(-v);
+  float s;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + e));
+  return {s, v >= 0.f ? e * s * s : s - s * s};
 }
 
 struct TaskCoords {
@@ -471,20 +429,46 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
 
-    // the task's epilogue: the bias, the sigmoid and this warp's sum over its pixels and channels
+    // the task's epilogue: the bias, the sigmoid and this warp's sum over its pixels and channels;
+    // where the backward needs it, sigmoid' of the warp's 48 columns by 64 channels (zero outside
+    // the output), each lane's values of an m16 tile and n8 tile pair as two 16-byte words of the
+    // factor's layout: its (c0, c2) and (c1, c3) of both tiles are the B fragment words q = 0..3
+    // of the backward's lanes (2t, g % 4) and (2t + 1, g % 4) in k8 group 2 mt + g / 4.
     const TaskCoords tc = task_coords(task, p);
     const int oh = tc.row_group * kTileRows + row_in_group;
+    const int first_ow = tc.col_tile * kTilePixels + kWarpPixels * half;
+    static_assert(kWarpPixels == kFactorColumns && 8 * NT == kFactorChannels, "a warp's tile: a factor block");
+    float4* factor = nullptr;
+    if (p.factor != nullptr && oh < p.OH && first_ow < p.OW) {
+      factor = reinterpret_cast<float4*>(
+          p.factor + ((tc.n * p.OH + oh) * p.factor_tiles + tc.col_tile * 2 + half) * kFactorWords);
+    }
     float sum = 0.f;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
+      for (int pair = 0; pair < NT / 2; ++pair) {
+        float words[2][4];  // [c1 / c3 or c0 / c2][q]
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int ow = tc.col_tile * kTilePixels + kWarpPixels * half + 16 * mt + g + 8 * (e >> 1);
-          const int o = 8 * j + 2 * t + (e & 1);
-          if (oh < p.OH && ow < p.OW && o < p.O) sum += fast_sigmoid(acc[mt][j][e] + bias[j][e & 1]);
-          acc[mt][j][e] = 0.f;
+        for (int jj = 0; jj < 2; ++jj) {
+          const int j = 2 * pair + jj;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int ow = first_ow + 16 * mt + g + 8 * (e >> 1);
+            const int o = 8 * j + 2 * t + (e & 1);
+            const bool inside = oh < p.OH && ow < p.OW && o < p.O;
+            const Sigmoid y = fast_sigmoid(acc[mt][j][e] + bias[j][e & 1]);
+            if (inside) sum += y.s;
+            words[e & 1][2 * jj + (e >> 1)] = inside ? __uint_as_float(Tf32Mma::pack(y.derivative, 0.f)) : 0.f;
+            acc[mt][j][e] = 0.f;
+          }
+        }
+        if (factor != nullptr) {
+#pragma unroll
+          for (int l = 0; l < 2; ++l) {
+            factor[((2 * mt + g / 4) * 4 + pair) * 32 + 4 * (2 * t + l) + g % 4] =
+                make_float4(words[l][0], words[l][1], words[l][2], words[l][3]);
+          }
         }
       }
     }
@@ -496,21 +480,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   }
   if constexpr (!kTensorLoads) cp_async_wait<0>();
-}
-
-// The kernel shapes compiled: (KH, KW, SH, SW) of architecture C's folded
-// convolutions (a 3 x 3 kernel after pools of 4 and 2), each for up to 64 output
-// channels. Others take PyTorch's ops.
-template <int KH, int KW, int SH, int SW>
-struct Shape {
-  static constexpr int kh = KH, kw = KW, sh = SH, sw = SW;
-};
-
-template <typename F>
-bool with_compiled_shape(int64_t kh, int64_t kw, int64_t sh, int64_t sw, F&& f) {
-  if (kh == 6 && kw == 6 && sh == 4 && sw == 4) return f(Shape<6, 6, 4, 4>{}), true;
-  if (kh == 4 && kw == 4 && sh == 2 && sw == 2) return f(Shape<4, 4, 2, 2>{}), true;
-  return false;
 }
 
 // The tensor-core operation of the fused kernel for this call, if it takes
@@ -549,7 +518,8 @@ bool with_fused_operation(const at::Tensor& x, const at::Tensor& weight, const C
 // (their values exact: a 16-bit weight is widened).
 template <typename Mma>
 bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  const Conv2dGeometry& g, at::Tensor& partial, int row_groups, int col_tiles, int OH, int OW) {
+                  const Conv2dGeometry& g, at::Tensor& partial, float* factor, int row_groups, int col_tiles,
+                  int OH, int OW) {
   bool launched = false;
   with_compiled_shape(weight.size(2), weight.size(3), g.stride[0], g.stride[1], [&](auto shape) {
     using S = decltype(shape);
@@ -577,6 +547,8 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
     p.weight = weight.const_data_ptr<float>();
     p.bias = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
     p.partial = partial.mutable_data_ptr<float>();
+    p.factor = factor;
+    p.factor_tiles = static_cast<int>((OW + kFactorColumns - 1) / kFactorColumns);
     const auto stream = c10::cuda::getCurrentCUDAStream();
     const int64_t fragment_words = int64_t{p.channel_blocks} * T::kWeightWords;
     const at::Tensor fragments = at::empty({fragment_words}, x.options().dtype(at::kInt));
@@ -609,26 +581,32 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return launched;
 }
 
-at::Tensor conv2d_sigmoid_sum_cuda(const at::Tensor& x, const at::Tensor& weight,
-                                   const std::optional<at::Tensor>& bias, at::IntArrayRef stride,
-                                   at::IntArrayRef padding, std::optional<at::ScalarType> dtype) {
+std::tuple<at::Tensor, at::Tensor> conv2d_sigmoid_sum_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                           const std::optional<at::Tensor>& bias,
+                                                           at::IntArrayRef stride, at::IntArrayRef padding,
+                                                           bool save_grad_factor, std::optional<at::ScalarType> dtype) {
   const Conv2dGeometry g = conv2d_sigmoid_sum_geometry(x, weight, bias, stride, padding);
   const at::ScalarType out_dtype = result_dtype("conv2d_sigmoid_sum", weight.scalar_type(), dtype);
   const c10::cuda::CUDAGuard guard(x.device());
-  std::optional<at::Tensor> result;
+  std::optional<std::tuple<at::Tensor, at::Tensor>> result;
   with_fused_operation(x, weight, g, [&](auto mma) {
-    const int OH = static_cast<int>((x.size(2) + 2 * g.padding[0] - weight.size(2)) / g.stride[0] + 1);
-    const int OW = static_cast<int>((x.size(3) + 2 * g.padding[1] - weight.size(3)) / g.stride[1] + 1);
+    const auto [oh, ow] = conv2d_output_size(x, weight, g);
+    const int OH = static_cast<int>(oh), OW = static_cast<int>(ow);
     const int row_groups = (OH + kTileRows - 1) / kTileRows, col_tiles = (OW + kTilePixels - 1) / kTilePixels;
     at::Tensor partial = at::empty({x.size(0), int64_t{row_groups} * col_tiles * kWarps}, x.options());
+    at::Tensor factor = save_grad_factor
+                            ? at::empty(grad_factor_shape(x.size(0), weight.size(0), oh, ow), x.options())
+                            : x.new_empty({0});
     const std::optional<at::Tensor> bias_f =
         bias.has_value() ? std::optional(bias->to(at::kFloat).contiguous()) : std::nullopt;
     if (launch_fused<decltype(mma)>(x.contiguous(), weight.to(at::kFloat).contiguous(), bias_f, g, partial,
-                                    row_groups, col_tiles, OH, OW)) {
-      result = at::sum(partial, {1}, false, out_dtype);
+                                    save_grad_factor ? factor.mutable_data_ptr<float>() : nullptr, row_groups,
+                                    col_tiles, OH, OW)) {
+      result.emplace(at::sum(partial, {1}, false, out_dtype), factor);
     }
   });
-  return result.has_value() ? *result : conv2d_sigmoid_sum_composite(x, weight, bias, g, out_dtype);
+  return result.has_value() ? *result
+                            : conv2d_sigmoid_sum_composite(x, weight, bias, g, save_grad_factor, out_dtype);
 }
 
 }  // namespace
