@@ -394,17 +394,34 @@ def _pool_fold(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> _PoolFold | No
     return _PoolFold(box, stride, pool.divisor_override or box[0] * box[1], folded, padding, out)
 
 
+@functools.lru_cache(maxsize=16)
+def _box_fold_matrix(kernel: tuple[int, int], box: tuple[int, int], divisor: float, device: torch.device) -> Tensor:
+    """(kh kw, (kh + bh - 1)(kw + bw - 1)) float64: row (a, b) holds 1 / divisor at the folded taps
+    (a + p, b + q) for p < bh, q < bw: a kernel's taps times it is the kernel convolved with the box
+    over the divisor."""
+    folded = (kernel[0] + box[0] - 1, kernel[1] + box[1] - 1)
+    matrix = torch.zeros(*kernel, *folded, dtype=torch.float64)
+    for a in range(kernel[0]):
+        for b in range(kernel[1]):
+            matrix[a, b, a:a + box[0], b:b + box[1]] = 1 / divisor
+    return matrix.reshape(kernel[0] * kernel[1], -1).to(device)
+
+
 def _pool_folded_kernel(weight: Tensor, box: tuple[int, int], divisor: float) -> Tensor:
     """(O, I, kh + bh - 1, kw + bw - 1) in float64: the kernel (O, I, kh, kw) convolved with the
-    box over the divisor (exact sums; a float64 convolution is never TF32)."""
+    box over the divisor, as one float64 product with _box_fold_matrix (exact sums of at most
+    bh bw terms; float64 is never TF32; one op each way for autograd, the host's time in a
+    training step)."""
     o, i, *kernel = weight.shape
-    ones = torch.ones(1, 1, *box, dtype=torch.float64, device=weight.device)
-    folded = F.conv2d(weight.double().reshape(o * i, 1, *kernel), ones, padding=(box[0] - 1, box[1] - 1)) / divisor
-    return folded.reshape(o, i, *folded.shape[2:])
+    matrix = _box_fold_matrix(tuple(kernel), tuple(box), float(divisor), weight.device)
+    return (weight.double().reshape(o * i, -1) @ matrix).reshape(o, i, kernel[0] + box[0] - 1,
+                                                                  kernel[1] + box[1] - 1)
 
 
 def _pool_folded_bias(bias: Tensor | None, fold: _PoolFold) -> Tensor | None:
-    return None if bias is None else bias * (fold.box[0] * fold.box[1] / fold.divisor)  # the box's average of a constant
+    """The box's average of a constant: the bias itself where the divisor is the box's area."""
+    scale = fold.box[0] * fold.box[1] / fold.divisor
+    return bias if bias is None or scale == 1 else bias * scale
 
 
 def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:
