@@ -145,6 +145,65 @@ __device__ __forceinline__ void tensor_load_4d(void* dst, const CUtensorMap& map
 #endif
 }
 
+// A ring of `stages` shared-memory stages that thread 0 fills by the copy
+// engine, item after item (item i in stage i mod stages), each stage with a
+// full barrier (its bytes landed) and an empty one (each of the block's
+// threads is done with it). load(item, stage) issues an item's copies,
+// announcing their bytes on full[stage].
+struct StageRing {
+  uint64_t* full;
+  uint64_t* empty;
+  int stages;
+  int64_t items;
+  int stage = 0, previous = 0;             // the current item's stage, the previous item's
+  uint32_t phase = 0, previous_phase = 0;  // of their barriers in this round over the ring
+
+  // Initializes the barriers, synchronizes the block (no block barrier is needed
+  // after this) and issues the first stages' items.
+  template <typename Load>
+  __device__ void start(int threads, Load&& load) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < stages; ++s) {
+        barrier_init(&full[s]);
+        barrier_init(&empty[s], threads);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < stages && s < items; ++s) load(int64_t{s}, s);
+    }
+  }
+
+  // Waits until item `item` (the current one) has landed; first thread 0
+  // refills the previous item's stage, once every thread released it, with the
+  // item `stages` after that one.
+  template <typename Load>
+  __device__ void acquire(int64_t item, Load&& load) {
+    if (threadIdx.x == 0 && item > 0 && item - 1 + stages < items) {
+      barrier_wait(&empty[previous], previous_phase);
+      load(item - 1 + stages, previous);
+    }
+    barrier_wait(&full[stage], phase);
+  }
+
+  // The calling thread is done with the current item's stage (every thread
+  // calls it: an arrival releases the arriving thread's own reads); then the next item.
+  __device__ void release() {
+    barrier_arrive(&empty[stage]);
+    advance();
+  }
+
+  // The next item (a ring filled otherwise, without the barriers).
+  __device__ void advance() {
+    previous = stage;
+    previous_phase = phase;
+    if (++stage == stages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
 // A tensor map of `rank` dimensions over `base` (16-byte aligned): sizes
 // `dims` and byte strides `strides` (of dimensions 1..rank-1, multiples of 16)
 // innermost first, boxes of `box` elements (box[0] times the element size a

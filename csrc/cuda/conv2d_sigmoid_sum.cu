@@ -295,18 +295,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     load_stage_tensor<T>(stages + s * T::kStageWords, &full[s], map, first + item / p.channel_blocks,
                          static_cast<int>(item % p.channel_blocks), p);
   };
-  if constexpr (kTensorLoads) {
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < p.stages; ++s) {
-        barrier_init(&full[s]);
-        barrier_init(&empty[s], kThreads);
-      }
-    }
-    __syncthreads();  // (the barriers are ready; no block barrier after this)
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < p.stages && s < items; ++s) load_item(s, s);
-    }
-  }
+  StageRing ring{full, empty, p.stages, items};
+  if constexpr (kTensorLoads) ring.start(kThreads, load_item);
 
   // This lane's A fragment words relative to a stage: its k's offsets (h = 0,
   // 1; each of a register's k), its pixels' (the half's box, row of the group,
@@ -366,17 +356,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
 
-  int stage_index = 0, previous_stage = 0;
-  uint32_t phase = 0, previous_phase = 0;  // of the stages' barriers in this round over them, the last item's
   int64_t item = 0;
   for (int64_t task = first; task < last; ++task) {
-    for (int block = 0; block < p.channel_blocks; ++block) {
+    for (int block = 0; block < p.channel_blocks; ++block, ++item) {
       if constexpr (kTensorLoads) {
-        if (threadIdx.x == 0 && item > 0 && item - 1 + p.stages < items) {
-          barrier_wait(&empty[previous_stage], previous_phase);
-          load_item(item - 1 + p.stages, previous_stage);
-        }
-        barrier_wait(&full[stage_index], phase);
+        ring.acquire(item, load_item);
       } else {
         // (wait_group takes a constant: the deepest pipeline's count, less where stages are fewer)
         if (p.stages == kMaxStages) {
@@ -390,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         load_next();
       }
 
-      const float* stage = stages + stage_index * T::kStageWords;
+      const float* stage = stages + ring.stage * T::kStageWords;
       const uint4* w = reinterpret_cast<const uint4*>(stage + T::kBoxesWords);
 #pragma unroll
       for (int step = 0; step < T::kKSteps; ++step) {
@@ -418,14 +402,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      // (every thread arrives: an arrival releases the arriving thread's own reads of the stage)
-      if constexpr (kTensorLoads) barrier_arrive(&empty[stage_index]);
-      ++item;
-      previous_stage = stage_index;
-      previous_phase = phase;
-      if (++stage_index == p.stages) {
-        stage_index = 0;
-        phase ^= 1;
+      if constexpr (kTensorLoads) {
+        ring.release();
+      } else {
+        ring.advance();
       }
     }
 

@@ -146,8 +146,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int first = static_cast<int>(int64_t{part} * tasks / p.units_per_image);
   const int count = static_cast<int>(int64_t{part + 1} * tasks / p.units_per_image) - first;
   const int items = count * p.passes;
-  auto load_item = [&](int item, int s) {
-    const int pass = item / count, task = first + item % count, oh = task / p.T, block = task % p.T;
+  auto load_item = [&](int64_t item, int s) {
+    const int pass = static_cast<int>(item / count), task = first + static_cast<int>(item % count);
+    const int oh = task / p.T, block = task % p.T;
     float* stage = stages + s * T::kStageWords;
     barrier_arrive_expect(&full[s], (T::kBoxWords + kFactorWords) * sizeof(float));
     tensor_load_4d(stage, map, block * kFactorColumns * SW - p.pad_w - p.lead, oh * SH - p.pad_h, pass * kWarps, n,
@@ -155,16 +156,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     bulk_load(stage + T::kBoxWords, p.factor + ((int64_t{n} * p.OH + oh) * p.T + block) * kFactorWords,
               kFactorWords * sizeof(float), &full[s]);
   };
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < p.stages; ++s) {
-      barrier_init(&full[s]);
-      barrier_init(&empty[s], kThreads);
-    }
-  }
-  __syncthreads();  // (the barriers are ready; no block barrier after this)
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < p.stages && s < items; ++s) load_item(s, s);
-  }
+  StageRing ring{full, empty, p.stages, items};
+  ring.start(kThreads, load_item);
 
   // This lane's GEMM rows 16 mt + 8 h + g: their codes (TapOrder) and box offsets.
   constexpr TapOrder<KH, KW, T::kRows> order{};
@@ -181,9 +174,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane_offset = warp * T::kChannelWords + p.lead + SW * t;
 
   float acc[T::kMTiles][2 * kPairs][4];
-  int stage_index = 0, previous_stage = 0;
-  uint32_t phase = 0, previous_phase = 0;  // of the stages' barriers in this round over them, the last item's
-  int item = 0;
+  int64_t item = 0;
   for (int pass = 0; pass < p.passes; ++pass) {
     const int c = pass * kWarps + warp;
 #pragma unroll
@@ -194,14 +185,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
 
     for (int i = 0; i < count; ++i, ++item) {
-      if (threadIdx.x == 0 && item > 0 && item - 1 + p.stages < items) {
-        barrier_wait(&empty[previous_stage], previous_phase);
-        load_item(item - 1 + p.stages, previous_stage);
-      }
-      barrier_wait(&full[stage_index], phase);
+      ring.acquire(item, load_item);
       if (c < p.C) {
-        const float* box = stages + stage_index * T::kStageWords + lane_offset;
-        const uint4* b_words = reinterpret_cast<const uint4*>(stages + stage_index * T::kStageWords + T::kBoxWords);
+        const float* box = stages + ring.stage * T::kStageWords + lane_offset;
+        const uint4* b_words = reinterpret_cast<const uint4*>(stages + ring.stage * T::kStageWords + T::kBoxWords);
 #pragma unroll
         for (int kk = 0; kk < kGroups; ++kk) {
           // A: rows g (a0, a2) and g + 8 (a1, a3), pixels k = t (a0, a1) and t + 4 (a2, a3: 8 columns on)
@@ -234,14 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      // (every thread arrives: an arrival releases the arriving thread's own reads of the stage)
-      barrier_arrive(&empty[stage_index]);
-      previous_stage = stage_index;
-      previous_phase = phase;
-      if (++stage_index == p.stages) {
-        stage_index = 0;
-        phase ^= 1;
-      }
+      ring.release();
     }
 
     // the pass's sums: rows g (c0, c1) and g + 8 (c2, c3) by channels 8 j + 2 t (+ 1); the taps' to
