@@ -483,7 +483,9 @@ def test_bad_input_named(args, match, device):
 def test_module_fused_conv_float32(shape, mode, tf32):
     """Architecture C forced to ``fused_conv`` in float32 (TF32 on, the kernel): the original's
     float64 result within the TF32 bound of its folded convolution; in training the original's
-    gradients (the backward is PyTorch's convolution's)."""
+    gradients (rows of 41 and 402 columns, not whole 16-byte chunks: the backward is PyTorch's
+    convolution backward on the saved factor; the weight-gradient kernel's own tests are the
+    op's above)."""
     original = reference.Conv2dAvgPoolSigmoidSum(8, 64, 3, 4).cuda().train(mode == "train")
     fused = fnn.Conv2dAvgPoolSigmoidSum.from_module(original)
     x = torch.rand(shape, device="cuda")
