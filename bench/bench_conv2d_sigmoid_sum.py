@@ -75,6 +75,7 @@ def main():
 
     # training steps: the op on leaf parameters (the folded kernel), and the module (original's parameters)
     original.train()
+    fused.train()
     weight_leaf, bias_leaf = weight.clone().requires_grad_(), bias.clone().requires_grad_()
     grad = torch.rand(args.batch, device=device)
 

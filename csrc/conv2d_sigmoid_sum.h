@@ -15,9 +15,10 @@
 //   grad_y[n, o, oh, ow] = grad_out[n] * s (1 - s),
 //   grad_weight[o, c, i, j] = sum over (n, oh, ow) of grad_y * x_padded[n, c, oh*sh + i, ow*sw + j],
 //   grad_bias[o] = sum of grad_y over (n, oh, ow); grad_x by the convolution's transpose.
-// On a GPU the weight's and bias's gradients are one tensor-core kernel over x and the factor
-// (cuda/conv2d_sigmoid_sum_backward.cu: grad_y never in memory); elsewhere, and x's gradient,
-// PyTorch's convolution backward on grad_y (conv2d_sigmoid_sum_backward_composite).
+// On Hopper, for what its kernel covers (cuda/conv2d_sigmoid_sum_backward.cu), the weight's
+// and bias's gradients are one tensor-core kernel over x and the factor (grad_y never in
+// memory); elsewhere, and x's gradient, PyTorch's convolution backward on grad_y
+// (conv2d_sigmoid_sum_backward_composite).
 //
 // The factor's layout, the GPU kernels' (the same on every device, so that its
 // shape is the inputs'): (N, OH, T, G, 3072), T = ceil(OW / 48), G = ceil(O / 64);
@@ -43,10 +44,11 @@ struct Conv2dGeometry {
   std::array<int64_t, 2> stride, padding;
 };
 
+// The checks of a call's arguments (errors named after the op `what`), and its geometry.
 inline Conv2dGeometry conv2d_sigmoid_sum_geometry(const at::Tensor& x, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias,
-                                                  c10::IntArrayRef stride, c10::IntArrayRef padding) {
-  constexpr const char* what = "conv2d_sigmoid_sum";
+                                                  c10::IntArrayRef stride, c10::IntArrayRef padding,
+                                                  const char* what = "conv2d_sigmoid_sum") {
   TORCH_CHECK_VALUE(x.dim() == 4, what, ": expected a 4-D input (batch, channels, height, width), got ",
                     x.dim(), "-D input of shape ", x.sizes());
   TORCH_CHECK_VALUE(weight.dim() == 4, what, ": expected a 4-D weight (out_channels, in_channels, kh, kw), got ",
@@ -115,7 +117,7 @@ inline at::Tensor to_factor_layout(const at::Tensor& f) {
       .reshape(shape);
 }
 
-// The factor (its layout) back as (N, O, OH, OW), a view where it can be.
+// The factor (its layout) back as (N, O, OH, OW) (a copy: the permutation is no view).
 inline at::Tensor from_factor_layout(const at::Tensor& factor, int64_t o, int64_t ow) {
   const int64_t n = factor.size(0), oh = factor.size(1), t = factor.size(2), g = factor.size(3);
   return factor.view({n, oh, t, g, 3, 2, 4, 8, 4, 2, 2})
@@ -145,21 +147,28 @@ inline std::tuple<at::Tensor, at::Tensor> conv2d_sigmoid_sum_composite(const at:
   return {at::sum(s, {1, 2, 3}, false, dtype), factor};
 }
 
-// The backward's checks: a factor of the forward's shape and dtype, a grad_out of one value per item.
-inline void check_conv2d_sigmoid_sum_backward(const at::Tensor& grad_out, const at::Tensor& factor,
-                                              const at::Tensor& x, const at::Tensor& weight,
-                                              const Conv2dGeometry& g) {
+// The backward's checks (the forward's of x, the weight and the geometry; a
+// factor of the forward's shape and dtype; one floating-point grad_out value
+// per item), and its geometry.
+inline Conv2dGeometry check_conv2d_sigmoid_sum_backward(const at::Tensor& grad_out, const at::Tensor& factor,
+                                                        const at::Tensor& x, const at::Tensor& weight,
+                                                        c10::IntArrayRef stride, c10::IntArrayRef padding) {
   constexpr const char* what = "conv2d_sigmoid_sum_backward";
+  const Conv2dGeometry g = conv2d_sigmoid_sum_geometry(x, weight, std::nullopt, stride, padding, what);
   TORCH_CHECK_VALUE(grad_out.dim() == 1 && grad_out.size(0) == x.size(0), what,
                     ": grad_out must have shape (batch,) = (", x.size(0), ",), got ", grad_out.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(grad_out.scalar_type()), what,
+                   ": grad_out must be a floating-point tensor, got ", grad_out.scalar_type());
   const auto [oh, ow] = conv2d_output_size(x, weight, g);
   const auto shape = grad_factor_shape(x.size(0), weight.size(0), oh, ow);
-  TORCH_CHECK_VALUE(factor.sizes() == at::IntArrayRef(shape), what, ": grad_factor must have shape ", shape,
-                    " (the forward's, with save_grad_factor=True), got ", factor.sizes());
+  TORCH_CHECK_VALUE(factor.sizes() == at::IntArrayRef(shape), what, ": grad_factor must have shape ",
+                    at::IntArrayRef(shape), " (the forward's, with save_grad_factor=True), got ", factor.sizes());
   TORCH_CHECK_TYPE(factor.scalar_type() == grad_factor_dtype(weight.scalar_type()), what, ": grad_factor must be ",
                    grad_factor_dtype(weight.scalar_type()), ", got ", factor.scalar_type());
   TORCH_CHECK_VALUE(grad_out.device() == x.device() && factor.device() == x.device(), what,
-                    ": grad_out, grad_factor and x must be on one device");
+                    ": grad_out, grad_factor and x must be on one device, got ", grad_out.device(), ", ",
+                    factor.device(), " and ", x.device());
+  return g;
 }
 
 // grad_x, grad_weight, grad_bias (each where output_mask asks for it, else an

@@ -163,7 +163,8 @@ def conv2d_sigmoid_sum(x: Tensor, weight: Tensor, bias: Tensor | None = None, st
     copy made; on a GPU the kernel takes this too). dtype: the result's: the weight's (None) or
     its accumulation type. Returns (B,). Differentiable in x, weight and bias: where one of them
     requires grad the forward saves sigmoid'(y) per output, from which the backward forms the
-    gradients (on a GPU the weight's and bias's in one tensor-core kernel).
+    gradients (on Hopper, where the forward's kernel ran on rows of whole 16-byte chunks, the
+    weight's and bias's in one tensor-core kernel; else PyTorch's convolution backward).
     """
     if not isinstance(x, Tensor):
         raise TypeError(f"conv2d_sigmoid_sum: x must be a Tensor, got {type(x).__name__}")
@@ -176,6 +177,7 @@ def conv2d_sigmoid_sum(x: Tensor, weight: Tensor, bias: Tensor | None = None, st
 
 def _conv2d_output_size(x, weight, stride, padding) -> list:
     s, p = _pair(list(stride), "stride"), _pair(list(padding), "padding")
+    torch._check_value(s[0] > 0 and s[1] > 0, lambda: f"conv2d_sigmoid_sum: stride must be positive, got {stride}")
     return [(x.shape[2 + d] + 2 * p[d] - weight.shape[2 + d]) // s[d] + 1 for d in range(2)]
 
 
@@ -201,6 +203,7 @@ def _conv2d_sigmoid_sum_fake(x, weight, bias, stride, padding, save_grad_factor,
     for d in range(2):
         torch._check(x.shape[2 + d] + 2 * p[d] >= weight.shape[2 + d],
                      lambda: "conv2d_sigmoid_sum: the padded input is smaller than the kernel")
+    _conv2d_output_size(x, weight, s, p)  # (its check of the stride)
     out = x.new_empty((x.shape[0],), dtype=_result_dtype(weight, dtype, "conv2d_sigmoid_sum"))
     factor_shape = _conv2d_grad_factor_shape(x, weight, stride, padding) if save_grad_factor else [0]
     return out, x.new_empty(factor_shape, dtype=_accumulation_dtype(weight.dtype))
@@ -208,9 +211,13 @@ def _conv2d_sigmoid_sum_fake(x, weight, bias, stride, padding, save_grad_factor,
 
 @torch.library.register_fake("fused_ops::conv2d_sigmoid_sum_backward")
 def _conv2d_sigmoid_sum_backward_fake(grad_out, grad_factor, x, weight, stride, padding, output_mask):
-    torch._check(list(grad_factor.shape) == _conv2d_grad_factor_shape(x, weight, stride, padding),
-                 lambda: f"conv2d_sigmoid_sum_backward: grad_factor must have the forward's shape, got "
-                         f"{tuple(grad_factor.shape)}")
+    torch._check(grad_out.dim() == 1 and grad_out.shape[0] == x.shape[0] and grad_out.dtype.is_floating_point,
+                 lambda: f"conv2d_sigmoid_sum_backward: grad_out must be floating-point of shape (batch,), got "
+                         f"{tuple(grad_out.shape)} {grad_out.dtype}")
+    torch._check(list(grad_factor.shape) == _conv2d_grad_factor_shape(x, weight, stride, padding)
+                 and grad_factor.dtype == _accumulation_dtype(weight.dtype),
+                 lambda: f"conv2d_sigmoid_sum_backward: grad_factor must have the forward's shape and dtype, got "
+                         f"{tuple(grad_factor.shape)} {grad_factor.dtype}")
     return (torch.empty_like(x, memory_format=torch.contiguous_format) if output_mask[0] else x.new_empty((0,)),
             torch.empty_like(weight, memory_format=torch.contiguous_format) if output_mask[1] else x.new_empty((0,)),
             weight.new_empty((weight.shape[0],)) if output_mask[2] else x.new_empty((0,)))

@@ -41,6 +41,7 @@ cannot lower them on the CPU.
 """
 import functools
 import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import torch
@@ -94,7 +95,7 @@ def _transposed_axis(kernel: int, stride: int, padding: int) -> _Axis:
     return _Axis(stride, 1, first, taps)
 
 
-_GATHER_INDICES: dict = {}
+_DEVICE_CONSTANTS: dict = {}  # _device_constant's
 
 # The most output positions (N M H' W') depth_stacked_channels_last's CUDA kernel takes
 # (csrc/cuda/depth_stacked_channels_last.cu).
@@ -109,17 +110,24 @@ def _stacked_in_one_pass(x: Tensor, positions: int) -> bool:
             and not (torch.is_grad_enabled() and x.requires_grad or torch.compiler.is_compiling()))
 
 
+def _device_constant(key: Hashable, build: Callable[[], Tensor], device) -> Tensor:
+    """build() (a tensor made on the host) on `device`, kept per key and device: made once (a
+    host-to-device copy per call would wait for the device), outside inference mode (an
+    inference tensor could not be saved for a backward later); made anew and not kept while
+    compiling or under a fake mode (the tensor would be the trace's)."""
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        return build().to(device)
+    key = (key, torch.device(device))
+    if key not in _DEVICE_CONSTANTS:
+        with torch.inference_mode(False):
+            _DEVICE_CONSTANTS[key] = build().to(device)
+    return _DEVICE_CONSTANTS[key]
+
+
 def _gather_index(axes: tuple[_Axis, _Axis, _Axis], kernel: tuple[int, int, int], device) -> Tensor:
     """(Q, K'd, K'h, K'w) indices into an original kernel flattened to k_d k_h k_w taps plus a
-    zero last, on `device`: built once per configuration and device (a host-to-device copy
-    per call would wait for the device), or by the compiled graph, as a constant."""
-    if torch.compiler.is_compiling():
-        return _build_gather_index(axes, kernel).to(device)
-    key = (axes, kernel, torch.device(device))
-    if key not in _GATHER_INDICES:
-        with torch.inference_mode(False):  # (an inference tensor could not be saved for a backward later)
-            _GATHER_INDICES[key] = _build_gather_index(axes, kernel).to(device)
-    return _GATHER_INDICES[key]
+    zero last, on `device` (a constant: _device_constant)."""
+    return _device_constant(("gather_index", axes, kernel), lambda: _build_gather_index(axes, kernel), device)
 
 
 def _build_gather_index(axes: tuple[_Axis, _Axis, _Axis], kernel: tuple[int, int, int]) -> Tensor:
@@ -394,8 +402,7 @@ def _pool_fold(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> _PoolFold | No
     return _PoolFold(box, stride, pool.divisor_override or box[0] * box[1], folded, padding, out)
 
 
-@functools.lru_cache(maxsize=16)
-def _box_fold_matrix(kernel: tuple[int, int], box: tuple[int, int], divisor: float, device: torch.device) -> Tensor:
+def _box_fold_matrix(kernel: tuple[int, int], box: tuple[int, int], divisor: float) -> Tensor:
     """(kh kw, (kh + bh - 1)(kw + bw - 1)) float64: row (a, b) holds 1 / divisor at the folded taps
     (a + p, b + q) for p < bh, q < bw: a kernel's taps times it is the kernel convolved with the box
     over the divisor."""
@@ -404,16 +411,18 @@ def _box_fold_matrix(kernel: tuple[int, int], box: tuple[int, int], divisor: flo
     for a in range(kernel[0]):
         for b in range(kernel[1]):
             matrix[a, b, a:a + box[0], b:b + box[1]] = 1 / divisor
-    return matrix.reshape(kernel[0] * kernel[1], -1).to(device)
+    return matrix.reshape(kernel[0] * kernel[1], -1)
 
 
 def _pool_folded_kernel(weight: Tensor, box: tuple[int, int], divisor: float) -> Tensor:
     """(O, I, kh + bh - 1, kw + bw - 1) in float64: the kernel (O, I, kh, kw) convolved with the
-    box over the divisor, as one float64 product with _box_fold_matrix (exact sums of at most
-    bh bw terms; float64 is never TF32; one op each way for autograd, the host's time in a
-    training step)."""
+    box over the divisor, as one float64 product with _box_fold_matrix (sums of at most bh bw
+    terms, exact for a power-of-two divisor; float64 is never TF32; one op each way for
+    autograd, the host's time in a training step)."""
     o, i, *kernel = weight.shape
-    matrix = _box_fold_matrix(tuple(kernel), tuple(box), float(divisor), weight.device)
+    kernel, box, divisor = tuple(kernel), tuple(box), float(divisor)
+    matrix = _device_constant(("box_fold", kernel, box, divisor), lambda: _box_fold_matrix(kernel, box, divisor),
+                              weight.device)
     return (weight.double().reshape(o * i, -1) @ matrix).reshape(o, i, kernel[0] + box[0] - 1,
                                                                   kernel[1] + box[1] - 1)
 

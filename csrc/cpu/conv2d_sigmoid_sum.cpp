@@ -19,8 +19,7 @@ std::tuple<at::Tensor, at::Tensor> conv2d_sigmoid_sum_cpu(const at::Tensor& x, c
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_sigmoid_sum_backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& grad_factor, const at::Tensor& x, const at::Tensor& weight,
     at::IntArrayRef stride, at::IntArrayRef padding, std::array<bool, 3> output_mask) {
-  const Conv2dGeometry g = conv2d_sigmoid_sum_geometry(x, weight, std::nullopt, stride, padding);
-  check_conv2d_sigmoid_sum_backward(grad_out, grad_factor, x, weight, g);
+  const Conv2dGeometry g = check_conv2d_sigmoid_sum_backward(grad_out, grad_factor, x, weight, stride, padding);
   return conv2d_sigmoid_sum_backward_composite(grad_out, grad_factor, x, weight, g, output_mask);
 }
 

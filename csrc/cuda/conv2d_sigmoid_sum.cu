@@ -1,7 +1,9 @@
 // CUDA kernel of conv2d_sigmoid_sum (the math: ../conv2d_sigmoid_sum.h): the
 // convolution as an implicit GEMM on tensor cores (mma.sync: TF32 m16n8k8 for
 // a float32 weight, bf16 / f16 m16n8k16 for a 16-bit one, x rounded as it is
-// read), the bias, sigmoid and sum its epilogue; y never reaches memory.
+// read), the bias, sigmoid and sum its epilogue; y never reaches memory. Where
+// the backward needs it the epilogue also writes sigmoid'(y) (the factor, in
+// the layout the header gives: the weight-gradient kernel's B fragments).
 //
 // GEMM: rows = output pixels of a row, columns = output channels (up to 8 n8
 // tiles, 64 channels), k = (input channel, kh, kw). A task is four output rows

@@ -51,6 +51,7 @@ constexpr int kBarrierWords = 32;             // the stages' barriers (full, emp
 constexpr int kGroups = kFactorColumns / 8;   // k8 groups of pixels in a task
 constexpr int kPairs = kFactorChannels / 16;  // n8 tile pairs of output channels
 constexpr int kZeroRow = -1;
+constexpr int64_t kPartialWordsAlways = int64_t{16} << 20;  // 64 MiB of partial sums
 
 // The geometry of one kernel shape (KH x KW, stride SH x SW).
 template <int KH, int KW, int SH, int SW>
@@ -283,8 +284,9 @@ __global__ void __launch_bounds__(kReduceOutputs * kReduceSlices)
 }
 
 // Units per image: at least enough for a block on every multiprocessor, then
-// the fewest whose last wave is at least 90% full (units = blocks: one resident
-// per multiprocessor), at most one per task.
+// the fewest whose last wave is at least 90% full (units = blocks, taken as one
+// resident per multiprocessor: the 6 x 6 shape's stages take most of its shared
+// memory), at most one per task.
 int units_per_image(int64_t images, int64_t tasks, int64_t multiprocessors) {
   const int64_t least = std::max<int64_t>(1, (multiprocessors + images - 1) / images);
   int64_t best = least;
@@ -299,13 +301,15 @@ int units_per_image(int64_t images, int64_t tasks, int64_t multiprocessors) {
 }
 
 // The weight's and bias's gradients (float32) by the kernels, if they take the
-// call: on a device that runs their sm_90 code (the copy engine), a float32 x
-// whose rows are 16-byte aligned (W % 4 == 0, a 16-byte aligned address) and a
-// float32 factor, a float32 weight where TF32 convolutions are allowed (as
-// PyTorch's own convolution would use them) or a 16-bit one (x rounded to it as
-// the forward read it: TF32 holds those values exactly), a compiled kernel shape, at most 64 output channels, sizes
-// the kernels' int fields and the tensor map hold, and the stages fitting in
-// shared memory. Else false.
+// call: on a device that runs their sm_90 code (the copy engine), a contiguous
+// float32 x whose rows are 16-byte aligned (W % 4 == 0, a 16-byte aligned
+// address) and a contiguous, 16-byte aligned float32 factor, a float32 weight
+// where TF32 convolutions are allowed (as PyTorch's own convolution would use
+// them) or a 16-bit one (x rounded to it as the forward read it: TF32 holds
+// those values exactly), a compiled kernel shape, at most 64 output channels,
+// sizes the kernels' int fields and the tensor map hold, the stages fitting in
+// shared memory, and the units' partial sums no larger than the factor or
+// kPartialWordsAlways (many channels over small images: PyTorch's). Else false.
 bool launch_weight_grad(const at::Tensor& grad_out, const at::Tensor& factor, const at::Tensor& x,
                         const at::Tensor& weight, const Conv2dGeometry& g, at::Tensor& grad_weight,
                         at::Tensor& grad_bias) {
@@ -316,13 +320,14 @@ bool launch_weight_grad(const at::Tensor& grad_out, const at::Tensor& factor, co
                                          : !(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf)) {
     return false;
   }
-  if (x.size(3) % 4 != 0 || reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0 || !x.is_contiguous() ||
-      !factor.is_contiguous()) {
+  if (x.size(3) % 4 != 0 || !x.is_contiguous() || !factor.is_contiguous() ||
+      reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(factor.const_data_ptr()) % 16 != 0) {
     return false;
   }
   const int64_t oh = conv2d_output_size(x, weight, g)[0];
   const int64_t widest = std::max({x.size(1), x.size(2) + 2 * g.padding[0], x.size(3) + 2 * g.padding[1]});
-  if (widest > INT_MAX / 8 || x.size(0) > INT_MAX || oh * factor.size(2) > INT_MAX ||
+  if (widest > INT_MAX / 64 || x.size(0) > INT_MAX || oh * factor.size(2) > INT_MAX ||
       x.numel() / x.size(0) >= (int64_t{1} << 38)) {
     return false;
   }
@@ -353,7 +358,8 @@ bool launch_weight_grad(const at::Tensor& grad_out, const at::Tensor& factor, co
     p.units_per_image = units_per_image(images, int64_t{p.OH} * p.T,
                                         device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
     const int64_t units = images * p.units_per_image;
-    if (units > INT_MAX) return;
+    const int64_t partial_words = units * kFactorChannels * p.C * T::kTaps;
+    if (units > INT_MAX || partial_words > std::max<int64_t>(factor.numel(), kPartialWordsAlways)) return;
     const at::Tensor partial = at::empty({units, kFactorChannels, p.C, T::kTaps}, x.options());
     const at::Tensor bias_partial = at::empty({units, kFactorChannels}, x.options());
     p.factor = factor.const_data_ptr<float>();
@@ -389,8 +395,7 @@ bool launch_weight_grad(const at::Tensor& grad_out, const at::Tensor& factor, co
 std::tuple<at::Tensor, at::Tensor, at::Tensor> conv2d_sigmoid_sum_backward_cuda(
     const at::Tensor& grad_out, const at::Tensor& grad_factor, const at::Tensor& x, const at::Tensor& weight,
     at::IntArrayRef stride, at::IntArrayRef padding, std::array<bool, 3> output_mask) {
-  const Conv2dGeometry g = conv2d_sigmoid_sum_geometry(x, weight, std::nullopt, stride, padding);
-  check_conv2d_sigmoid_sum_backward(grad_out, grad_factor, x, weight, g);
+  const Conv2dGeometry g = check_conv2d_sigmoid_sum_backward(grad_out, grad_factor, x, weight, stride, padding);
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor grad_weight, grad_bias;
   if ((output_mask[1] || output_mask[2]) && launch_weight_grad(grad_out, grad_factor, x, weight, g, grad_weight, grad_bias)) {
