@@ -8,8 +8,11 @@ and training step, fused against eager and tuned), each in float32 and again
 under bfloat16 autocast, writes JSON under bench/results/ (and under $OUT when
 that is set), and prints short tables last.
 
-    python bench/run.py [--skip-build] [--skip-tests] [--only tails|models|configs] [--no-compile]
-                        [--max-autotune] [--no-autocast] [--device cuda]
+    python bench/run.py [--skip-build] [--skip-tests] [--test-shard K/N] [--only tests|tails|models|configs]
+                        [--no-compile] [--max-autotune] [--no-autocast] [--device cuda]
+
+On the lent GPU machines the whole suite outlasts one command (about 27 minutes on an H100):
+run it as shards, one call each, e.g. `python bench/run.py --only tests --test-shard 1/4`.
 """
 import argparse
 import json
@@ -31,10 +34,26 @@ def build():
                    cwd=ROOT, env=env, check=True)
 
 
-def run_tests(log_dir: str) -> str:
-    """Runs the suite; the whole log goes to log_dir/tests.log. Returns pytest's closing line."""
+def shard_tests(shard: str) -> list[str]:
+    """The test ids of shard "K/N" (K in 1..N): every N-th of the suite's collected ids from the
+    K-th on, so that the N shards split every test file's cases (the whole suite on a GPU takes
+    longer than one command may run on the lent machines)."""
+    k, n = (int(v) for v in shard.split("/"))
+    if not 1 <= k <= n:
+        raise SystemExit(f"--test-shard: K/N with 1 <= K <= N, got {shard}")
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             "--rootdir", ROOT, os.path.join(ROOT, "tests")], cwd="/", capture_output=True,
+                            text=True, check=True)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    return [os.path.join(ROOT, test_id) if not test_id.startswith("/") else test_id for test_id in ids[k - 1::n]]
+
+
+def run_tests(log_dir: str, shard: str | None = None) -> str:
+    """Runs the suite (or one shard of it: shard_tests); the whole log goes to log_dir/tests.log.
+    Returns pytest's closing line."""
+    selection = shard_tests(shard) if shard else [os.path.join(ROOT, "tests")]
     result = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
-                             "--rootdir", ROOT, os.path.join(ROOT, "tests")], cwd="/", capture_output=True, text=True)
+                             "--rootdir", ROOT, *selection], cwd="/", capture_output=True, text=True)
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(log_dir, "tests.log"), "w") as f:
         f.write(result.stdout + result.stderr)
@@ -86,9 +105,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--skip-tests", action="store_true")
-    parser.add_argument("--only", choices=("tails", "models", "configs"),
-                        help="time only the tails, only the whole models, or only the configuration grid "
-                             "(default: all three)")
+    parser.add_argument("--test-shard", metavar="K/N",
+                        help="run only the K-th of N shards of the suite (every N-th test; on the lent GPU machines "
+                             "the whole suite outlasts one command: run the shards in separate calls)")
+    parser.add_argument("--only", choices=("tests", "tails", "models", "configs"),
+                        help="only the tests (no timing), or time only the tails, only the whole models, or only the "
+                             "configuration grid (default: the tests, then all three)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
     parser.add_argument("--max-autotune", action="store_true",
                         help="whole models: also time torch.compile(mode=\"max-autotune\") (slow to compile)")
@@ -102,7 +124,11 @@ def main():
 
     if not args.skip_build:
         build()
-    tests = "not run" if args.skip_tests else run_tests(os.environ.get("OUT", os.path.join(ROOT, "bench", "results")))
+    tests = "not run" if args.skip_tests else run_tests(os.environ.get("OUT", os.path.join(ROOT, "bench", "results")),
+                                                            args.test_shard)
+    if args.only == "tests":
+        print(tests)
+        sys.exit(1 if "failed" in tests or "error" in tests else 0)
 
     import torch
 
