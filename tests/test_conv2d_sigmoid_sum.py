@@ -83,15 +83,20 @@ def test_float64_is_pytorchs(x_shape, w_shape, stride, padding, bias, device):
                                rtol=1e-12, atol=1e-12)
 
 
-def kernel_loaders(call) -> set:
-    """The loaders of the tensor-core kernels call() ran, by the profiler's CUDA kernel names
-    (the kernel's last template argument): "copy engine" or "cp.async"; empty if none ran."""
+def cuda_kernel_names(call) -> list:
+    """The names of the CUDA kernels call() ran, by the profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
+def kernel_loaders(call) -> set:
+    """The loaders of the tensor-core forward kernels call() ran, by their names (the kernel's
+    last template argument): "copy engine" or "cp.async"; empty if none ran."""
     loaders = set()
-    for e in prof.events():
-        found = re.search(r"conv2d_sigmoid_sum_kernel<.*, (true|false)>", e.name)
+    for name in cuda_kernel_names(call):
+        found = re.search(r"conv2d_sigmoid_sum_kernel<.*, (true|false)>", name)
         if found:
             loaders.add("copy engine" if found.group(1) == "true" else "cp.async")
     return loaders
@@ -318,11 +323,8 @@ def test_kernel_grad_factor(x_shape, w_shape, stride, padding, bias, tf32):
 
 
 def weight_grad_loaders(call) -> set:
-    """Whether the weight-gradient kernel ran in call(): {"kernel"} or empty, by the profiler."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    return {"kernel" for e in prof.events() if "conv2d_sigmoid_sum_weight_grad_kernel" in e.name}
+    """Whether the weight-gradient kernel ran in call(): {"kernel"} or empty."""
+    return {"kernel" for name in cuda_kernel_names(call) if "conv2d_sigmoid_sum_weight_grad_kernel" in name}
 
 
 def weight_grad_kernel_takes(x, w) -> bool:

@@ -54,8 +54,6 @@ constexpr int kWarpPixels = 48;     // three m16 tiles
 constexpr int kTilePixels = 2 * kWarpPixels;
 constexpr int kMTiles = kWarpPixels / 16;
 constexpr int kStageChannels = 2;   // input channels per k block
-constexpr int kMaxStages = 4;
-constexpr int kBarrierWords = 32;   // the stages' barriers (full, empty), padded to 128 bytes
 
 // The order of a k block's taps in the GEMM's k: GEMM k i is the block's k
 // natural[i] (natural: (channel, kh, kw)). One fragment load's lanes t = 0..3
@@ -520,11 +518,10 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
     p.channel_blocks = (p.C + kStageChannels - 1) / kStageChannels;
     p.lead = static_cast<int>((4 - p.pad_w % 4) % 4);
     p.tasks = x.size(0) * row_groups * col_tiles;
-    const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, x.get_device());
-    const int64_t stage_bytes = T::kStageWords * sizeof(float);
-    p.stages = static_cast<int>(std::min<int64_t>(kMaxStages, (limit - kBarrierWords * sizeof(float)) / stage_bytes));
+    const StagesFitting fit = stages_fitting(T::kStageWords, x);
+    const size_t smem = fit.smem;
+    p.stages = fit.stages;
     if (p.stages < 2) return;
-    const size_t smem = kBarrierWords * sizeof(float) + p.stages * stage_bytes;
     p.x = x.const_data_ptr<float>();
     p.weight = weight.const_data_ptr<float>();
     p.bias = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
@@ -546,15 +543,8 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     const auto tensor_kernel = conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, Mma, true>;
-    // (the copy engine's coordinates are int32, its strides under 2^40 bytes)
-    const bool tensor_map_fits = x.size(0) <= INT_MAX && x.numel() / x.size(0) < (int64_t{1} << 38);
-    if (p.W % 4 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 && tensor_map_fits && runs_bulk_copy(tensor_kernel)) {
-      const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.W), static_cast<cuuint64_t>(p.H),
-                                  static_cast<cuuint64_t>(p.C), static_cast<cuuint64_t>(x.size(0))};
-      const cuuint64_t strides[3] = {dims[0] * sizeof(float), dims[0] * dims[1] * sizeof(float),
-                                     dims[0] * dims[1] * dims[2] * sizeof(float)};
-      const cuuint32_t box[4] = {T::kBoxCols, T::kRows, kStageChannels, 1};
-      launch(tensor_kernel, tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, p.x, 4, dims, strides, box));
+    if (copy_engine_takes(x) && runs_bulk_copy(tensor_kernel)) {
+      launch(tensor_kernel, nchw_tensor_map(x, T::kBoxCols, T::kRows, kStageChannels));
     } else {
       launch(conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, Mma, false>, CUtensorMap{});
     }

@@ -46,8 +46,6 @@ namespace {
 
 constexpr int kWarps = 8;  // one input channel each in a pass
 constexpr int kThreads = 32 * kWarps;
-constexpr int kMaxStages = 4;
-constexpr int kBarrierWords = 32;             // the stages' barriers (full, empty), padded to 128 bytes
 constexpr int kGroups = kFactorColumns / 8;   // k8 groups of pixels in a task
 constexpr int kPairs = kFactorChannels / 16;  // n8 tile pairs of output channels
 constexpr int kZeroRow = -1;
@@ -320,17 +318,13 @@ bool launch_weight_grad(const at::Tensor& grad_out, const at::Tensor& factor, co
                                          : !(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf)) {
     return false;
   }
-  if (x.size(3) % 4 != 0 || !x.is_contiguous() || !factor.is_contiguous() ||
-      reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0 ||
+  if (!x.is_contiguous() || !copy_engine_takes(x) || !factor.is_contiguous() ||
       reinterpret_cast<uintptr_t>(factor.const_data_ptr()) % 16 != 0) {
     return false;
   }
   const int64_t oh = conv2d_output_size(x, weight, g)[0];
   const int64_t widest = std::max({x.size(1), x.size(2) + 2 * g.padding[0], x.size(3) + 2 * g.padding[1]});
-  if (widest > INT_MAX / 64 || x.size(0) > INT_MAX || oh * factor.size(2) > INT_MAX ||
-      x.numel() / x.size(0) >= (int64_t{1} << 38)) {
-    return false;
-  }
+  if (widest > INT_MAX / 64 || oh * factor.size(2) > INT_MAX) return false;
   bool launched = false;
   with_compiled_shape(weight.size(2), weight.size(3), g.stride[0], g.stride[1], [&](auto shape) {
     using S = decltype(shape);
@@ -341,12 +335,11 @@ bool launch_weight_grad(const at::Tensor& grad_out, const at::Tensor& factor, co
                             ? conv2d_sigmoid_sum_weight_grad_kernel<S::kh, S::kw, S::sh, S::sw, __nv_bfloat16>
                             : conv2d_sigmoid_sum_weight_grad_kernel<S::kh, S::kw, S::sh, S::sw, __half>;
     if (device_attribute(cudaDevAttrComputeCapabilityMajor, x.get_device()) < 9 || !runs_bulk_copy(kernel)) return;
-    const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, x.get_device());
-    const int64_t stage_bytes = T::kStageWords * sizeof(float);
+    const StagesFitting fit = stages_fitting(T::kStageWords, x);
+    const size_t smem = fit.smem;
     GradParams p{};
-    p.stages = static_cast<int>(std::min<int64_t>(kMaxStages, (limit - kBarrierWords * sizeof(float)) / stage_bytes));
+    p.stages = fit.stages;
     if (p.stages < 2) return;
-    const size_t smem = kBarrierWords * sizeof(float) + p.stages * stage_bytes;
     p.C = static_cast<int>(x.size(1));
     p.OH = static_cast<int>(oh);
     p.T = static_cast<int>(factor.size(2));
@@ -366,12 +359,7 @@ bool launch_weight_grad(const at::Tensor& grad_out, const at::Tensor& factor, co
     p.partial = partial.mutable_data_ptr<float>();
     p.bias_partial = bias_partial.mutable_data_ptr<float>();
 
-    const cuuint64_t dims[4] = {static_cast<cuuint64_t>(x.size(3)), static_cast<cuuint64_t>(x.size(2)),
-                                static_cast<cuuint64_t>(x.size(1)), static_cast<cuuint64_t>(x.size(0))};
-    const cuuint64_t strides[3] = {dims[0] * sizeof(float), dims[0] * dims[1] * sizeof(float),
-                                   dims[0] * dims[1] * dims[2] * sizeof(float)};
-    const cuuint32_t box[4] = {T::kBoxCols, S::kh, kWarps, 1};
-    const CUtensorMap map = tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, x.const_data_ptr(), 4, dims, strides, box);
+    const CUtensorMap map = nchw_tensor_map(x, T::kBoxCols, S::kh, kWarps);
     const auto stream = c10::cuda::getCurrentCUDAStream();
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     kernel<<<static_cast<unsigned>(units), kThreads, smem, stream>>>(p, map);
