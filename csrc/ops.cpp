@@ -34,6 +34,19 @@ TORCH_LIBRARY(fused_ops, m) {
       "conv2d_sigmoid_sum_backward(Tensor grad_out, Tensor grad_factor, Tensor x, Tensor weight, "
       "int[2] stride, int[2] padding, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
 
+  // mean over (D', H', W') of max_pool3d(conv3d(x, weight, bias, 1, padding) / divisor,
+  // kernel = stride = pool) -> (B, O): the convolution and its tail in one kernel on a GPU
+  // (conv3d_max_pool3d_mean.h). With save_indices, also each window's pick as
+  // max_pool3d_mean saves it (uint8, (B, O, D', H', W')), else an empty tensor.
+  m.def(
+      "conv3d_max_pool3d_mean(Tensor x, Tensor weight, Tensor? bias, int[3] padding, int[3] pool, "
+      "float divisor, bool save_indices, ScalarType? dtype=None) -> (Tensor, Tensor)");
+  // grad_x (x's shape and dtype), grad_weight, grad_bias (the weight's dtype) from the
+  // forward's picks, each where output_mask asks for it, else an empty tensor.
+  m.def(
+      "conv3d_max_pool3d_mean_backward(Tensor grad_mean, Tensor indices, Tensor x, Tensor weight, "
+      "int[3] padding, int[3] pool, float divisor, bool[3] output_mask) -> (Tensor, Tensor, Tensor)");
+
   // mean over (D', H', W') of max_pool3d(x / divisor) -> (B, C); with
   // save_indices, also each window's pick as a uint8 offset in scan order
   // (B, C, D', H', W'), else an empty tensor. An empty stride means kernel_size.

@@ -252,12 +252,16 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
     ``rewrite`` where the pool's windows tile the convolution's output
     (``fused_ops.rewrites.conv3d_max_pool_windows``): the convolution computes the windows
     side by side, the divisor folded into it where that is exact, and
-    ``fused_ops.parity_max_pool3d_mean`` pools and averages them; ``fused``: the division, the
-    pool and the average fused into one kernel over the convolution's output
+    ``fused_ops.parity_max_pool3d_mean`` pools and averages them; ``fused_conv`` where the
+    windows tile it too: the convolution, the division, the pool and the average in one op
+    (``fused_ops.conv3d_max_pool3d_mean``: on a GPU one tensor-core kernel); ``fused``: the
+    division, the pool and the average fused into one kernel over the convolution's output
     (``fused_ops.max_pool3d_mean``); ``original``; and the last two with the convolution
     channels last. The bias and the sum are applied to the (B, C, 1, 1, 1) result as the
     original does. The constructor is the original's (the same members, parameters drawn in
     the same order); ``global_avg_pool`` stays for its structure, the fused ops compute it."""
+
+    FORMULATIONS = ("fused_conv", *autotune.FORMULATIONS)
 
     @classmethod
     def from_module(cls, original: nn.Module) -> "Conv3dDivMaxPoolGAPBiasSum":
@@ -280,6 +284,12 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
     def _config(self) -> tuple:
         return _conv_config(self.conv), _pool_config(self.max_pool), self.divisor, self.sum_dim
 
+    def _order(self, x: Tensor) -> tuple[str, ...]:
+        order = _order(x)
+        if x.is_cuda:
+            return ("fused_conv", *order)
+        return (*order[:-1], "fused_conv", order[-1])  # (on a CPU: PyTorch's convolution and the fused tail)
+
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         """The module's output (its bias and sum in the call: a CUDA graph of it holds them)."""
         pooled = self._pooled(name, x if x.dim() == 5 else x.unsqueeze(0))  # (B, C, 1, 1, 1)
@@ -292,6 +302,9 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         pool = self.max_pool
         if not name.startswith("original") and self.global_avg_pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
             return None  # (the fused ops pool to one element)
+        if name == "fused_conv":
+            mean = rewrites.conv3d_max_pool_mean(x, self.conv, pool, self.divisor)
+            return None if mean is None else mean.view(*mean.shape, 1, 1, 1)
         if name == "rewrite":
             rewritten = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor)
             if rewritten is None:

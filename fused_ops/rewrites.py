@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from . import _autocast
 from ._derived import derived
-from .ops import (_accumulation_dtype, _expand, _pool_triples, _pooled_size, conv2d_sigmoid_sum,
+from .ops import (_accumulation_dtype, _expand, _pool_triples, _pooled_size, conv2d_sigmoid_sum, conv3d_max_pool3d_mean,
                   depth_stacked_channels_last)
 
 
@@ -246,6 +246,27 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
     taps, channel_bias = derived(("conv3d_max_pool", axes, dtype, divisor), (weight, bias), lambda: (
         _parity_kernel((weight / divisor).to(dtype), axes), None if bias is None else bias / divisor))
     return _parity_conv3d(x, taps, None, axes, positions), channel_bias
+
+
+def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor: float = 1.0) -> Tensor | None:
+    """``pool(conv(x) / divisor)`` averaged over its windows, (N, O), by
+    fused_ops.conv3d_max_pool3d_mean: on a GPU one kernel, the convolution's output never in
+    memory. In the dtype the convolution computes in (autocast's: a float32 x is rounded to it
+    by the op as it reads x, another x cast first); None where the op does not compute it (a
+    strided, dilated or grouped convolution, a pool whose windows overlap, leave gaps or pad,
+    ceil_mode adding windows)."""
+    if not (_is_plain_conv(conv, x) and _triple(conv.stride) == (1, 1, 1) and _is_window_pool(pool)):
+        return None
+    cast = _autocast.cast_dtype(x)
+    if cast is None and x.dtype != conv.weight.dtype:  # (the original's error)
+        return None
+    kernel, padding = _triple(pool.kernel_size), _triple(conv.padding)
+    conv_size = [x.shape[2 + d] + 2 * padding[d] - conv.weight.shape[2 + d] + 1 for d in range(3)]
+    if any([c < k or (pool.ceil_mode and c % k) for c, k in zip(conv_size, kernel)]):
+        return None
+    if cast is not None and x.dtype != torch.float32:
+        x = x.to(cast)
+    return conv3d_max_pool3d_mean(x, conv.weight, conv.bias, padding, kernel, divisor)
 
 
 def _folds_exactly(divisor: float) -> bool:

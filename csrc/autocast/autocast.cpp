@@ -53,15 +53,16 @@ void register_float32_results(torch::Library& m) {
   }
 }
 
-// conv2d_sigmoid_sum, as autocast runs its ops: the convolution's input, weight
-// and bias cast to autocast's dtype (a float32 or 16-bit input; float64 is
-// left alone), the sigmoid in that dtype, the sum's result float32 on CUDA
-// (where autocast runs torch.sum in float32), autocast's dtype on the CPU. A
-// float32 input is passed as it is, the op rounding it to the weight's dtype
-// as it reads it (the same values, without the cast's copy).
+// conv2d_sigmoid_sum and conv3d_max_pool3d_mean, as autocast runs their ops:
+// the convolution's input, weight and bias cast to autocast's dtype (a float32
+// or 16-bit input; float64 is left alone), the tail in that dtype, the result
+// float32 on CUDA (where autocast runs torch.sum in float32; A's module casts
+// its own result), autocast's dtype on the CPU. A float32 input is passed as
+// it is, the op rounding it to the weight's dtype as it reads it (the same
+// values, without the cast's copy). Both take (x, weight, bias, ...) first.
 template <c10::DispatchKey autocast_key>
 void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, stride, padding, save_grad_factor, dtype
+  const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ..., dtype
   const at::ScalarType input = (*stack)[first].toTensor().scalar_type();
   if (input == at::kHalf || input == at::kBFloat16 || input == at::kFloat) {
     const at::ScalarType cast = at::autocast::get_autocast_dtype(
@@ -78,8 +79,9 @@ void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stac
 template <c10::DispatchKey autocast_key>
 void register_autocast_kernels(torch::Library& m) {
   register_float32_results<autocast_key>(m);
-  m.impl("conv2d_sigmoid_sum",
-         torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key>>());
+  for (const char* name : {"conv2d_sigmoid_sum", "conv3d_max_pool3d_mean"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key>>());
+  }
 }
 
 }  // namespace

@@ -145,6 +145,20 @@ __device__ __forceinline__ void tensor_load_4d(void* dst, const CUtensorMap& map
 #endif
 }
 
+// tensor_load_4d's five-dimensional form: the box at (c0, c1, c2, c3, c4).
+__device__ __forceinline__ void tensor_load_5d(void* dst, const CUtensorMap& map, int c0, int c1, int c2, int c3,
+                                               int c4, uint64_t* bar) {
+#ifdef FUSED_OPS_BULK_COPY
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5, %6}], [%7];" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4), "r"(shared_address(bar))
+      : "memory");
+#else
+  __trap();
+#endif
+}
+
 // A ring of `stages` shared-memory stages that thread 0 fills by the copy
 // engine, item after item (item i in stage i mod stages), each stage with a
 // full barrier (its bytes landed) and an empty one (each of the block's
@@ -190,6 +204,19 @@ struct StageRing {
   // calls it: an arrival releases the arriving thread's own reads); then the next item.
   __device__ void release() {
     barrier_arrive(&empty[stage]);
+    advance();
+  }
+
+  // Once every thread has arrived on the current item's empty barrier (each
+  // did, then a block barrier), thread 0 refills its stage with the item
+  // `stages` after it; then the next item. (For kernels that copy a stage out
+  // and release it early, before computing on the copy.)
+  template <typename Load>
+  __device__ void refill(int64_t item, Load&& load) {
+    if (threadIdx.x == 0 && item + stages < items) {
+      barrier_wait(&empty[stage], phase);
+      load(item + stages, stage);
+    }
     advance();
   }
 

@@ -1,0 +1,74 @@
+// Autograd of conv3d_max_pool3d_mean (the math: ../conv3d_max_pool3d_mean.h):
+// the forward saves each window's pick (save_indices; x and the weight are
+// saved as they are), the backward op routes grad_mean / P to the picks and
+// gives x's, the weight's and the bias's gradients, those asked for.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "autograd_util.h"
+
+namespace fused_ops::autograd {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> call_conv3d_max_pool3d_mean(const at::Tensor& x, const at::Tensor& weight,
+                                                               const std::optional<at::Tensor>& bias,
+                                                               at::IntArrayRef padding, at::IntArrayRef pool,
+                                                               double divisor, bool save_indices,
+                                                               std::optional<at::ScalarType> dtype) {
+  static const auto op = typed_op<decltype(call_conv3d_max_pool3d_mean)>("fused_ops::conv3d_max_pool3d_mean");
+  return op.call(x, weight, bias, padding, pool, divisor, save_indices, dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_conv3d_max_pool3d_mean_backward(
+    const at::Tensor& grad_mean, const at::Tensor& indices, const at::Tensor& x, const at::Tensor& weight,
+    at::IntArrayRef padding, at::IntArrayRef pool, double divisor, std::array<bool, 3> output_mask) {
+  static const auto op =
+      typed_op<decltype(call_conv3d_max_pool3d_mean_backward)>("fused_ops::conv3d_max_pool3d_mean_backward");
+  return op.call(grad_mean, indices, x, weight, padding, pool, divisor, output_mask);
+}
+
+// Differentiable in x, weight and bias (the indices output is not).
+class Conv3dMaxPool3dMeanFunction : public torch::autograd::Function<Conv3dMaxPool3dMeanFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias, at::IntArrayRef padding, at::IntArrayRef pool,
+                               double divisor, bool save_indices, std::optional<at::ScalarType> dtype) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [mean, indices] = call_conv3d_max_pool3d_mean(x, weight, bias, padding, pool, divisor, save_indices, dtype);
+    mark_non_differentiable(ctx, {indices});
+    ctx->save_for_backward({x, weight, indices});
+    ctx->saved_data["padding"] = padding;
+    ctx->saved_data["pool"] = pool;
+    ctx->saved_data["divisor"] = divisor;
+    ctx->saved_data["has_bias"] = bias.has_value();
+    return {mean, indices};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list grad_inputs(8);
+    if (!grads[0].defined()) return grad_inputs;
+    check_first_order("conv3d_max_pool3d_mean", Curvature::kSmooth, grads[0]);  // (bilinear in x and the weight)
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1];
+    const at::Tensor& indices =
+        check_saved(saved[2], 5, "conv3d_max_pool3d_mean", "save_indices", "x, the weight or the bias");
+    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                   ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)};
+    auto [grad_x, grad_weight, grad_bias] = call_conv3d_max_pool3d_mean_backward(
+        grads[0], indices, x, weight, ctx->saved_data["padding"].toIntVector(), ctx->saved_data["pool"].toIntVector(),
+        ctx->saved_data["divisor"].toDouble(), mask);
+    grad_inputs[0] = mask[0] ? grad_x : at::Tensor();
+    grad_inputs[1] = mask[1] ? grad_weight : at::Tensor();
+    grad_inputs[2] = mask[2] ? grad_bias : at::Tensor();
+    return grad_inputs;
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, Autograd, m) {
+  m.impl("conv3d_max_pool3d_mean",
+         &AutogradKernel<Conv3dMaxPool3dMeanFunction, &call_conv3d_max_pool3d_mean>::kernel);
+}
+
+}  // namespace fused_ops::autograd

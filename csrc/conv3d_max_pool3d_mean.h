@@ -1,0 +1,172 @@
+// conv3d_max_pool3d_mean: mean[n, o] = mean over (D', H', W') of max_pool3d(y)[n, o],
+//   y = conv3d(x, weight, bias, stride 1, padding) / divisor   (dilation 1, one group),
+//   max_pool3d with kernel = stride = pool (no padding, floor mode).
+// Architecture A's tail with its convolution. A float32 x may come with a
+// 16-bit weight and bias (as autocast passes them): the convolution is then
+// x.to(weight.dtype)'s, x rounded as it is read. y / divisor is PyTorch's
+// `tensor / number` (dispatch.h), and each window picks by PyTorch's rule
+// (max_pool3d.h); with save_indices the picks are saved as max_pool3d_mean
+// saves them: one byte per window, its scan-order offset, (N, O, D', H', W').
+//
+// On a GPU (cuda/conv3d_max_pool3d_mean.cu) the convolution runs on tensor
+// cores and the division, pool and mean are its epilogue: y never reaches
+// memory. Elsewhere, and for what that kernel does not cover, PyTorch's
+// convolution then max_pool3d_mean (conv3d_max_pool3d_mean_composite).
+//
+// Backward, with P = D' H' W' windows: a window's gradient grad_mean[n, o] / P
+// reaches its pick, divided by the divisor as PyTorch divides (max_pool3d_mean's
+// backward gives grad_y from the saved picks), then the convolution's backward
+// (PyTorch's) gives the gradients of x, the weight and the bias.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+#include "dispatch.h"
+#include "max_pool3d_mean.h"
+#include "pool_geometry.h"
+
+namespace fused_ops {
+
+struct Conv3dPoolGeometry {
+  std::array<int64_t, 3> padding, pool;
+  std::array<int64_t, 3> conv;    // the convolution's output size (D, H, W)
+  std::array<int64_t, 3> pooled;  // windows per dimension (D', H', W')
+};
+
+// The checks of a call's arguments (errors named after the op `what`), and its geometry.
+inline Conv3dPoolGeometry conv3d_max_pool3d_mean_geometry(const at::Tensor& x, const at::Tensor& weight,
+                                                          const std::optional<at::Tensor>& bias,
+                                                          c10::IntArrayRef padding, c10::IntArrayRef pool,
+                                                          double divisor,
+                                                          const char* what = "conv3d_max_pool3d_mean") {
+  TORCH_CHECK_VALUE(x.dim() == 5, what, ": expected a 5-D input (batch, channels, depth, height, width), got ",
+                    x.dim(), "-D input of shape ", x.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 5, what,
+                    ": expected a 5-D weight (out_channels, in_channels, kd, kh, kw), got ", weight.dim(),
+                    "-D weight of shape ", weight.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), what,
+                   ": input must be a floating-point tensor (float64, float32, float16 or bfloat16), got ",
+                   x.scalar_type());
+  const bool rounded_input = x.scalar_type() == at::kFloat &&
+                             (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf);
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type() || rounded_input, what, ": weight (",
+                   weight.scalar_type(), ") must have the input's dtype (", x.scalar_type(),
+                   "), or be float16 or bfloat16 for a float32 input");
+  TORCH_CHECK_VALUE(weight.device() == x.device(), what, ": weight is on ", weight.device(), ", the input on ",
+                    x.device());
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), what,
+                      ": bias must have shape (out_channels,) = (", weight.size(0), ",), got ", bias->sizes());
+    TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), what, ": bias (", bias->scalar_type(),
+                     ") must have the weight's dtype (", weight.scalar_type(), ")");
+    TORCH_CHECK_VALUE(bias->device() == x.device(), what, ": bias is on ", bias->device(), ", the input on ",
+                      x.device());
+  }
+  TORCH_CHECK_VALUE(weight.size(1) == x.size(1), what, ": the input has ", x.size(1),
+                    " channels, the weight expects ", weight.size(1));
+  TORCH_CHECK_VALUE(x.size(0) > 0 && weight.size(0) > 0 && x.size(1) > 0, what,
+                    ": batch, channels and out_channels must be non-zero, got input ", x.sizes(), " and weight ",
+                    weight.sizes());
+  check_divisor(what, divisor);
+  Conv3dPoolGeometry g;
+  const auto p = expand_param<3>(what, "padding", padding);
+  const auto k = expand_param<3>(what, "pool", pool);
+  for (int d = 0; d < 3; ++d) {
+    TORCH_CHECK_VALUE(p[d] >= 0, what, ": padding must be non-negative, got ", padding);
+    TORCH_CHECK_VALUE(k[d] > 0, what, ": pool must be positive, got ", pool);
+    g.padding[d] = p[d];
+    g.pool[d] = k[d];
+    g.conv[d] = x.size(2 + d) + 2 * p[d] - weight.size(2 + d) + 1;
+    TORCH_CHECK_VALUE(g.conv[d] >= 1, what, ": the padded input (", x.sizes().slice(2), ", padding ", padding,
+                      ") is smaller than the kernel (", weight.sizes().slice(2), ")");
+    g.pooled[d] = g.conv[d] / k[d];
+    TORCH_CHECK_VALUE(g.pooled[d] >= 1, what, ": the pool ", pool, " is larger than the convolution's output (",
+                      g.conv[0], " x ", g.conv[1], " x ", g.conv[2], ")");
+  }
+  TORCH_CHECK_VALUE(k[0] * k[1] * k[2] <= kMaxSavedKernelVolume, what, ": the pool's volume must be at most ",
+                    kMaxSavedKernelVolume, " (one byte per pick), got ", pool);
+  return g;
+}
+
+namespace detail {
+inline std::tuple<at::Tensor, at::Tensor> call_max_pool3d_mean(const at::Tensor& y, at::IntArrayRef kernel,
+                                                               double divisor, bool save_indices,
+                                                               std::optional<at::ScalarType> dtype) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fused_ops::max_pool3d_mean", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef,
+                                                                       at::IntArrayRef, at::IntArrayRef, bool,
+                                                                       double, bool, std::optional<at::ScalarType>)>();
+  return op.call(y, kernel, kernel, {0, 0, 0}, false, divisor, save_indices, dtype);
+}
+
+inline at::Tensor call_max_pool3d_mean_backward(const at::Tensor& grad_mean, const at::Tensor& indices,
+                                                c10::SymIntArrayRef input_size, at::IntArrayRef kernel,
+                                                double divisor) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fused_ops::max_pool3d_mean_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            c10::SymIntArrayRef, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, bool, double)>();
+  return op.call(grad_mean, indices, std::nullopt, input_size, kernel, kernel, {0, 0, 0}, false, divisor);
+}
+}  // namespace detail
+
+// PyTorch's convolution, then max_pool3d_mean (its kernels, through the
+// dispatcher): the CPU kernel, and the GPU's where the fused kernel does not apply.
+inline std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_composite(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const Conv3dPoolGeometry& g,
+    double divisor, bool save_indices, at::ScalarType dtype) {
+  const at::Tensor y = at::conv3d(x.to(weight.scalar_type()), weight, bias, 1, g.padding).contiguous();
+  return detail::call_max_pool3d_mean(y, g.pool, divisor, save_indices, dtype);
+}
+
+// The backward's checks (the forward's; the forward's picks; one gradient per
+// (item, output channel)), and its geometry.
+inline Conv3dPoolGeometry check_conv3d_max_pool3d_mean_backward(const at::Tensor& grad_mean,
+                                                                const at::Tensor& indices, const at::Tensor& x,
+                                                                const at::Tensor& weight, c10::IntArrayRef padding,
+                                                                c10::IntArrayRef pool, double divisor) {
+  constexpr const char* what = "conv3d_max_pool3d_mean_backward";
+  const Conv3dPoolGeometry g =
+      conv3d_max_pool3d_mean_geometry(x, weight, std::nullopt, padding, pool, divisor, what);
+  TORCH_CHECK_VALUE(grad_mean.dim() == 2 && grad_mean.size(0) == x.size(0) && grad_mean.size(1) == weight.size(0),
+                    what, ": grad_mean must have shape (batch, out_channels) = (", x.size(0), ", ", weight.size(0),
+                    "), got ", grad_mean.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(grad_mean.scalar_type()), what,
+                   ": grad_mean must be a floating-point tensor, got ", grad_mean.scalar_type());
+  const std::array<int64_t, 5> shape{x.size(0), weight.size(0), g.pooled[0], g.pooled[1], g.pooled[2]};
+  TORCH_CHECK_VALUE(indices.sizes() == at::IntArrayRef(shape) && indices.scalar_type() == at::kByte, what,
+                    ": indices must be the forward's (save_indices=True): uint8 of shape ", at::IntArrayRef(shape),
+                    ", got ", indices.scalar_type(), " of shape ", indices.sizes());
+  TORCH_CHECK_VALUE(grad_mean.device() == x.device() && indices.device() == x.device(), what,
+                    ": grad_mean, indices and x must be on one device, got ", grad_mean.device(), ", ",
+                    indices.device(), " and ", x.device());
+  return g;
+}
+
+// grad_x, grad_weight, grad_bias (each where output_mask asks for it, else an
+// empty tensor; contiguous): grad_y from the picks (max_pool3d_mean's
+// backward), then PyTorch's convolution backward; x's gradient in x's dtype
+// (the rounding of a float32 x to a 16-bit weight's dtype has the identity's
+// gradient), the others in the weight's.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_composite(
+    const at::Tensor& grad_mean, const at::Tensor& indices, const at::Tensor& x, const at::Tensor& weight,
+    const Conv3dPoolGeometry& g, double divisor, std::array<bool, 3> output_mask) {
+  const std::array<c10::SymInt, 3> conv{c10::SymInt(g.conv[0]), c10::SymInt(g.conv[1]), c10::SymInt(g.conv[2])};
+  const at::Tensor grad_y =
+      detail::call_max_pool3d_mean_backward(grad_mean, indices.contiguous(), conv, g.pool, divisor);
+  auto [grad_x, grad_weight, grad_bias] = at::convolution_backward(
+      grad_y.to(weight.scalar_type()), x.to(weight.scalar_type()), weight, at::IntArrayRef({weight.size(0)}),
+      {1, 1, 1}, g.padding, {1, 1, 1}, false, {0, 0, 0}, 1, output_mask);
+  return {output_mask[0] ? grad_x.to(x.scalar_type()).contiguous() : x.new_empty({0}),
+          output_mask[1] ? grad_weight.contiguous() : x.new_empty({0}),
+          output_mask[2] ? grad_bias : x.new_empty({0})};
+}
+
+}  // namespace fused_ops

@@ -1,0 +1,367 @@
+// CUDA kernel of conv3d_max_pool3d_mean (the math: ../conv3d_max_pool3d_mean.h):
+// the 3 x 3 x 3 convolution as an implicit GEMM on tensor cores (mma.sync:
+// TF32 m16n8k8 for a float32 weight, bf16 / f16 m16n8k16 for a 16-bit one, x
+// rounded as it is read), the division, the 2 x 2 x 2 max-pool and the mean its
+// epilogue; y never reaches memory.
+//
+// GEMM: rows = the (up to 16) output channels (the weight as the A operand),
+// columns = output pixels along w (n8 tiles), k = (tap, input channel) for
+// blocks of 8 input channels: a k step is one tap by 8 channels (TF32) or two
+// taps (16-bit). A task is one plane of windows (2 output planes), two rows of
+// windows (4 output rows) and 32 windows across (64 output columns) of one
+// image; its eight warps each own one row of windows and 16 columns: eight n8
+// tiles (2 planes x 2 rows x 2 column groups), so each lane's accumulators
+// hold whole windows (its pixel pair 2t, 2t + 1 of each tile is a window's
+// two columns, the four (plane, row) tiles its other six elements): the max
+// needs no exchange between lanes.
+//
+// Loading: the copy engine stages each (task, channel block)'s input box
+// (8 channels x 4 planes x 6 rows x 72 columns, NCDHW read in place, zeros
+// outside the image) in one of up to two stages; the block copies it out into
+// one of two operand buffers, rounded to the operation's type (16-bit: channel
+// pairs packed), with the channels kOperandStride = 8 mod 32 words apart: a B
+// fragment load's lanes (8 columns g by 4 channels t) hit 32 distinct banks.
+// The stage is released as soon as it is copied (its next box lands while the
+// block computes), and one block barrier per item separates the copy from the
+// computing. The weight's A fragments for every channel block are in shared
+// memory for the whole kernel (weight_fragments_kernel writes them once per call).
+//
+// Each warp's per-channel sums of its windows go to `partial` (tasks x kWarps
+// x 16); each image's are added in a fixed order after (deterministic).
+// Where the backward needs them each window's pick is written as one byte.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "../conv3d_max_pool3d_mean.h"
+#include "../max_pool3d.h"
+#include "bulk_copy.cuh"
+#include "conv3d_max_pool3d_mean.cuh"
+#include "mma.cuh"
+#include "plane_rows.cuh"
+
+namespace fused_ops {
+namespace {
+
+using namespace conv3d_pool;
+
+constexpr int kOperandStride = kChannelWords + 8;  // = 8 mod 32: conflict-free B loads
+static_assert(kChannelWords % 32 == 0 && kOperandStride % 32 == 8, "bank layout");
+
+// The operation's geometry: k steps per channel block, operand buffer words.
+template <typename Mma>
+struct Operation {
+  static constexpr bool kTf32 = Mma::kPerRegister == 1;
+  static constexpr int kSteps = kTf32 ? kTaps : (kTaps + 1) / 2;
+  static constexpr int kFragmentWords = kSteps * 32 * 4;  // per channel block: a uint4 per lane and step
+  static constexpr int kOperandPlanes = kTf32 ? kBlockChannels : kBlockChannels / 2;
+  static constexpr int kOperandWords = kOperandPlanes * kOperandStride;
+};
+
+// x's element type the convolution rounds to, for the epilogue's rounding of y.
+template <typename Mma>
+using ConvType = std::conditional_t<std::is_same_v<Mma, Tf32Mma>, float,
+                                    std::conditional_t<std::is_same_v<Mma, Bf16Mma>, __nv_bfloat16, __half>>;
+
+struct Params {
+  TaskGrid grid;
+  const uint32_t* fragments;  // the weight's A fragments: (channel_blocks, kFragmentWords)
+  const float* bias;          // (O,) or null
+  float* partial;             // (tasks * kWarps, kChannels)
+  uint8_t* picks;             // (N, O, PD, PH, PW), or null where not saved
+  float reciprocal;           // 1 / divisor, as PyTorch's CUDA division multiplies
+  int O, stages;
+};
+
+// The weight's A fragments for every channel block, rounded to the operation's
+// type, in the order the k loop reads them: [block][step][lane] x {a0, a1, a2, a3}
+// with a_e = w[o = g + 8 (e % 2)][k = (e / 2) half of the step] (mma.cuh's
+// layouts): TF32 step s is tap s, k = channel t + 4 (e / 2) of the block; a
+// 16-bit step s is taps 2s (e < 2) and 2s + 1, k = channels 2t, 2t + 1. Zero
+// past O, C and the 27 taps.
+template <typename Mma>
+__global__ void weight_fragments_kernel(const float* weight, int O, int C, int channel_blocks, uint32_t* fragments) {
+  using Op = Operation<Mma>;
+  const int64_t total = int64_t{channel_blocks} * Op::kFragmentWords;
+  auto w = [&](int o, int c, int tap) {
+    return o < O && c < C && tap < kTaps ? weight[(int64_t{o} * C + c) * kTaps + tap] : 0.f;
+  };
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    const int e = static_cast<int>(i % 4), lane = static_cast<int>(i / 4 % 32);
+    const int step = static_cast<int>(i / 128 % Op::kSteps), block = static_cast<int>(i / Op::kFragmentWords);
+    const int o = lane / 4 + 8 * (e % 2), t = lane % 4;
+    if constexpr (Op::kTf32) {
+      fragments[i] = Mma::pack(w(o, block * kBlockChannels + t + 4 * (e / 2), step), 0.f);
+    } else {
+      const int c = block * kBlockChannels + 2 * t, tap = 2 * step + e / 2;
+      fragments[i] = Mma::pack(w(o, c, tap), w(o, c + 1, tap));
+    }
+  }
+}
+
+// The staged box copied into an operand buffer, rounded to the operation's
+// type: TF32, channel c's words at c * kOperandStride; 16-bit, channels 2j and
+// 2j + 1 packed into one word at j * kOperandStride.
+template <typename Mma>
+__device__ __forceinline__ void copy_operands(const float* stage, uint32_t* operands) {
+  constexpr int kChunks = kChannelWords / 4;  // 16-byte chunks per channel
+  if constexpr (Operation<Mma>::kTf32) {
+    for (int i = threadIdx.x; i < kBlockChannels * kChunks; i += kThreads) {
+      const float4 v = reinterpret_cast<const float4*>(stage)[i];
+      const int c = i / kChunks, chunk = i % kChunks;
+      reinterpret_cast<uint4*>(operands + c * kOperandStride)[chunk] =
+          make_uint4(Mma::pack(v.x, 0.f), Mma::pack(v.y, 0.f), Mma::pack(v.z, 0.f), Mma::pack(v.w, 0.f));
+    }
+  } else {
+    for (int i = threadIdx.x; i < kBlockChannels / 2 * kChunks; i += kThreads) {
+      const int pair = i / kChunks, chunk = i % kChunks;
+      const float4 lo = reinterpret_cast<const float4*>(stage + 2 * pair * kChannelWords)[chunk];
+      const float4 hi = reinterpret_cast<const float4*>(stage + (2 * pair + 1) * kChannelWords)[chunk];
+      reinterpret_cast<uint4*>(operands + pair * kOperandStride)[chunk] =
+          make_uint4(Mma::pack(lo.x, hi.x), Mma::pack(lo.y, hi.y), Mma::pack(lo.z, hi.z), Mma::pack(lo.w, hi.w));
+    }
+  }
+}
+
+// a or b, whichever the pool keeps of a window scaled by a positive (kMax) or
+// negative reciprocal; NaN wins (the value of PyTorch's pick: any NaN).
+template <bool kMax>
+__device__ __forceinline__ float extreme(float a, float b) {
+  return (kMax ? b > a : b < a) || b != b ? b : a;
+}
+
+template <typename Mma, bool kPositive>
+__global__ void __launch_bounds__(kThreads, 1)
+    conv3d_max_pool3d_mean_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
+  using Op = Operation<Mma>;
+  using T = ConvType<Mma>;
+  extern __shared__ __align__(128) float smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kMaxStages;
+  float* stages = smem + kBarrierWords;
+  uint32_t* fragments = reinterpret_cast<uint32_t*>(stages + p.stages * kBoxWords);
+  const TaskGrid& grid = p.grid;
+  uint32_t* operands = fragments + grid.channel_blocks * Op::kFragmentWords;  // two buffers
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+  // the weight's fragments, once
+  for (int i = threadIdx.x; i < grid.channel_blocks * Op::kFragmentWords / 4; i += kThreads) {
+    reinterpret_cast<uint4*>(fragments)[i] = reinterpret_cast<const uint4*>(p.fragments)[i];
+  }
+
+  // this block's tasks: every gridDim.x-th from blockIdx.x (the blocks work on
+  // neighbouring tasks at any time: the boxes' overlaps are read from L2), channel block by block (items)
+  const int64_t my_tasks = blockIdx.x < grid.tasks ? (grid.tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int64_t items = my_tasks * grid.channel_blocks;
+  auto task_of = [&](int64_t item) { return blockIdx.x + item / grid.channel_blocks * gridDim.x; };
+  auto load_item = [&](int64_t item, int s) {
+    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), static_cast<int>(item % grid.channel_blocks));
+  };
+  StageRing ring{full, empty, p.stages, items};
+  ring.start(kThreads, load_item);  // (its block barrier also publishes the fragments)
+
+  // this lane's B words: channel t (+ 4 or a tap later: the second register), this warp's row of
+  // windows (rows 2 rp, 2 rp + 1 of the task) and 16 columns, column g of each n8 tile
+  const int rp = warp / 4, quarter = warp % 4;
+  const int lane_offset = t * kOperandStride + 2 * rp * kBoxCols + grid.lead + 16 * quarter + g;
+  float bias[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int o = g + 8 * h;
+    bias[h] = p.bias != nullptr && o < p.O ? p.bias[o] : 0.f;
+  }
+
+  // tile j = (dd, hh, wq): output plane dd, row 2 rp + hh, columns 16 quarter + 8 wq + (0..7)
+  float acc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+
+  for (int64_t item = 0; item < items; ++item) {
+    barrier_wait(&full[ring.stage], ring.phase);
+    uint32_t* buffer = operands + (item % 2) * Op::kOperandWords;
+    copy_operands<Mma>(stages + ring.stage * kBoxWords, buffer);
+    barrier_arrive(&empty[ring.stage]);
+    __syncthreads();  // (the buffer is whole; every warp is done with the one it computed on before)
+    ring.refill(item, load_item);
+
+    const int block = static_cast<int>(item % grid.channel_blocks);
+    const uint4* a_fragments = reinterpret_cast<const uint4*>(fragments + block * Op::kFragmentWords) + lane;
+    const uint32_t* b_words = buffer + lane_offset;
+#pragma unroll
+    for (int step = 0; step < Op::kSteps; ++step) {
+      const uint4 af = a_fragments[step * 32];
+      const uint32_t a[4] = {af.x, af.y, af.z, af.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int tile = (j / 4) * kPlaneWords + (j / 2 % 2) * kBoxCols + 8 * (j % 2);
+        uint32_t b0, b1;
+        if constexpr (Op::kTf32) {
+          b0 = b_words[tile + tap_offset(step)];
+          b1 = b_words[tile + tap_offset(step) + 4 * kOperandStride];
+        } else {
+          b0 = b_words[tile + tap_offset(2 * step)];
+          b1 = 2 * step + 1 < kTaps ? b_words[tile + tap_offset(2 * step + 1)] : 0u;
+        }
+        Mma::mma(acc[j], a, b0, b1);
+      }
+    }
+    if (block != grid.channel_blocks - 1) continue;
+
+    // the task's epilogue: each lane's windows (channels g, g + 8; window columns 4 wq + t of the
+    // warp's 8); y = (acc + bias) / divisor rounded as PyTorch rounds the convolution's output and
+    // the quotient (to the convolution's type), the pool's pick, the sum over this warp's windows
+    const TaskCoords tc = task_coords(task_of(item), grid);
+    const int ph = 2 * tc.row_group + rp;
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int o = g + 8 * h;
+#pragma unroll
+      for (int wq = 0; wq < 2; ++wq) {
+        const int pw = tc.col_tile * (kTileColumns / 2) + 8 * quarter + 4 * wq + t;
+        const bool inside = o < p.O && ph < grid.PH && pw < grid.PW;
+        auto y = [&](float v) {
+          return rounded_to<T>(__fmul_rn(rounded_to<T>(v + bias[h]), p.reciprocal));
+        };
+        float value;
+        if (p.picks != nullptr) {
+          WindowPick<float> pick;
+#pragma unroll
+          for (int element = 0; element < 8; ++element) {  // scan order (dd, hh, ww)
+            pick.update(y(acc[(element / 2) * 2 + wq][2 * h + element % 2]), element);
+          }
+          value = pick.value;
+          if (inside) {
+            p.picks[((static_cast<int64_t>(tc.n) * p.O + o) * grid.PD + tc.pd) * grid.PH * grid.PW +
+                    int64_t{ph} * grid.PW + pw] =
+                static_cast<uint8_t>(pick.offset);
+          }
+        } else {
+          float m = acc[wq][2 * h];
+#pragma unroll
+          for (int element = 1; element < 8; ++element) {
+            m = extreme<kPositive>(m, acc[(element / 2) * 2 + wq][2 * h + element % 2]);
+          }
+          value = y(m);  // (y is monotone: the pick's value)
+        }
+        if (inside) sum[h] += value;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 1);
+      sum[h] += __shfl_xor_sync(0xffffffffu, sum[h], 2);
+      if (t == 0) p.partial[(task_of(item) * kWarps + warp) * kChannels + g + 8 * h] = sum[h];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  }
+}
+
+// The tensor-core operation of the fused kernel for this call, if the kernels
+// take it (kernel_takes): a float32 weight where TF32 convolutions are allowed
+// (PyTorch's torch.backends.cudnn.allow_tf32, as its own convolution would use
+// them), or a bfloat16 / float16 weight (x rounded to it: what autocast
+// passes). f(Mma{}) is called with it; false if none.
+template <typename F>
+bool with_fused_operation(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g, F&& f) {
+  if (!kernel_takes(x, weight, g)) return false;
+  switch (weight.scalar_type()) {
+    case at::kFloat:
+      if (!at::globalContext().allowTF32CuDNN()) return false;
+      return f(Tf32Mma{}), true;
+    case at::kBFloat16:
+      return f(Bf16Mma{}), true;
+    case at::kHalf:
+      return f(F16Mma{}), true;
+    default:
+      return false;
+  }
+}
+
+// The fused kernel's launch (its shared memory: the barriers, up to two
+// stages, the fragments and two operand buffers), or false where it does not
+// fit or the device does not run its sm_90 code.
+template <typename Mma>
+bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  const TaskGrid& grid, double divisor, at::Tensor& partial, uint8_t* picks) {
+  using Op = Operation<Mma>;
+  Params p{};
+  p.grid = grid;
+  p.O = static_cast<int>(weight.size(0));
+  p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
+  const SharedLayout layout =
+      shared_layout(int64_t{grid.channel_blocks} * Op::kFragmentWords + 2 * Op::kOperandWords, x);
+  p.stages = layout.stages;
+  if (p.stages < 1) return false;
+  const auto kernel = p.reciprocal > 0 ? conv3d_max_pool3d_mean_kernel<Mma, true>
+                                       : conv3d_max_pool3d_mean_kernel<Mma, false>;
+  if (!runs_bulk_copy(kernel)) return false;
+
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t fragment_words = int64_t{grid.channel_blocks} * Op::kFragmentWords;
+  const at::Tensor fragments = at::empty({fragment_words}, x.options().dtype(at::kInt));
+  weight_fragments_kernel<Mma><<<static_cast<unsigned>((fragment_words + 255) / 256), 256, 0, stream>>>(
+      weight.const_data_ptr<float>(), p.O, static_cast<int>(weight.size(1)), grid.channel_blocks,
+      reinterpret_cast<uint32_t*>(fragments.mutable_data_ptr<int32_t>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  p.fragments = reinterpret_cast<const uint32_t*>(fragments.const_data_ptr<int32_t>());
+  p.bias = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  p.partial = partial.mutable_data_ptr<float>();
+  p.picks = picks;
+
+  C10_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(layout.smem)));
+  const int64_t blocks = std::min<int64_t>(grid.tasks, resident_blocks(kernel, kThreads, layout.smem));
+  kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, stream>>>(p, ncdhw_tensor_map(x));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return true;
+}
+
+std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                               const std::optional<at::Tensor>& bias,
+                                                               at::IntArrayRef padding, at::IntArrayRef pool,
+                                                               double divisor, bool save_indices,
+                                                               std::optional<at::ScalarType> dtype) {
+  const Conv3dPoolGeometry g = conv3d_max_pool3d_mean_geometry(x, weight, bias, padding, pool, divisor);
+  const at::ScalarType out_dtype = result_dtype("conv3d_max_pool3d_mean", weight.scalar_type(), dtype);
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::optional<std::tuple<at::Tensor, at::Tensor>> result;
+  const at::Tensor xc = x.contiguous();
+  with_fused_operation(xc, weight, g, [&](auto mma) {
+    const TaskGrid grid = task_grid(xc, weight, g);
+    at::Tensor partial = at::empty({x.size(0), grid.tasks / x.size(0) * kWarps, kChannels}, x.options());
+    at::Tensor picks = save_indices ? at::empty({x.size(0), weight.size(0), g.pooled[0], g.pooled[1], g.pooled[2]},
+                                                x.options().dtype(at::kByte))
+                                    : x.new_empty({0}, at::kByte);
+    const std::optional<at::Tensor> bias_f =
+        bias.has_value() ? std::optional(bias->to(at::kFloat).contiguous()) : std::nullopt;
+    if (launch_fused<decltype(mma)>(xc, weight.to(at::kFloat).contiguous(), bias_f, grid, divisor, partial,
+                                    save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr)) {
+      const double windows = static_cast<double>(g.pooled[0] * g.pooled[1] * g.pooled[2]);
+      const at::Tensor sums = at::sum(partial, {1}).narrow(1, 0, weight.size(0));
+      result.emplace(at::div(sums, windows).to(out_dtype), picks);
+    }
+  });
+  return result.has_value() ? *result
+                            : conv3d_max_pool3d_mean_composite(x, weight, bias, g, divisor, save_indices, out_dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
+  m.impl("conv3d_max_pool3d_mean", &conv3d_max_pool3d_mean_cuda);
+}
+
+}  // namespace fused_ops

@@ -1,0 +1,136 @@
+// What the CUDA kernels of conv3d_max_pool3d_mean (conv3d_max_pool3d_mean.cu)
+// and of its weight gradient (conv3d_max_pool3d_mean_backward.cu) share: the
+// tasks (one plane of 2 x 2 x 2 windows, two rows of windows, 32 windows
+// across, of one image: 2 x 4 x 64 outputs of the 3 x 3 x 3 convolution), each
+// warp's part of a task (one row of windows, 8 windows across), and the input
+// box the copy engine stages for a task and a block of 8 input channels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "../conv3d_max_pool3d_mean.h"
+#include "bulk_copy.cuh"
+#include "plane_rows.cuh"
+
+namespace fused_ops::conv3d_pool {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTaps = 27;           // the 3 x 3 x 3 kernel
+constexpr int kChannels = 16;       // output channels (an m16 tile), at most
+constexpr int kBlockChannels = 8;   // input channels per block
+constexpr int kMaxChannelBlocks = 2;
+constexpr int kTileColumns = 64;    // output columns per task (32 windows)
+constexpr int kBoxCols = 72;        // the task's 66 input columns, up to 3 in front (16-byte box starts), rounded up
+constexpr int kBoxRows = 6;         // 4 output rows + 2
+constexpr int kBoxPlanes = 4;       // 2 output planes + 2
+constexpr int kPlaneWords = kBoxRows * kBoxCols;
+constexpr int kChannelWords = kBoxPlanes * kPlaneWords;  // one channel of a box
+constexpr int kBoxWords = kBlockChannels * kChannelWords;
+constexpr int kMaxStages = 2;
+constexpr int kBarrierWords = 32;
+static_assert(kBoxCols >= 3 + kTileColumns + 2, "a box covers its task's columns");
+
+// Word offset of tap (kd, kh, kw) in a channel's box.
+__host__ __device__ constexpr int tap_offset(int tap) {
+  return tap / 9 * kPlaneWords + tap / 3 % 3 * kBoxCols + tap % 3;
+}
+
+// The tasks of a call: windows per dimension, the padding, and how the box of
+// a task starts (`lead` columns in front of its first input column, so that
+// the box starts at a 16-byte column: (-pad_w) mod 4).
+struct TaskGrid {
+  int PD, PH, PW, pad_d, pad_h, pad_w, lead;
+  int row_groups, col_tiles, channel_blocks;
+  int64_t tasks;
+};
+
+struct TaskCoords {
+  int n, pd, row_group, col_tile;
+};
+
+__device__ __forceinline__ TaskCoords task_coords(int64_t task, const TaskGrid& grid) {
+  const int64_t per_plane = int64_t{grid.row_groups} * grid.col_tiles;
+  const int64_t plane = task / per_plane;
+  const int rest = static_cast<int>(task - plane * per_plane);
+  return {static_cast<int>(plane / grid.PD), static_cast<int>(plane % grid.PD), rest / grid.col_tiles,
+          rest % grid.col_tiles};
+}
+
+// Stages the input box of `task` and channel block `block` at `stage` by the
+// copy engine (x's map: ncdhw_tensor_map; zeros outside the image and past C).
+// Called by one thread: it announces the bytes on `bar` and issues the copy.
+__device__ __forceinline__ void load_box(float* stage, uint64_t* bar, const CUtensorMap& map, const TaskGrid& grid,
+                                         int64_t task, int block) {
+  const TaskCoords tc = task_coords(task, grid);
+  barrier_arrive_expect(bar, kBoxWords * sizeof(float));
+  tensor_load_5d(stage, map, tc.col_tile * kTileColumns - grid.pad_w - grid.lead, tc.row_group * 4 - grid.pad_h,
+                 tc.pd * 2 - grid.pad_d, block * kBlockChannels, tc.n, bar);
+}
+
+// The task grid of a call whose geometry the kernels take (kernel_takes).
+inline TaskGrid task_grid(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g) {
+  TaskGrid grid{};
+  grid.PD = static_cast<int>(g.pooled[0]);
+  grid.PH = static_cast<int>(g.pooled[1]);
+  grid.PW = static_cast<int>(g.pooled[2]);
+  grid.pad_d = static_cast<int>(g.padding[0]);
+  grid.pad_h = static_cast<int>(g.padding[1]);
+  grid.pad_w = static_cast<int>(g.padding[2]);
+  grid.lead = (4 - grid.pad_w % 4) % 4;
+  grid.row_groups = (grid.PH + 1) / 2;
+  grid.col_tiles = (grid.PW + kTileColumns / 2 - 1) / (kTileColumns / 2);
+  grid.channel_blocks = static_cast<int>((weight.size(1) + kBlockChannels - 1) / kBlockChannels);
+  grid.tasks = x.size(0) * grid.PD * grid.row_groups * grid.col_tiles;
+  return grid;
+}
+
+// Whether the kernels take a call: a GPU of compute capability 9.0 (the copy
+// engine); a contiguous float32 x (the convolution in TF32, or x rounded to a
+// 16-bit weight) whose rows are whole 16-byte chunks at a 16-byte aligned
+// address; a 3 x 3 x 3 kernel, a 2 x 2 x 2 pool, at most 16 input and output
+// channels; sizes the kernels' int fields and the copy engine's coordinates hold.
+inline bool kernel_takes(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g) {
+  if (x.scalar_type() != at::kFloat || !x.is_contiguous() || weight.size(0) > kChannels ||
+      weight.size(1) > kBlockChannels * kMaxChannelBlocks) {
+    return false;
+  }
+  if (weight.size(2) != 3 || weight.size(3) != 3 || weight.size(4) != 3) return false;
+  if (g.pool != std::array<int64_t, 3>{2, 2, 2}) return false;
+  if (x.size(4) % 4 != 0 || reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0) return false;
+  for (int d = 0; d < 3; ++d) {
+    if (x.size(2 + d) + 2 * g.padding[d] + kBoxCols > INT_MAX) return false;
+  }
+  if (x.size(0) > INT_MAX || x.numel() / x.size(0) >= (int64_t{1} << 38)) return false;
+  return device_attribute(cudaDevAttrComputeCapabilityMajor, x.get_device()) >= 9;
+}
+
+// The copy engine's map over a contiguous float32 x (N, C, D, H, W), innermost
+// first (W, H, D, C, N), boxes of (kBoxCols, kBoxRows, kBoxPlanes, kBlockChannels, 1).
+inline CUtensorMap ncdhw_tensor_map(const at::Tensor& x) {
+  cuuint64_t dims[5], strides[4];
+  for (int d = 0; d < 5; ++d) dims[d] = static_cast<cuuint64_t>(x.size(4 - d));
+  for (int d = 0; d < 4; ++d) strides[d] = static_cast<cuuint64_t>(x.stride(3 - d)) * sizeof(float);
+  const cuuint32_t box[5] = {kBoxCols, kBoxRows, kBoxPlanes, kBlockChannels, 1};
+  return tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, x.const_data_ptr(), 5, dims, strides, box);
+}
+
+// Stages of kBoxWords that fit beside `fixed_words` of other shared memory on
+// x's device, up to kMaxStages (0: the kernel does not fit), and the bytes in all.
+struct SharedLayout {
+  int stages;
+  size_t smem;
+};
+
+inline SharedLayout shared_layout(int64_t fixed_words, const at::Tensor& x) {
+  const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, x.get_device());
+  const int64_t fixed = (kBarrierWords + fixed_words) * static_cast<int64_t>(sizeof(float));
+  const int64_t box = kBoxWords * static_cast<int64_t>(sizeof(float));
+  const int stages = static_cast<int>(std::clamp<int64_t>((limit - fixed) / box, 0, kMaxStages));
+  return {stages, static_cast<size_t>(fixed + stages * box)};
+}
+
+}  // namespace fused_ops::conv3d_pool

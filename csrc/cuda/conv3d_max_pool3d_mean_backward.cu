@@ -1,0 +1,236 @@
+// CUDA backward of conv3d_max_pool3d_mean (the math: ../conv3d_max_pool3d_mean.h).
+// grad_y is grad_mean[n, o] / P / divisor (g[n, o]) at each window's pick and
+// zero elsewhere, so
+//   grad_weight[o, c, tap] = sum over (n, windows) of g[n, o] x[n, c, pick + tap],
+//   grad_bias[o] = P sum over n of g[n, o].
+// On Hopper, for what the forward's kernel takes, the weight's gradient is one
+// tensor-core kernel over x and the picks (grad_y never in memory); the bias's
+// is the sum above; x's gradient, and every other case, PyTorch's convolution
+// backward on grad_y (conv3d_max_pool3d_mean_backward_composite).
+//
+// The weight-gradient kernel: a TF32 m16n8k8 GEMM with rows = the 16 output
+// channels, columns = (tap, 8 input channels of a block: an n8 tile per tap),
+// k = the pixels of one window per k step: A[o][k] = g[n, o] where o's pick is
+// window element k, else 0 (built in registers from the picks), B[k][c] =
+// x[c] at element k + tap. Tasks, warps and staged boxes are the forward's
+// (conv3d_max_pool3d_mean.cuh); each warp accumulates its 8 windows of every
+// task of its block, 27 n8 tiles (108 accumulators a lane), and writes its sums
+// once per channel block; the partial sums are added in a fixed order after
+// (deterministic). A k step's lanes t read elements (dd, hh) = (t / 2, t % 2)
+// (b0: column 0, b1: column 1): with channels kOperandStride = 1 mod 32 words
+// apart, planes 16 and rows 8 mod 32, its 32 lanes hit distinct banks. x is
+// rounded to the weight's type (a 16-bit value is exact in TF32), g to TF32.
+#include <ATen/ATen.h>
+#include <ATen/Context.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../conv3d_max_pool3d_mean.h"
+#include "bulk_copy.cuh"
+#include "conv3d_max_pool3d_mean.cuh"
+#include "mma.cuh"
+#include "plane_rows.cuh"
+
+namespace fused_ops {
+namespace {
+
+using namespace conv3d_pool;
+
+constexpr int kOperandStride = kChannelWords + 1;
+constexpr int kOperandWords = kBlockChannels * kOperandStride;
+constexpr int kGradWords = kChannels * kBlockChannels * kTaps;  // a warp's sums per channel block: (o, c, tap)
+static_assert(kOperandStride % 32 == 1 && kPlaneWords % 32 == 16 && kBoxCols % 32 == 8, "bank layout");
+
+struct Params {
+  TaskGrid grid;
+  const uint8_t* picks;  // (N, O, PD, PH, PW), the forward's
+  const float* g;        // (N, kChannels): grad_mean / P / divisor, zero past O
+  float* partial;        // (gridDim.x, channel_blocks, kWarps, kGradWords)
+  int O, stages;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1)
+    conv3d_max_pool3d_mean_weight_grad_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
+  extern __shared__ __align__(128) float smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kMaxStages;
+  float* stages = smem + kBarrierWords;
+  uint32_t* operands = reinterpret_cast<uint32_t*>(stages + p.stages * kBoxWords);  // two buffers
+  const TaskGrid& grid = p.grid;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+  // this block's tasks: every gridDim.x-th from blockIdx.x, all of them for channel block 0, then block 1
+  const int64_t my_tasks = blockIdx.x < grid.tasks ? (grid.tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int64_t items = my_tasks * grid.channel_blocks;
+  auto task_of = [&](int64_t item) { return blockIdx.x + item % my_tasks * gridDim.x; };
+  auto load_item = [&](int64_t item, int s) {
+    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), static_cast<int>(item / my_tasks));
+  };
+  StageRing ring{full, empty, p.stages, items};
+  ring.start(kThreads, load_item);
+
+  // this lane's B words: channel g, element (t / 2, t % 2, 0) of the warp's windows (row of windows
+  // rp, 8 windows from column 16 quarter of the task)
+  const int rp = warp / 4, quarter = warp % 4;
+  const int lane_offset =
+      g * kOperandStride + (t / 2) * kPlaneWords + (2 * rp + t % 2) * kBoxCols + grid.lead + 16 * quarter;
+
+  float acc[kTaps][4];
+#pragma unroll
+  for (int s = 0; s < kTaps; ++s)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[s][e] = 0.f;
+
+  for (int64_t item = 0; item < items; ++item) {
+    barrier_wait(&full[ring.stage], ring.phase);
+    uint32_t* buffer = operands + (item % 2) * kOperandWords;
+    const float* stage = stages + ring.stage * kBoxWords;
+    for (int i = threadIdx.x; i < kBoxWords; i += kThreads) {
+      buffer[i / kChannelWords * kOperandStride + i % kChannelWords] = Tf32Mma::pack(rounded_to<T>(stage[i]), 0.f);
+    }
+    barrier_arrive(&empty[ring.stage]);
+    __syncthreads();  // (the buffer is whole; every warp is done with the one it computed on before)
+    ring.refill(item, load_item);
+
+    // the A fragments' values: g[n, o] for o = g, g + 8, and the picks of the warp's 8 windows
+    const TaskCoords tc = task_coords(task_of(item), grid);
+    const int ph = 2 * tc.row_group + rp;
+    uint32_t grad[2];
+    int pick[2][8];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int o = g + 8 * h;
+      grad[h] = Tf32Mma::pack(p.g[int64_t{tc.n} * kChannels + o], 0.f);
+      const uint8_t* picks = p.picks + ((int64_t{tc.n} * p.O + o) * grid.PD + tc.pd) * grid.PH * grid.PW +
+                             int64_t{ph} * grid.PW;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int pw = tc.col_tile * (kTileColumns / 2) + 8 * quarter + j;
+        pick[h][j] = o < p.O && ph < grid.PH && pw < grid.PW ? picks[pw] : -1;
+      }
+    }
+    const uint32_t* b_words = buffer + lane_offset;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      // k = t: element 2t of the window (scan order), k = t + 4: element 2t + 1
+      const uint32_t a[4] = {pick[0][j] == 2 * t ? grad[0] : 0u, pick[1][j] == 2 * t ? grad[1] : 0u,
+                             pick[0][j] == 2 * t + 1 ? grad[0] : 0u, pick[1][j] == 2 * t + 1 ? grad[1] : 0u};
+#pragma unroll
+      for (int s = 0; s < kTaps; ++s) {
+        Tf32Mma::mma(acc[s], a, b_words[2 * j + tap_offset(s)], b_words[2 * j + tap_offset(s) + 1]);
+      }
+    }
+
+    if (item % my_tasks != my_tasks - 1) continue;
+    // the channel block's sums of this warp: acc[tap][e] = (o = g + 8 (e / 2), c = 2t + e % 2)
+    float* out = p.partial + ((int64_t{blockIdx.x} * grid.channel_blocks + item / my_tasks) * kWarps + warp) * kGradWords;
+#pragma unroll
+    for (int s = 0; s < kTaps; ++s) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        out[((g + 8 * (e / 2)) * kBlockChannels + 2 * t + e % 2) * kTaps + s] = acc[s][e];
+        acc[s][e] = 0.f;
+      }
+    }
+  }
+}
+
+// x's type the convolution rounds to for a weight of `dtype`, if the kernel takes it (a
+// float32 weight where TF32 convolutions are allowed, as PyTorch's backward would use them).
+template <typename F>
+bool with_conv_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      if (!at::globalContext().allowTF32CuDNN()) return false;
+      return f(float{}), true;
+    case at::kBFloat16:
+      return f(__nv_bfloat16{}), true;
+    case at::kHalf:
+      return f(__half{}), true;
+    default:
+      return false;
+  }
+}
+
+// grad_weight (O, C, 3, 3, 3) float32 by the kernel, or an undefined tensor where it does not run.
+at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices, const at::Tensor& x,
+                                 const at::Tensor& weight, const Conv3dPoolGeometry& geometry) {
+  at::Tensor grad_weight;
+  if (!kernel_takes(x, weight, geometry)) return grad_weight;
+  with_conv_type(weight.scalar_type(), [&](auto type) {
+    using T = decltype(type);
+    const auto kernel = conv3d_max_pool3d_mean_weight_grad_kernel<T>;
+    const SharedLayout layout = shared_layout(2 * kOperandWords, x);
+    if (layout.stages < 1 || !runs_bulk_copy(kernel)) return;
+    Params p{};
+    p.grid = task_grid(x, weight, geometry);
+    p.O = static_cast<int>(weight.size(0));
+    p.stages = layout.stages;
+    const at::Tensor g16 = at::constant_pad_nd(g, {0, kChannels - weight.size(0)}).contiguous();
+    const at::Tensor picks = indices.contiguous();
+    p.g = g16.const_data_ptr<float>();
+    p.picks = picks.const_data_ptr<uint8_t>();
+    const int64_t blocks = std::min<int64_t>(p.grid.tasks, resident_blocks(kernel, kThreads, layout.smem));
+    at::Tensor partial =
+        at::empty({blocks * p.grid.channel_blocks * kWarps, kChannels, kBlockChannels, kTaps}, x.options());
+    p.partial = partial.mutable_data_ptr<float>();
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(layout.smem)));
+    kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, c10::cuda::getCurrentCUDAStream()>>>(
+        p, ncdhw_tensor_map(x));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    // (blocks, channel blocks, warps, o, c, tap) summed over blocks and warps -> (o, channel blocks x c, tap)
+    grad_weight = partial.view({blocks, p.grid.channel_blocks, kWarps, kChannels, kBlockChannels, kTaps})
+                      .sum(at::IntArrayRef{0, 2})
+                      .permute({1, 0, 2, 3})
+                      .reshape({kChannels, p.grid.channel_blocks * kBlockChannels, kTaps})
+                      .narrow(0, 0, weight.size(0))
+                      .narrow(1, 0, weight.size(1))
+                      .reshape(weight.sizes());
+  });
+  return grad_weight;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_cuda(
+    const at::Tensor& grad_mean, const at::Tensor& indices, const at::Tensor& x, const at::Tensor& weight,
+    at::IntArrayRef padding, at::IntArrayRef pool, double divisor, std::array<bool, 3> output_mask) {
+  const Conv3dPoolGeometry geometry =
+      check_conv3d_max_pool3d_mean_backward(grad_mean, indices, x, weight, padding, pool, divisor);
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (output_mask[1] || output_mask[2]) {
+    // g = grad_mean / P / divisor, as max_pool3d_mean's backward forms it, in the weight's type
+    const double windows = static_cast<double>(geometry.pooled[0] * geometry.pooled[1] * geometry.pooled[2]);
+    const at::Tensor g = at::mul(at::div(grad_mean.to(at::kFloat), windows),
+                                 static_cast<double>(ReciprocalMultiply<float>(divisor).reciprocal))
+                             .to(weight.scalar_type())
+                             .to(at::kFloat);
+    const at::Tensor xc = x.contiguous();
+    const at::Tensor grad_weight = output_mask[1] ? weight_grad_by_kernel(g, indices, xc, weight, geometry)
+                                                  : at::Tensor();
+    if (!output_mask[1] || grad_weight.defined()) {
+      const at::Tensor grad_bias = output_mask[2] ? at::mul(at::sum(g, {0}), windows).to(weight.scalar_type())
+                                                  : x.new_empty({0});
+      const at::Tensor grad_x =
+          output_mask[0] ? std::get<0>(conv3d_max_pool3d_mean_backward_composite(grad_mean, indices, x, weight,
+                                                                                 geometry, divisor,
+                                                                                 {true, false, false}))
+                         : x.new_empty({0});
+      return {grad_x, output_mask[1] ? grad_weight.to(weight.scalar_type()) : x.new_empty({0}), grad_bias};
+    }
+  }
+  return conv3d_max_pool3d_mean_backward_composite(grad_mean, indices, x, weight, geometry, divisor, output_mask);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
+  m.impl("conv3d_max_pool3d_mean_backward", &conv3d_max_pool3d_mean_backward_cuda);
+}
+
+}  // namespace fused_ops

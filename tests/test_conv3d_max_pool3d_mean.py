@@ -1,0 +1,408 @@
+"""fused_ops.conv3d_max_pool3d_mean against PyTorch's conv3d -> / divisor -> max_pool3d -> mean over
+(D', H', W'), its backward op, and architecture A's ``fused_conv`` formulation. On a GPU of compute
+capability 9.0 or more, float32 with TF32 allowed (or a 16-bit weight) runs the tensor-core kernel
+(cuda/conv3d_max_pool3d_mean.cu) for 3 x 3 x 3 kernels, 2 x 2 x 2 pools, at most 16 input and 16
+output channels and rows of whole 16-byte chunks: its cases take every path (padding, windows
+leaving a remainder, several 64-column tiles, fewer outputs, one and two channel blocks, no bias,
+negative and inexact divisors); the others take PyTorch's convolution then max_pool3d_mean."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import build_pair, check_matches_original, poison_cuda_allocator, requires_cuda
+from fused_ops import autotune, conv3d_max_pool3d_mean, reference
+from fused_ops import nn as fnn
+
+OP = torch.ops.fused_ops.conv3d_max_pool3d_mean.default
+BACKWARD = torch.ops.fused_ops.conv3d_max_pool3d_mean_backward.default
+
+# (x shape, weight shape, padding, pool, bias, divisor)
+CASES = [
+    ((2, 8, 8, 16, 16), (16, 8, 3, 3, 3), 0, 2, True, 2.0),          # architecture A, small
+    ((2, 8, 6, 10, 12), (16, 8, 3, 3, 3), 1, 2, True, -2.0),         # padding, a negative divisor
+    ((1, 8, 7, 10, 20), (16, 8, 3, 3, 3), (1, 2, 0), 2, True, 0.7),  # padding per dimension, inexact divisor
+    ((2, 8, 9, 13, 20), (16, 8, 3, 3, 3), 0, 2, True, 2.0),          # conv 7 x 11 x 18: remainders
+    ((1, 8, 4, 6, 72), (16, 8, 3, 3, 3), 0, 2, True, 2.0),           # 70 output columns: two tiles
+    ((1, 4, 4, 5, 136), (16, 4, 3, 3, 3), 0, 2, True, -2.0),         # 134 output columns: three tiles
+    ((2, 8, 6, 10, 16), (5, 8, 3, 3, 3), 0, 2, False, -2.0),         # 5 outputs, no bias
+    ((2, 3, 7, 9, 24), (16, 3, 3, 3, 3), 1, 2, True, 0.7),           # 3 channels (a part block), padding
+    ((2, 11, 6, 10, 20), (16, 11, 3, 3, 3), 0, 2, True, -2.0),       # two channel blocks, the last part
+    ((1, 16, 5, 8, 16), (16, 16, 3, 3, 3), 0, 2, True, 2.0),         # two whole channel blocks
+    ((2, 8, 8, 16, 21), (16, 8, 3, 3, 3), 0, 2, True, 2.0),          # rows not 16-byte chunks: PyTorch's ops
+    ((1, 8, 6, 8, 16), (17, 8, 3, 3, 3), 0, 2, True, 2.0),           # 17 outputs: PyTorch's ops
+    ((2, 8, 8, 16, 16), (16, 8, 2, 3, 3), (0, 1, 1), 2, True, -2.0),  # kernel 2 x 3 x 3: PyTorch's ops
+    ((2, 8, 8, 16, 16), (16, 8, 3, 3, 3), 0, (1, 2, 2), True, 2.0),  # pool 1 x 2 x 2: PyTorch's ops
+]
+IDS = ["A-small", "padding-1", "padding-120", "remainders", "two-tiles", "three-tiles", "5-outputs-no-bias",
+       "3-channels", "11-channels", "16-channels", "unaligned-rows", "17-outputs", "kernel-233", "pool-122"]
+
+
+@pytest.fixture
+def tf32():
+    """TF32 convolutions allowed (PyTorch's default; the suite's fixture turns them off): the
+    fused kernel's condition for a float32 weight."""
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=True):
+        yield
+
+
+def _triple(v):
+    return [v] * 3 if isinstance(v, int) else list(v)
+
+
+def make_case(x_shape, w_shape, bias, dtype, device, seed=0, integers=False):
+    g = torch.Generator().manual_seed(seed)
+    if integers:  # exact in TF32, 16 bits and float32 sums: every path gives PyTorch's float64 y
+        x = torch.randint(-2, 3, x_shape, generator=g).to(dtype)
+        w = torch.randint(-1, 2, w_shape, generator=g).to(dtype) / 8
+        b = torch.randint(-4, 5, (w_shape[0],), generator=g).to(dtype) / 8
+    else:
+        x = torch.rand(x_shape, generator=g, dtype=torch.float64).to(dtype)
+        w = ((torch.rand(w_shape, generator=g, dtype=torch.float64) - 0.5) / 4).to(dtype)
+        b = (torch.rand(w_shape[0], generator=g, dtype=torch.float64) - 0.5).to(dtype)
+    return x.to(device), w.to(device), (b.to(device) if bias else None)
+
+
+def composite(x, w, b, padding, pool, divisor):
+    """The op's math in PyTorch's ops, on x's device and dtype."""
+    return F.max_pool3d(F.conv3d(x, w, b, padding=_triple(padding)) / divisor, _triple(pool)).mean(dim=(2, 3, 4))
+
+
+def windows(y, pool):
+    """y's windows (N, O, D', H', W', volume), each in scan order ((dd * ph + hh) * pw + ww)."""
+    (n, o, d, h, w), (pd, ph, pw) = y.shape, pool
+    y = y[:, :, :d // pd * pd, :h // ph * ph, :w // pw * pw].reshape(n, o, d // pd, pd, h // ph, ph, w // pw, pw)
+    return y.permute(0, 1, 2, 4, 6, 3, 5, 7).reshape(n, o, d // pd, h // ph, w // pw, pd * ph * pw)
+
+
+def reference_of(x, w, b, padding, pool, divisor):
+    """float64 on the CPU from the operands the op convolves (x rounded to the weight's dtype):
+    (mean, PyTorch's picks as in-window scan offsets, y's windows, the windows' magnitudes
+    conv3d(|x|, |w|, |b|) / |divisor|, M = their largest per (n, o), P = windows per plane)."""
+    x, w = x.to(w.dtype).double().cpu(), w.double().cpu()
+    b = None if b is None else b.double().cpu()
+    padding, pool = _triple(padding), _triple(pool)
+    y = F.conv3d(x, w, b, padding=padding) / divisor
+    pooled, flat = F.max_pool3d(y, pool, return_indices=True)
+    (h, w_), (pd, ph, pw) = y.shape[3:], pool
+    od, oh, ow = (torch.arange(s).view(*[-1 if i == j else 1 for j in range(3)]) * p
+                  for i, (s, p) in enumerate(zip(pooled.shape[2:], pool)))
+    picks = ((flat // (h * w_) - od) * ph + (flat // w_ % h - oh)) * pw + (flat % w_ - ow)
+    mags = windows(F.conv3d(x.abs(), w.abs(), None if b is None else b.abs(), padding=padding) / abs(divisor), pool)
+    return pooled.mean(dim=(2, 3, 4)), picks, windows(y, pool), mags, mags.amax(dim=(2, 3, 4, 5)), pooled[0, 0].numel()
+
+
+def within(actual, expected, bound):
+    err = (actual.double().cpu() - expected).abs()
+    bound = torch.as_tensor(bound, dtype=torch.float64).expand_as(err)
+    worst = (err - bound).argmax()
+    assert (err <= bound).all(), f"error {err.flatten()[worst]:.3g} against a bound of {bound.flatten()[worst]:.3g}"
+
+
+def assert_picks_near_max(indices, y_windows, elem_bound):
+    """Each saved pick (uint8, in its window) holds a value within twice the elements' error bound
+    of its window's float64 maximum: near-ties may pick either, nothing else may."""
+    assert indices.dtype == torch.uint8 and indices.shape == y_windows.shape[:-1]
+    picked = y_windows.gather(-1, indices.long().cpu().unsqueeze(-1)).squeeze(-1)
+    assert (picked >= y_windows.amax(-1) - 2 * elem_bound.amax(-1)).all()
+
+
+def cuda_kernel_names(call) -> list:
+    """The names of the CUDA kernels call() ran, by the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
+def kernel_ran(call) -> bool:
+    return any("conv3d_max_pool3d_mean_kernel" in name for name in cuda_kernel_names(call))
+
+
+def kernel_takes(x, w, pool) -> bool:
+    """The tensor-core kernel's condition for a float32 x."""
+    precision = w.dtype in (torch.bfloat16, torch.float16) or (w.dtype == torch.float32
+                                                                and torch.backends.cudnn.allow_tf32)
+    return (torch.cuda.get_device_capability(x.device) >= (9, 0) and x.dtype == torch.float32 and precision
+            and tuple(w.shape[2:]) == (3, 3, 3) and _triple(pool) == [2, 2, 2] and w.shape[0] <= 16
+            and w.shape[1] <= 16 and x.shape[-1] % 4 == 0)
+
+
+def float32_sums(w, pooled_per_plane):
+    """Relative (to M) error of float32 arithmetic: k products accumulated, the division, the
+    mean's P additions and its division."""
+    return (w[0].numel() + 1 + pooled_per_plane + 3) * 2.0 ** -24
+
+
+def mean_sums(y_windows, pooled_per_plane):
+    """The error of a float32 mean of exact values: P additions and a division, relative to the
+    largest |y| of the (n, o)'s windows."""
+    return (pooled_per_plane + 2) * 2.0 ** -24 * y_windows.abs().amax(dim=(2, 3, 4, 5))
+
+
+@pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", CASES, ids=IDS)
+def test_float64_is_pytorchs(x_shape, w_shape, padding, pool, bias, divisor, device):
+    """float64: PyTorch's result and picks; the wrapper (int or triple arguments) as the raw op,
+    which saves no picks unless asked."""
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float64, device)
+    out = conv3d_max_pool3d_mean(x, w, b, padding, pool, divisor)
+    assert out.dtype == torch.float64 and out.shape == (x.shape[0], w.shape[0]) and out.device == x.device
+    torch.testing.assert_close(out, composite(x, w, b, padding, pool, divisor), rtol=1e-10, atol=1e-12)
+    mean, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
+    assert torch.equal(mean, out)
+    _, picks, *_ = reference_of(x, w, b, padding, pool, divisor)
+    assert indices.dtype == torch.uint8 and torch.equal(indices.long().cpu(), picks)
+    empty = OP(x, w, b, _triple(padding), _triple(pool), divisor, False)[1]
+    assert empty.numel() == 0 and empty.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", CASES, ids=IDS)
+def test_float32_full_precision(x_shape, w_shape, padding, pool, bias, divisor, device):
+    """float32 with TF32 off: PyTorch's ops (no tensor-core kernel), within 1e-5 of M."""
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, device)
+    out, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
+    if device == "cuda":
+        assert not kernel_ran(lambda: OP(x, w, b, _triple(padding), _triple(pool), divisor, False))
+    expected, _, y_windows, mags, m, _ = reference_of(x, w, b, padding, pool, divisor)
+    assert out.dtype == torch.float32
+    within(out, expected, 1e-5 * m)
+    assert_picks_near_max(indices, y_windows, 1e-5 * mags)
+
+
+@requires_cuda
+@pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", CASES, ids=IDS)
+def test_float32_tf32_kernel(x_shape, w_shape, padding, pool, bias, divisor, tf32):
+    """TF32 allowed: the kernel where it covers the call, within TF32's bound of the float64 result:
+    each product's operands rounded to nearest (2^-11 each), float32 sums; the max and the mean
+    are 1-Lipschitz, so each (n, o) is within the bound of its windows' largest magnitude."""
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda")
+    poison_cuda_allocator()  # (a mean or pick the kernel does not write reads NaN or garbage)
+    out, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
+    assert kernel_ran(lambda: OP(x, w, b, _triple(padding), _triple(pool), divisor, True)) == kernel_takes(x, w, pool)
+    expected, _, y_windows, mags, m, p = reference_of(x, w, b, padding, pool, divisor)
+    rel = 2.0 ** -10 + float32_sums(w, p)
+    within(out, expected, rel * m + 1e-7)
+    assert_picks_near_max(indices, y_windows, rel * mags + 1e-7)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", CASES, ids=IDS)
+def test_integer_valued_exact(x_shape, w_shape, padding, pool, bias, divisor, weight_dtype, device, tf32):
+    """Integer-valued x, eighths as weights and bias, divisor +-2: y exact in TF32, 16 bits and
+    float32, so every path convolves PyTorch's float64 y: the picks exactly PyTorch's (many ties:
+    the first maximum in scan order), the mean to its float32 arithmetic."""
+    divisor = 2.0 if divisor > 0 else -2.0
+    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, device, integers=True)
+    w, b = w.to(weight_dtype), None if b is None else b.to(weight_dtype)
+    poison_cuda_allocator()
+    out, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True, torch.float32)
+    if device == "cuda":
+        assert kernel_ran(lambda: OP(x, w, b, _triple(padding), _triple(pool), divisor, True)) == kernel_takes(x, w,
+                                                                                                                pool)
+    expected, picks, y_windows, _, _, p = reference_of(x, w, b, padding, pool, divisor)
+    assert y_windows.abs().max() < 16  # (|conv| < 32 in eighths: exact in bfloat16 too)
+    within(out, expected, mean_sums(y_windows, p))
+    assert torch.equal(indices.long().cpu(), picks)
+
+
+@pytest.mark.parametrize("divisor", [2.0, -2.0])
+def test_nan_and_inf_as_pytorch(divisor, device, tf32):
+    """Integer data, positive weights: a NaN in an item's input makes its means NaN, the windows
+    holding NaNs pick their last NaN; +-inf give +-inf maxima (a window of -inf picks its first)."""
+    x, w, b = make_case((4, 8, 6, 10, 16), (16, 8, 3, 3, 3), True, torch.float32, device, integers=True)
+    w = w.abs() + 0.125  # (one sign, no zeros: an infinite input gives infinite outputs, not inf - inf or 0 * inf)
+    x[1, 3, 2, 4, 7] = x[1, 5, 3, 4, 8] = float("nan")
+    x[2, 0, 3, 5, 5] = float("inf")
+    x[3, 7, 2, 2, 9] = float("-inf")
+    out, indices = OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, True)
+    if device == "cuda":
+        assert kernel_ran(lambda: OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, True))
+    expected, picks, y_windows, _, _, p = reference_of(x, w, b, 0, 2, divisor)
+    assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
+    assert expected[2:].isinf().all() and torch.equal(out[2:].cpu().double(), expected[2:])
+    within(out[:1], expected[:1], mean_sums(y_windows[:1], p))
+    assert torch.equal(indices.long().cpu(), picks)
+
+
+@requires_cuda
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [16, 72])
+def test_deterministic_and_strided(width, weight_dtype, tf32):
+    """Repeated calls bit for bit; the mean the same with or without saved picks; a channels-last
+    or sliced x gives the contiguous x's result."""
+    x, w, b = make_case((2, 8, 8, 12, width), (16, 8, 3, 3, 3), True, torch.float32, "cuda")
+    w, b = w.to(weight_dtype), b.to(weight_dtype)
+    out, indices = OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, True)
+    assert kernel_ran(lambda: OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, True))
+    for _ in range(3):
+        again, again_indices = OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, True)
+        assert torch.equal(again, out) and torch.equal(again_indices, indices)
+    assert torch.equal(OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, False)[0], out)
+    wide = torch.zeros(2, 8, 8, 12, width + 8, device="cuda")
+    wide[..., 4:4 + width] = x
+    for strided in (x.contiguous(memory_format=torch.channels_last_3d), wide[..., 4:4 + width]):
+        assert kernel_ran(lambda: OP(strided, w, b, [1, 0, 1], [2, 2, 2], -2.0, True))
+        mean, picks = OP(strided, w, b, [1, 0, 1], [2, 2, 2], -2.0, True)
+        assert torch.equal(mean, out) and torch.equal(picks, indices)
+
+
+def test_gradcheck(device):
+    """(cuDNN's deterministic algorithms: gradcheck checks that repeated backwards agree bit for bit)"""
+    cudnn = torch.backends.cudnn
+    for padding, pool, divisor in [(0, 2, 2.0), ((1, 0, 1), (2, 1, 2), -0.7)]:
+        x, w, b = make_case((2, 3, 5, 6, 7), (2, 3, 3, 3, 3), True, torch.float64, device)
+        inputs = [t.requires_grad_() for t in (x, w, b)]
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=True, allow_tf32=False):
+            assert torch.autograd.gradcheck(lambda x, w, b: conv3d_max_pool3d_mean(x, w, b, padding, pool, divisor),
+                                            inputs)
+
+
+@pytest.mark.parametrize("w_shape,padding,pool,divisor", [((4, 3, 3, 3, 3), (1, 2, 0), 2, -2.0),
+                                                          ((3, 3, 2, 3, 3), 0, (1, 2, 3), 0.7)],
+                         ids=["padding", "uncompiled-shape"])
+def test_backward_is_autograds(w_shape, padding, pool, divisor, device):
+    """float64: the backward op from the saved picks gives autograd's gradients of the composite for
+    x, the weight and the bias (windows leaving a remainder); masked gradients empty."""
+    x, w, b = make_case((2, 3, 7, 9, 11), w_shape, True, torch.float64, device)
+    _, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
+    grad_mean = torch.rand(2, w_shape[0], dtype=torch.float64, device=device) - 0.5
+    actual = BACKWARD(grad_mean, indices, x, w, _triple(padding), _triple(pool), divisor, [True, True, True])
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    composite(*leaves, padding, pool, divisor).backward(grad_mean)
+    for a, leaf in zip(actual, leaves):
+        torch.testing.assert_close(a, leaf.grad, rtol=1e-10, atol=1e-12)
+    only_weight = BACKWARD(grad_mean, indices, x, w, _triple(padding), _triple(pool), divisor, [False, True, False])
+    assert only_weight[0].numel() == only_weight[2].numel() == 0 and torch.equal(only_weight[1], actual[1])
+
+
+def test_opcheck(device):
+    x, w, b = make_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    grad = [t.clone().requires_grad_() for t in (x, w, b)]
+    torch.library.opcheck(OP, (x, w, b, [0, 0, 0], [2, 2, 2], 2.0, False))
+    torch.library.opcheck(OP, (*grad, [0, 0, 0], [2, 2, 2], 2.0, True))
+    torch.library.opcheck(OP, (*[t.double().detach().requires_grad_() for t in (x, w, b)], [1, 0, 1], [2, 1, 2],
+                               -0.7, True))
+    torch.library.opcheck(OP, (x, w, None, [1, 1, 1], [2, 2, 2], 2.0, True, torch.float32))
+    torch.library.opcheck(OP, (grad[0], w.bfloat16().requires_grad_(), b.bfloat16(), [0, 0, 0], [2, 2, 2], -2.0, True))
+    torch.library.opcheck(OP, (x, w.half(), b.half(), [0, 0, 0], [2, 2, 2], 2.0, False, torch.float32))
+
+
+@pytest.mark.parametrize("mask", [(True, True, True), (False, True, False), (True, False, False), (False, False, True)])
+def test_backward_opcheck(mask, device):
+    x, w, b = make_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    grad_mean = torch.rand(2, 4, device=device)
+    for padding, pool, dtype in [([0, 0, 0], [2, 2, 2], torch.float32), ([1, 0, 1], [2, 1, 2], torch.float64)]:
+        xt, wt, bt = (t.to(dtype) for t in (x, w, b))
+        _, indices = OP(xt, wt, bt, padding, pool, -2.0, True)
+        torch.library.opcheck(BACKWARD, (grad_mean.to(dtype), indices, xt, wt, padding, pool, -2.0, list(mask)))
+
+
+def test_backward_needs_the_saved_indices(device):
+    """The op called without save_indices (its wrapper sets it where a gradient is needed) cannot be
+    differentiated: the backward says so; the backward op refuses other picks."""
+    x, w, b = make_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    out, indices = OP(x, w.clone().requires_grad_(), b, [0, 0, 0], [2, 2, 2], 2.0, False)
+    with pytest.raises(RuntimeError, match="save_indices=True"):
+        out.sum().backward()
+    grad_mean = torch.ones(2, 4, device=device)
+    for bad, match in [((grad_mean, indices), "save_indices=True"),
+                       ((grad_mean[:1], OP(x, w, b, [0, 0, 0], [2, 2, 2], 2.0, True)[1]), "grad_mean must have shape")]:
+        with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+            BACKWARD(*bad, x, w, [0, 0, 0], [2, 2, 2], 2.0, [True, True, True])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_weights(dtype, device):
+    """A 16-bit weight and bias with a float32 or 16-bit x: the convolution of x rounded to the
+    weight's dtype, the result in that dtype (or float32 asked for), within a few 16-bit roundings
+    (y, y / divisor, the result: unit roundoff u each) and float32 sums of the float64 result on the
+    rounded operands; x's gradient float32, the weight's and bias's 16-bit."""
+    x, w, b = make_case((2, 8, 8, 16, 16), (16, 8, 3, 3, 3), True, torch.float32, device)
+    w, b = w.to(dtype), b.to(dtype)
+    u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    for xin in (x, x.to(dtype)):
+        out = conv3d_max_pool3d_mean(xin, w, b, 1, 2, -2.0)
+        out32 = conv3d_max_pool3d_mean(xin, w, b, 1, 2, -2.0, dtype=torch.float32)
+        assert out.dtype == dtype and out32.dtype == torch.float32
+        expected, _, _, _, m, p = reference_of(xin, w, b, 1, 2, -2.0)
+        within(out32, expected, (2 * u + float32_sums(w, p)) * m)
+        within(out, expected, (3 * u + float32_sums(w, p)) * m)
+    if device == "cuda":
+        assert kernel_ran(lambda: conv3d_max_pool3d_mean(x, w, b, 1, 2, -2.0))
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    conv3d_max_pool3d_mean(*leaves, 1, 2, -2.0, dtype=torch.float32).sum().backward()
+    assert [t.grad.dtype for t in leaves] == [torch.float32, dtype, dtype]
+
+
+@pytest.mark.parametrize("args,match", [
+    (lambda x, w, b: ((x[0], w, b), {}), "5-D input"),
+    (lambda x, w, b: ((x, w[0], b), {}), "5-D weight"),
+    (lambda x, w, b: ((x.int(), w, b), {}), "floating-point"),
+    (lambda x, w, b: ((x, w.double(), b), {}), "must have the input's dtype"),
+    (lambda x, w, b: ((x.half(), w.bfloat16(), b.bfloat16()), {}), "must have the input's dtype"),
+    (lambda x, w, b: ((x, w.bfloat16(), b), {}), "bias .* must have the weight's dtype"),
+    (lambda x, w, b: ((x, w[:, :2], b), {}), "3 channels, the weight expects 2"),
+    (lambda x, w, b: ((x, w, b[:2]), {}), "bias must have shape"),
+    (lambda x, w, b: ((x, w, b), dict(divisor=0.0)), "divisor must be non-zero"),
+    (lambda x, w, b: ((x, w, b), dict(pool=(5, 2, 2))), "pool .* is larger than the convolution's output"),
+    (lambda x, w, b: ((x, w, b), dict(pool=(2, 0, 2))), "pool must be positive"),
+    (lambda x, w, b: ((x, w, b), dict(padding=(0, -1, 0))), "padding must be non-negative"),
+    (lambda x, w, b: ((x[..., :2], w, b), {}), "smaller than the kernel"),
+    (lambda x, w, b: ((x, w, b), dict(dtype=torch.float64)), "dtype must be"),
+])
+def test_bad_input_named(args, match, device):
+    x, w, b = make_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    positional, keywords = args(x, w, b)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        conv3d_max_pool3d_mean(*positional, **keywords)
+
+
+A_ARGS = [(8, 16, 3, 2.0, 2, (16, 1, 1, 1), 1), (3, 5, 3, -0.7, (2, 1, 2), (5, 1, 1, 1), 1)]
+
+
+@pytest.mark.parametrize("args", A_ARGS, ids=["A", "3-to-5-pool212"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_module_fused_conv_float64(args, train, device):
+    """Architecture A forced to ``fused_conv`` in float64: the original's output and the gradients
+    of its input and parameters."""
+    original, fused = build_pair("Conv3dDivMaxPoolGAPBiasSum", args)
+    original.to(device, torch.float64).train(train)
+    fused.to(device, torch.float64).train(train)
+    x = torch.rand(2, args[0], 7, 10, 11, dtype=torch.float64, device=device)
+    with autotune.force("fused_conv"):
+        check_matches_original(original, fused, x, torch.float64)
+    assert autotune.last_formulation() == "fused_conv"
+
+
+@pytest.mark.parametrize("mode", ["eval", "no_grad", "train"])
+def test_module_fused_conv_float32_exact(mode, device, tf32):
+    """Architecture A forced to ``fused_conv`` in float32 (TF32 on: the kernel on a GPU) with
+    integer-valued input and parameters in eighths, 32 windows (rows of whole 16-byte chunks: the
+    kernel takes them): every value and sum dyadic and exact, so the output and (in training) every gradient equal the float64 original's."""
+    original = reference.Conv3dDivMaxPoolGAPBiasSum(8, 16, 3, 2.0, 2, (16, 1, 1, 1), 1).to(device)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p, high in zip((original.conv.weight, original.conv.bias, original.bias), (2, 5, 5)):
+            p.copy_(torch.randint(-high + 1, high, p.shape, generator=g) / 8)
+    original.train(mode == "train")
+    fused = fnn.Conv3dDivMaxPoolGAPBiasSum.from_module(original)
+    x = torch.randint(-2, 3, (2, 8, 10, 18, 4), generator=g).float().to(device).requires_grad_(mode == "train")
+    with torch.set_grad_enabled(mode != "no_grad"), autotune.force("fused_conv"):
+        out = fused(x)
+        if device == "cuda":
+            assert kernel_ran(lambda: fused(x))
+    assert autotune.last_formulation() == "fused_conv"
+    exact = copy.deepcopy(original).double()
+    x64 = x.detach().double().requires_grad_()
+    expected = exact(x64)
+    assert out.dtype == torch.float32 and torch.equal(out.double(), expected)
+    if mode == "train":
+        grad = torch.tensor([1.0, -3.0], device=device).view(2, 1, 1, 1)
+        out.backward(grad)
+        expected.backward(grad.double())
+        assert torch.equal(x.grad.double(), x64.grad)
+        for (name, p), q in zip(fused.named_parameters(), exact.parameters()):
+            assert torch.equal(p.grad.double(), q.grad), name
