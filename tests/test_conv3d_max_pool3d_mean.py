@@ -406,3 +406,61 @@ def test_module_fused_conv_float32_exact(mode, device, tf32):
         assert torch.equal(x.grad.double(), x64.grad)
         for (name, p), q in zip(fused.named_parameters(), exact.parameters()):
             assert torch.equal(p.grad.double(), q.grad), name
+
+
+def weight_grad_kernel_ran(call) -> bool:
+    return any("conv3d_max_pool3d_mean_weight_grad_kernel" in name for name in cuda_kernel_names(call))
+
+
+@requires_cuda
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", CASES, ids=IDS)
+def test_weight_grad_kernel(x_shape, w_shape, padding, pool, bias, divisor, weight_dtype, tf32):
+    """The backward's weight and bias gradients from the forward's picks, where the weight-gradient
+    kernel runs (exactly where the forward's does) and elsewhere, against float64 on the same picks
+    (the CPU op's: routing and PyTorch's convolution backward): within TF32's rounding of x and of g
+    (and, for a 16-bit weight, 16-bit rounding of g and of the result) times the float64 sums of the
+    terms' magnitudes (the same op on |grad_mean| and |x|); bit-identical on a second call."""
+    x, w, b = make_case(x_shape, w_shape, True, torch.float32, "cuda")
+    w, b = w.to(weight_dtype), b.to(weight_dtype)
+    _, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
+    grad_mean = torch.rand(x.shape[0], w.shape[0], device="cuda") - 0.5
+    mask = [False, True, True]
+
+    def backward():
+        return BACKWARD(grad_mean, indices, x, w, _triple(padding), _triple(pool), divisor, mask)
+
+    _, grad_w, grad_b = backward()
+    assert weight_grad_kernel_ran(backward) == kernel_takes(x, w, pool)
+    assert grad_w.dtype == grad_b.dtype == weight_dtype
+    args = (_triple(padding), _triple(pool), divisor, mask)
+    x64 = x.to(weight_dtype).double().cpu()
+    _, ref_w, ref_b = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x64, w.double().cpu(), *args)
+    magnitude_args = (_triple(padding), _triple(pool), abs(divisor), mask)
+    _, mag_w, mag_b = BACKWARD(grad_mean.double().abs().cpu(), indices.cpu(), x64.abs(), w.double().cpu(),
+                               *magnitude_args)
+    terms = x.shape[0] * indices[0, 0].numel()
+    rounding = 2.0 ** -10 if weight_dtype == torch.float32 else 2.0 ** -7  # (g to TF32 or to bf16, x to TF32)
+    result = 0.0 if weight_dtype == torch.float32 else 2.0 ** -8  # (the 16-bit result's rounding)
+    within(grad_w, ref_w, (rounding + (terms + 4) * 2.0 ** -24) * mag_w + result * ref_w.abs())
+    within(grad_b, ref_b, (rounding + (x.shape[0] + 4) * 2.0 ** -24) * mag_b + result * ref_b.abs())
+    again = backward()
+    assert torch.equal(again[1], grad_w) and torch.equal(again[2], grad_b)
+
+
+@requires_cuda
+def test_weight_grad_kernel_exact_on_integer_data(tf32):
+    """Integer-valued x and picks from it, dyadic grad_mean: every product and sum exact in TF32
+    and float32, so the kernel's weight gradient is the float64 one bit for bit (two channel
+    blocks, padding, a negative divisor, windows past the output's edge)."""
+    x, w, b = make_case((2, 11, 7, 11, 20), (16, 11, 3, 3, 3), True, torch.float32, "cuda", integers=True)
+    padding, divisor = [1, 0, 1], -2.0
+    _, indices = OP(x, w, b, padding, [2, 2, 2], divisor, True)
+    grad_mean = (torch.randint(-8, 9, (2, 16), device="cuda") / 4).float()
+    # P = 4 * 4 * 10 windows: grad_mean / P is not dyadic; make it so by scaling by P
+    grad_mean = grad_mean * indices[0, 0].numel()
+    args = (padding, [2, 2, 2], divisor, [False, True, True])
+    _, grad_w, grad_b = BACKWARD(grad_mean, indices, x, w, *args)
+    assert weight_grad_kernel_ran(lambda: BACKWARD(grad_mean, indices, x, w, *args))
+    _, ref_w, ref_b = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x.double().cpu(), w.double().cpu(), *args)
+    assert torch.equal(grad_w.double().cpu(), ref_w) and torch.equal(grad_b.double().cpu(), ref_b)

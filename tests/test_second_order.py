@@ -5,7 +5,8 @@ The fused ops' backwards have no derivatives of their own. A max-pool tail's gra
 fixed, is linear in the result's gradient and constant in x, so a gradient penalty through it is
 right wherever the result's gradient records no graph (a loss linear in the output); a smooth
 tail's (C's sigmoid, D's batch norm) depends on x and the parameters, so every create_graph
-backward through it is refused. The error names ``autotune.force("original")``, under which the
+backward through it is refused, and so is every one through an op that holds the convolution too
+(``fused_conv``: its gradient is bilinear in the result's gradient and the weight). The error names ``autotune.force("original")``, under which the
 module runs the original's ops (and on a GPU, a replayed training step makes its create_graph
 backward with them: tests/test_graphed_calls.py)."""
 import pytest
@@ -15,8 +16,8 @@ from fused_ops import autotune
 from test_formulations import FORMULATION_CASES, IDS, CONFIGS, pair
 
 # (module, training) -> its formulations that call a fused tail op, and whether that tail is smooth
-FUSED_TAIL = {("A", True): {"fused", "fused_channels_last", "rewrite"},
-              ("A", False): {"fused", "fused_channels_last", "rewrite"},
+FUSED_TAIL = {("A", True): {"fused_conv", "fused", "fused_channels_last", "rewrite"},
+              ("A", False): {"fused_conv", "fused", "fused_channels_last", "rewrite"},
               ("B", True): {"fused", "fused_channels_last", "rewrite"},
               ("B", False): {"fused", "fused_channels_last", "rewrite"},
               ("C", True): {"fused_conv", "fused", "fused_channels_last"},  # (the rewrite's tail is PyTorch's)
@@ -24,6 +25,7 @@ FUSED_TAIL = {("A", True): {"fused", "fused_channels_last", "rewrite"},
               ("D", True): {"fused", "fused_channels_last", "rewrite"},
               ("D", False): {"fused", "fused_channels_last"}}  # (eval rewrite: the spatial mean map)
 SMOOTH = {"C", "D"}
+WITH_CONVOLUTION = {"fused_conv"}
 
 
 def penalty_grads(module, x, formulation, nonlinear_loss):
@@ -46,7 +48,8 @@ def test_gradient_penalty_right_or_refused(name, args, shape, train, formulation
     original, fused = pair(name, args, "cpu", train=train)
     x = torch.rand(shape, dtype=torch.float64, requires_grad=True)
     expected, _ = penalty_grads(original, x, "original", nonlinear_loss)
-    refused = formulation in FUSED_TAIL[which, train] and (which in SMOOTH or nonlinear_loss)
+    refused = formulation in FUSED_TAIL[which, train] and (which in SMOOTH or nonlinear_loss
+                                                           or formulation in WITH_CONVOLUTION)
     if refused:
         with pytest.raises(NotImplementedError, match=r"second-order gradients .*force\(\"original\"\)"):
             penalty_grads(fused, x, formulation, nonlinear_loss)

@@ -1,8 +1,8 @@
 """Compile-checks every csrc/cuda/*.cu for sm_90 with nvcc, against the
 installed torch's headers (a CPU wheel will do: it lacks one generated
 header, c10/cuda/impl/cuda_cmake_macros.h, which a stub on this check's own
-include path provides). Builds nothing that is installed; exits non-zero on
-the first failure.
+include path provides), then links the objects together (no symbol defined
+twice). Builds nothing that is installed; exits non-zero on the first failure.
 
     python tools/check_cuda_compile.py [--nvcc PATH] [FILE.cu ...]   (default: every one)
 """
@@ -41,15 +41,22 @@ def main() -> None:
         with open(os.path.join(stub, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
             f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], stub]]
+        objects = []
         for src in sources:
+            objects.append(os.path.join(stub, f"{len(objects)}.o"))
             # C++17: what torch 2.11 (on the GPU machines) builds extensions with; newer torch uses C++20
-            cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-c", src, "-o", os.devnull,
+            cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xcompiler=-fPIC", "-c", src, "-o", objects[-1],
                    "-Xptxas=-warn-spills", "-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS, *includes]
             print("nvcc", os.path.relpath(src, ROOT), flush=True)
             result = subprocess.run(cmd)
             if result.returncode != 0:
                 sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)} failed to compile")
-    print(f"check_cuda_compile: {len(sources)} file(s) compiled for sm_90")
+        # the objects link into one library (torch's symbols left unresolved): no symbol defined twice,
+        # as a non-template kernel in a header shared by two files would be
+        result = subprocess.run([nvcc, "-shared", "-arch=sm_90", *objects, "-o", os.path.join(stub, "link.so")])
+        if result.returncode != 0:
+            sys.exit("check_cuda_compile: the objects do not link together")
+    print(f"check_cuda_compile: {len(sources)} file(s) compiled for sm_90 and linked together")
 
 
 if __name__ == "__main__":

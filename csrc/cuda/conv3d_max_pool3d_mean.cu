@@ -27,7 +27,8 @@
 // memory for the whole kernel (weight_fragments_kernel writes them once per call).
 //
 // Each warp's per-channel sums of its windows go to `partial` (tasks x kWarps
-// x 16); each image's are added in a fixed order after (deterministic).
+// x 16); each image's are added in a fixed order after (sum_columns_kernel:
+// deterministic), and divided by the number of windows.
 // Where the backward needs them each window's pick is written as one byte.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -42,6 +43,7 @@
 
 #include "../conv3d_max_pool3d_mean.h"
 #include "../max_pool3d.h"
+#include "block_reduce.cuh"
 #include "bulk_copy.cuh"
 #include "conv3d_max_pool3d_mean.cuh"
 #include "mma.cuh"
@@ -349,9 +351,13 @@ std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor&
         bias.has_value() ? std::optional(bias->to(at::kFloat).contiguous()) : std::nullopt;
     if (launch_fused<decltype(mma)>(xc, weight.to(at::kFloat).contiguous(), bias_f, grid, divisor, partial,
                                     save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr)) {
-      const double windows = static_cast<double>(g.pooled[0] * g.pooled[1] * g.pooled[2]);
-      const at::Tensor sums = at::sum(partial, {1}).narrow(1, 0, weight.size(0));
-      result.emplace(at::div(sums, windows).to(out_dtype), picks);
+      at::Tensor mean = at::empty({x.size(0), weight.size(0)}, x.options());
+      sum_columns_kernel<float><<<dim3(1, static_cast<unsigned>(x.size(0))), 32 * kColumnSlices, 0,
+                           c10::cuda::getCurrentCUDAStream()>>>(
+          partial.const_data_ptr<float>(), partial.size(1), kChannels, static_cast<int>(weight.size(0)),
+          static_cast<float>(g.pooled[0] * g.pooled[1] * g.pooled[2]), mean.mutable_data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      result.emplace(mean.to(out_dtype), picks);
     }
   });
   return result.has_value() ? *result

@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "../conv3d_max_pool3d_mean.h"
+#include "block_reduce.cuh"
 #include "bulk_copy.cuh"
 #include "conv3d_max_pool3d_mean.cuh"
 #include "mma.cuh"
@@ -45,12 +46,16 @@ constexpr int kOperandStride = kChannelWords + 1;
 constexpr int kOperandWords = kBlockChannels * kOperandStride;
 constexpr int kGradWords = kChannels * kBlockChannels * kTaps;  // a warp's sums per channel block: (o, c, tap)
 static_assert(kOperandStride % 32 == 1 && kPlaneWords % 32 == 16 && kBoxCols % 32 == 8, "bank layout");
+// The box's copy into an operand buffer: units of 4 channels by 8 16-byte chunks
+constexpr int kChunkBlocks = kChannelWords / 4 / 8;
+constexpr int kCopyUnits = kBlockChannels / 4 * kChunkBlocks;
+static_assert(kChannelWords % 32 == 0, "whole units");
 
 struct Params {
   TaskGrid grid;
   const uint8_t* picks;  // (N, O, PD, PH, PW), the forward's
   const float* g;        // (N, kChannels): grad_mean / P / divisor, zero past O
-  float* partial;        // (gridDim.x, channel_blocks, kWarps, kGradWords)
+  float* partial;        // (channel_blocks, gridDim.x, kWarps, kGradWords)
   int O, stages;
 };
 
@@ -88,25 +93,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int e = 0; e < 4; ++e) acc[s][e] = 0.f;
 
   for (int64_t item = 0; item < items; ++item) {
-    barrier_wait(&full[ring.stage], ring.phase);
-    uint32_t* buffer = operands + (item % 2) * kOperandWords;
-    const float* stage = stages + ring.stage * kBoxWords;
-    for (int i = threadIdx.x; i < kBoxWords; i += kThreads) {
-      buffer[i / kChannelWords * kOperandStride + i % kChannelWords] = Tf32Mma::pack(rounded_to<T>(stage[i]), 0.f);
-    }
-    barrier_arrive(&empty[ring.stage]);
-    __syncthreads();  // (the buffer is whole; every warp is done with the one it computed on before)
-    ring.refill(item, load_item);
-
-    // the A fragments' values: g[n, o] for o = g, g + 8, and the picks of the warp's 8 windows
+    // the A fragments' values, loaded first (their latency under the copy below): g[n, o] for
+    // o = g, g + 8, and the picks of the warp's 8 windows (-1: none, outside the output)
     const TaskCoords tc = task_coords(task_of(item), grid);
     const int ph = 2 * tc.row_group + rp;
-    uint32_t grad[2];
+    float grad[2];
     int pick[2][8];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int o = g + 8 * h;
-      grad[h] = Tf32Mma::pack(p.g[int64_t{tc.n} * kChannels + o], 0.f);
+      grad[h] = p.g[int64_t{tc.n} * kChannels + o];
       const uint8_t* picks = p.picks + ((int64_t{tc.n} * p.O + o) * grid.PD + tc.pd) * grid.PH * grid.PW +
                              int64_t{ph} * grid.PW;
 #pragma unroll
@@ -115,12 +111,31 @@ __global__ void __launch_bounds__(kThreads, 1)
         pick[h][j] = o < p.O && ph < grid.PH && pw < grid.PW ? picks[pw] : -1;
       }
     }
+
+    barrier_wait(&full[ring.stage], ring.phase);
+    uint32_t* buffer = operands + (item % 2) * kOperandWords;
+    const float* stage = stages + ring.stage * kBoxWords;
+    // (a warp's lanes take 8 chunks of 4 channels: its scalar stores hit 32 distinct banks)
+    for (int unit = warp; unit < kCopyUnits; unit += kWarps) {
+      const int c = unit / kChunkBlocks * 4 + lane / 8, chunk = unit % kChunkBlocks * 8 + lane % 8;
+      const float4 v = reinterpret_cast<const float4*>(stage + c * kChannelWords)[chunk];
+      uint32_t* out = buffer + c * kOperandStride + 4 * chunk;
+      out[0] = Tf32Mma::pack(rounded_to<T>(v.x), 0.f);
+      out[1] = Tf32Mma::pack(rounded_to<T>(v.y), 0.f);
+      out[2] = Tf32Mma::pack(rounded_to<T>(v.z), 0.f);
+      out[3] = Tf32Mma::pack(rounded_to<T>(v.w), 0.f);
+    }
+    barrier_arrive(&empty[ring.stage]);
+    __syncthreads();  // (the buffer is whole; every warp is done with the one it computed on before)
+    ring.refill(item, load_item);
+    const uint32_t a_values[2] = {Tf32Mma::pack(grad[0], 0.f), Tf32Mma::pack(grad[1], 0.f)};
+
     const uint32_t* b_words = buffer + lane_offset;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       // k = t: element 2t of the window (scan order), k = t + 4: element 2t + 1
-      const uint32_t a[4] = {pick[0][j] == 2 * t ? grad[0] : 0u, pick[1][j] == 2 * t ? grad[1] : 0u,
-                             pick[0][j] == 2 * t + 1 ? grad[0] : 0u, pick[1][j] == 2 * t + 1 ? grad[1] : 0u};
+      const uint32_t a[4] = {pick[0][j] == 2 * t ? a_values[0] : 0u, pick[1][j] == 2 * t ? a_values[1] : 0u,
+                             pick[0][j] == 2 * t + 1 ? a_values[0] : 0u, pick[1][j] == 2 * t + 1 ? a_values[1] : 0u};
 #pragma unroll
       for (int s = 0; s < kTaps; ++s) {
         Tf32Mma::mma(acc[s], a, b_words[2 * j + tap_offset(s)], b_words[2 * j + tap_offset(s) + 1]);
@@ -129,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     if (item % my_tasks != my_tasks - 1) continue;
     // the channel block's sums of this warp: acc[tap][e] = (o = g + 8 (e / 2), c = 2t + e % 2)
-    float* out = p.partial + ((int64_t{blockIdx.x} * grid.channel_blocks + item / my_tasks) * kWarps + warp) * kGradWords;
+    float* out = p.partial + ((item / my_tasks * gridDim.x + blockIdx.x) * kWarps + warp) * kGradWords;
 #pragma unroll
     for (int s = 0; s < kTaps; ++s) {
 #pragma unroll
@@ -177,18 +192,20 @@ at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices,
     p.g = g16.const_data_ptr<float>();
     p.picks = picks.const_data_ptr<uint8_t>();
     const int64_t blocks = std::min<int64_t>(p.grid.tasks, resident_blocks(kernel, kThreads, layout.smem));
-    at::Tensor partial =
-        at::empty({blocks * p.grid.channel_blocks * kWarps, kChannels, kBlockChannels, kTaps}, x.options());
+    at::Tensor partial = at::empty({p.grid.channel_blocks, blocks * kWarps, kGradWords}, x.options());
     p.partial = partial.mutable_data_ptr<float>();
+    const auto stream = c10::cuda::getCurrentCUDAStream();
     C10_CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(layout.smem)));
-    kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, c10::cuda::getCurrentCUDAStream()>>>(
-        p, ncdhw_tensor_map(x));
+    kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, stream>>>(p, ncdhw_tensor_map(x));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // (blocks, channel blocks, warps, o, c, tap) summed over blocks and warps -> (o, channel blocks x c, tap)
-    grad_weight = partial.view({blocks, p.grid.channel_blocks, kWarps, kChannels, kBlockChannels, kTaps})
-                      .sum(at::IntArrayRef{0, 2})
-                      .permute({1, 0, 2, 3})
+    // the sums over blocks and warps (channel blocks, o, c, tap) -> (o, channel blocks x c, tap)
+    at::Tensor sums = at::empty({p.grid.channel_blocks, kChannels, kBlockChannels, kTaps}, x.options());
+    sum_columns_kernel<float><<<dim3((kGradWords + 31) / 32, static_cast<unsigned>(p.grid.channel_blocks)),
+                         32 * kColumnSlices, 0, stream>>>(partial.const_data_ptr<float>(), blocks * kWarps,
+                                                          kGradWords, kGradWords, 1.f, sums.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    grad_weight = sums.permute({1, 0, 2, 3})
                       .reshape({kChannels, p.grid.channel_blocks * kBlockChannels, kTaps})
                       .narrow(0, 0, weight.size(0))
                       .narrow(1, 0, weight.size(1))
@@ -204,9 +221,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_c
       check_conv3d_max_pool3d_mean_backward(grad_mean, indices, x, weight, padding, pool, divisor);
   const c10::cuda::CUDAGuard guard(x.device());
   if (output_mask[1] || output_mask[2]) {
-    // g = grad_mean / P / divisor, as max_pool3d_mean's backward forms it, in the weight's type
+    // g = grad_mean / P / divisor, as max_pool3d_mean's backward forms it (a true division by P, the
+    // divisor's as PyTorch divides by a number), in the weight's type
     const double windows = static_cast<double>(geometry.pooled[0] * geometry.pooled[1] * geometry.pooled[2]);
-    const at::Tensor g = at::mul(at::div(grad_mean.to(at::kFloat), windows),
+    const at::Tensor count = at::full({}, windows, grad_mean.options().dtype(at::kFloat));  // (on the GPU: no
+    // reciprocal product, as a CPU scalar's division would be)
+    const at::Tensor g = at::mul(at::div(grad_mean.to(at::kFloat), count),
                                  static_cast<double>(ReciprocalMultiply<float>(divisor).reciprocal))
                              .to(weight.scalar_type())
                              .to(at::kFloat);
