@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from fused_ops import autotune, conv2d_sigmoid_sum, reference, rewrites
 from fused_ops import nn as fnn
-from timing import copy_bandwidth_gbs, device_name, interleaved_medians
+from timing import copy_bandwidth_gbs, device_name, interleaved_medians, module_training_step
 
 
 def main():
@@ -82,15 +82,10 @@ def main():
     def op_step():
         conv2d_sigmoid_sum(x, weight_leaf, bias_leaf, 4, 0).backward(grad)
 
-    def module_step(module, name=None):
-        def step():
-            with autotune.force(name) if name else contextlib.nullcontext():
-                out = module(x)
-            out.float().backward(grad)
-        return step
 
-    train32 = {"op": op_step, "C fused_conv": module_step(fused, "fused_conv"),
-               "C rewrite": module_step(fused, "rewrite"), "C original": module_step(original)}
+    train32 = {"op": op_step, "C fused_conv": module_training_step(fused, x, grad, "fused_conv"),
+               "C rewrite": module_training_step(fused, x, grad, "rewrite"),
+               "C original": module_training_step(original, x, grad)}
     train = {**train32, **{f"{name} bf16": call for name, call in train32.items()}}
     times = interleaved_medians(train, device, {name: 10 for name in train}, args.rounds, settings)
     print(f"\ntraining step (forward + the parameters' gradients), {device_name(device)}")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from fused_ops import autotune, conv3d_max_pool3d_mean, max_pool3d_mean, reference
 from fused_ops import nn as fnn
-from timing import copy_bandwidth_gbs, device_name, interleaved_medians
+from timing import copy_bandwidth_gbs, device_name, interleaved_medians, module_training_step
 
 
 def main():
@@ -86,17 +86,11 @@ def main():
     def op_step():
         conv3d_max_pool3d_mean(x, weight_leaf, bias_leaf, 0, 2, 2.0).backward(grad)
 
-    def module_step(module, name=None):
-        grad_out = grad[:, :1].reshape(args.batch, 1, 1, 1)
 
-        def step():
-            with autotune.force(name) if name else contextlib.nullcontext():
-                out = module(x)
-            out.float().backward(grad_out)
-        return step
-
-    train32 = {"op": op_step, "A fused_conv": module_step(fused, "fused_conv"),
-               "A rewrite": module_step(fused, "rewrite"), "A original": module_step(original)}
+    grad_out = grad[:, :1].reshape(args.batch, 1, 1, 1)  # (the module's output: (N, 1, 1, 1))
+    train32 = {"op": op_step, "A fused_conv": module_training_step(fused, x, grad_out, "fused_conv"),
+               "A rewrite": module_training_step(fused, x, grad_out, "rewrite"),
+               "A original": module_training_step(original, x, grad_out)}
     train = {**train32, **{f"{name} bf16": call for name, call in train32.items()}}
     times = interleaved_medians(train, device, {name: 10 for name in train}, args.rounds, settings)
     print(f"\ntraining step (forward + the parameters' gradients), {device_name(device)}")

@@ -1,6 +1,7 @@
 """Timing helpers of the benchmarks: the backward alone, each tail's variants
 side by side, the device's measured copy bandwidth; the medians themselves
 (CUDA events on a GPU, the wall clock on a CPU) are fused_ops._timing's."""
+import contextlib
 import json
 import os
 
@@ -65,3 +66,15 @@ def copy_bandwidth_gbs(device, nbytes: int = 2 << 30) -> float:
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), device)
     return 2 * nbytes / ms / 1e6
+
+
+def module_training_step(module, x, grad, formulation=None):
+    """A training step of module(x) for timing: the forward (under fused_ops.autotune.force(formulation)
+    where one is named), then the backward of its result (as float32) with `grad`."""
+    from fused_ops import autotune
+
+    def step():
+        with autotune.force(formulation) if formulation else contextlib.nullcontext():
+            out = module(x)
+        out.float().backward(grad)
+    return step

@@ -26,6 +26,7 @@
 #include <optional>
 #include <tuple>
 
+#include "convolution_checks.h"
 #include "dispatch.h"
 #include "max_pool3d_mean.h"
 #include "pool_geometry.h"
@@ -44,34 +45,7 @@ inline Conv3dPoolGeometry conv3d_max_pool3d_mean_geometry(const at::Tensor& x, c
                                                           c10::IntArrayRef padding, c10::IntArrayRef pool,
                                                           double divisor,
                                                           const char* what = "conv3d_max_pool3d_mean") {
-  TORCH_CHECK_VALUE(x.dim() == 5, what, ": expected a 5-D input (batch, channels, depth, height, width), got ",
-                    x.dim(), "-D input of shape ", x.sizes());
-  TORCH_CHECK_VALUE(weight.dim() == 5, what,
-                    ": expected a 5-D weight (out_channels, in_channels, kd, kh, kw), got ", weight.dim(),
-                    "-D weight of shape ", weight.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), what,
-                   ": input must be a floating-point tensor (float64, float32, float16 or bfloat16), got ",
-                   x.scalar_type());
-  const bool rounded_input = x.scalar_type() == at::kFloat &&
-                             (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf);
-  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type() || rounded_input, what, ": weight (",
-                   weight.scalar_type(), ") must have the input's dtype (", x.scalar_type(),
-                   "), or be float16 or bfloat16 for a float32 input");
-  TORCH_CHECK_VALUE(weight.device() == x.device(), what, ": weight is on ", weight.device(), ", the input on ",
-                    x.device());
-  if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0), what,
-                      ": bias must have shape (out_channels,) = (", weight.size(0), ",), got ", bias->sizes());
-    TORCH_CHECK_TYPE(bias->scalar_type() == weight.scalar_type(), what, ": bias (", bias->scalar_type(),
-                     ") must have the weight's dtype (", weight.scalar_type(), ")");
-    TORCH_CHECK_VALUE(bias->device() == x.device(), what, ": bias is on ", bias->device(), ", the input on ",
-                      x.device());
-  }
-  TORCH_CHECK_VALUE(weight.size(1) == x.size(1), what, ": the input has ", x.size(1),
-                    " channels, the weight expects ", weight.size(1));
-  TORCH_CHECK_VALUE(x.size(0) > 0 && weight.size(0) > 0 && x.size(1) > 0, what,
-                    ": batch, channels and out_channels must be non-zero, got input ", x.sizes(), " and weight ",
-                    weight.sizes());
+  check_convolution_operands(what, 3, x, weight, bias);
   check_divisor(what, divisor);
   Conv3dPoolGeometry g;
   const auto p = expand_param<3>(what, "padding", padding);

@@ -58,6 +58,14 @@ def dtype(request):
     return request.param
 
 
+def cuda_kernel_names(call) -> list:
+    """The names of the CUDA kernels call() ran, by the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events()]
+
+
 def poison_cuda_allocator():
     """Fill the CUDA caching allocator's free blocks with NaN, so that an
     output element a kernel fails to write shows up as NaN."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import poison_cuda_allocator, requires_cuda
+from conftest import cuda_kernel_names, poison_cuda_allocator, requires_cuda
 from fused_ops import autotune, conv2d_sigmoid_sum, reference, rewrites
 from fused_ops import nn as fnn
 
@@ -81,14 +81,6 @@ def test_float64_is_pytorchs(x_shape, w_shape, stride, padding, bias, device):
     x, w, b = make_case(x_shape, w_shape, bias, torch.float64, device)
     torch.testing.assert_close(conv2d_sigmoid_sum(x, w, b, stride, padding), composite(x, w, b, stride, padding),
                                rtol=1e-12, atol=1e-12)
-
-
-def cuda_kernel_names(call) -> list:
-    """The names of the CUDA kernels call() ran, by the profiler."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events()]
 
 
 def kernel_loaders(call) -> set:

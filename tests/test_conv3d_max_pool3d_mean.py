@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import build_pair, check_matches_original, poison_cuda_allocator, requires_cuda
+from conftest import build_pair, check_matches_original, cuda_kernel_names, poison_cuda_allocator, requires_cuda
 from fused_ops import autotune, conv3d_max_pool3d_mean, reference
 from fused_ops import nn as fnn
 
@@ -108,14 +108,6 @@ def assert_picks_near_max(indices, y_windows, elem_bound):
     assert indices.dtype == torch.uint8 and indices.shape == y_windows.shape[:-1]
     picked = y_windows.gather(-1, indices.long().cpu().unsqueeze(-1)).squeeze(-1)
     assert (picked >= y_windows.amax(-1) - 2 * elem_bound.amax(-1)).all()
-
-
-def cuda_kernel_names(call) -> list:
-    """The names of the CUDA kernels call() ran, by the profiler."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        call()
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events()]
 
 
 def kernel_ran(call) -> bool:

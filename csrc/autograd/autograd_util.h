@@ -11,6 +11,7 @@
 
 #include "../memory_format.h"
 
+#include <array>
 #include <cstddef>
 #include <optional>
 #include <tuple>
@@ -118,6 +119,24 @@ inline const at::Tensor& check_saved(const at::Tensor& saved, int64_t dim, const
   TORCH_CHECK(saved.dim() == dim, what, ": backward needs the forward to run with ", flag, "=True (the fused_ops.",
               what, " wrapper sets it when ", input, " requires grad)");
   return saved;
+}
+
+// A fused convolution's backward (x, weight, bias first among the forward's
+// arguments; saved_data["has_bias"]): which of their gradients autograd asks
+// for, and the backward op's (grad_x, grad_weight, grad_bias) as the `inputs`
+// gradients apply() returns (undefined where not asked for).
+inline std::array<bool, 3> convolution_grad_mask(AutogradContext* ctx) {
+  return {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+          ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)};
+}
+
+inline variable_list convolution_grad_inputs(size_t inputs, std::array<bool, 3> mask,
+                                             const std::tuple<at::Tensor, at::Tensor, at::Tensor>& grads) {
+  variable_list grad_inputs(inputs);
+  grad_inputs[0] = mask[0] ? std::get<0>(grads) : at::Tensor();
+  grad_inputs[1] = mask[1] ? std::get<1>(grads) : at::Tensor();
+  grad_inputs[2] = mask[2] ? std::get<2>(grads) : at::Tensor();
+  return grad_inputs;
 }
 
 // Second-order gradients. The backward ops have no derivatives of their own, so

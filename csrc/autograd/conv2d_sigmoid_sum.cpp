@@ -45,22 +45,17 @@ class Conv2dSigmoidSumFunction : public torch::autograd::Function<Conv2dSigmoidS
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list grad_inputs(7);
-    if (!grads[0].defined()) return grad_inputs;
+    if (!grads[0].defined()) return variable_list(7);
     check_first_order("conv2d_sigmoid_sum", Curvature::kSmooth, grads[0]);
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1];
     const at::Tensor& grad_factor = check_saved(saved[2], 5, "conv2d_sigmoid_sum", "save_grad_factor",
                                                 "x, the weight or the bias");
-    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                   ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)};
-    auto [grad_x, grad_weight, grad_bias] = call_conv2d_sigmoid_sum_backward(
-        grads[0], grad_factor, x, weight, ctx->saved_data["stride"].toIntVector(),
-        ctx->saved_data["padding"].toIntVector(), mask);
-    grad_inputs[0] = mask[0] ? grad_x : at::Tensor();
-    grad_inputs[1] = mask[1] ? grad_weight : at::Tensor();
-    grad_inputs[2] = mask[2] ? grad_bias : at::Tensor();
-    return grad_inputs;
+    const std::array<bool, 3> mask = convolution_grad_mask(ctx);
+    return convolution_grad_inputs(
+        7, mask,
+        call_conv2d_sigmoid_sum_backward(grads[0], grad_factor, saved[0], saved[1],
+                                         ctx->saved_data["stride"].toIntVector(),
+                                         ctx->saved_data["padding"].toIntVector(), mask));
   }
 };
 

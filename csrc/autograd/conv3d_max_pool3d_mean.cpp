@@ -45,22 +45,18 @@ class Conv3dMaxPool3dMeanFunction : public torch::autograd::Function<Conv3dMaxPo
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list grad_inputs(8);
-    if (!grads[0].defined()) return grad_inputs;
+    if (!grads[0].defined()) return variable_list(8);
     check_first_order("conv3d_max_pool3d_mean", Curvature::kSmooth, grads[0]);  // (bilinear in x and the weight)
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1];
     const at::Tensor& indices =
         check_saved(saved[2], 5, "conv3d_max_pool3d_mean", "save_indices", "x, the weight or the bias");
-    const std::array<bool, 3> mask{ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                   ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)};
-    auto [grad_x, grad_weight, grad_bias] = call_conv3d_max_pool3d_mean_backward(
-        grads[0], indices, x, weight, ctx->saved_data["padding"].toIntVector(), ctx->saved_data["pool"].toIntVector(),
-        ctx->saved_data["divisor"].toDouble(), mask);
-    grad_inputs[0] = mask[0] ? grad_x : at::Tensor();
-    grad_inputs[1] = mask[1] ? grad_weight : at::Tensor();
-    grad_inputs[2] = mask[2] ? grad_bias : at::Tensor();
-    return grad_inputs;
+    const std::array<bool, 3> mask = convolution_grad_mask(ctx);
+    return convolution_grad_inputs(
+        8, mask,
+        call_conv3d_max_pool3d_mean_backward(grads[0], indices, saved[0], saved[1],
+                                             ctx->saved_data["padding"].toIntVector(),
+                                             ctx->saved_data["pool"].toIntVector(),
+                                             ctx->saved_data["divisor"].toDouble(), mask));
   }
 };
 

@@ -463,13 +463,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // The tensor-core operation of the fused kernel for this call, if it takes
-// it: on a GPU of compute capability 8.0 or later, a float32 x with a float32
-// weight where TF32 convolutions are allowed (PyTorch's
-// torch.backends.cudnn.allow_tf32, as its own convolution would use them), or
-// with a bfloat16 / float16 weight (x rounded to it: what autocast passes); a
-// compiled kernel shape, at most 64 output channels, and sizes the kernel's int
-// fields hold (launch_fused then checks that the weight fragments and two
-// stages fit in shared memory). f(Mma{}) is called with it; false if none.
+// it: on a GPU of compute capability 8.0 or later, a float32 x, the weight's
+// operation (with_weight_operation: TF32 where PyTorch's convolution would use
+// it, or 16-bit); a compiled kernel shape, at most 64 output channels, and sizes
+// the kernel's int fields hold (launch_fused then checks that the weight
+// fragments and two stages fit in shared memory). f(Mma{}) is called with it;
+// false if none.
 template <typename F>
 bool with_fused_operation(const at::Tensor& x, const at::Tensor& weight, const Conv2dGeometry& g, F&& f) {
   if (x.scalar_type() != at::kFloat || weight.size(0) > 64) return false;
@@ -477,17 +476,7 @@ bool with_fused_operation(const at::Tensor& x, const at::Tensor& weight, const C
   if (widest > INT_MAX) return false;
   if (device_attribute(cudaDevAttrComputeCapabilityMajor, x.get_device()) < 8) return false;
   if (!with_compiled_shape(weight.size(2), weight.size(3), g.stride[0], g.stride[1], [](auto) {})) return false;
-  switch (weight.scalar_type()) {
-    case at::kFloat:
-      if (!at::globalContext().allowTF32CuDNN()) return false;
-      return f(Tf32Mma{}), true;
-    case at::kBFloat16:
-      return f(Bf16Mma{}), true;
-    case at::kHalf:
-      return f(F16Mma{}), true;
-    default:
-      return false;
-  }
+  return with_weight_operation(weight.scalar_type(), f);
 }
 
 // The fused kernel's launch (its shared memory: the barriers and as many

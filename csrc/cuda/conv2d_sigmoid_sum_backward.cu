@@ -314,10 +314,7 @@ bool launch_weight_grad(const at::Tensor& grad_out, const at::Tensor& factor, co
   if (x.scalar_type() != at::kFloat || factor.scalar_type() != at::kFloat || weight.size(0) > kFactorChannels) {
     return false;
   }
-  if (weight.scalar_type() == at::kFloat ? !at::globalContext().allowTF32CuDNN()
-                                         : !(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf)) {
-    return false;
-  }
+  if (!with_weight_operation(weight.scalar_type(), [](auto) {})) return false;
   if (!x.is_contiguous() || !copy_engine_takes(x) || !factor.is_contiguous() ||
       reinterpret_cast<uintptr_t>(factor.const_data_ptr()) % 16 != 0) {
     return false;

@@ -67,11 +67,6 @@ struct Operation {
   static constexpr int kOperandWords = kOperandPlanes * kOperandStride;
 };
 
-// x's element type the convolution rounds to, for the epilogue's rounding of y.
-template <typename Mma>
-using ConvType = std::conditional_t<std::is_same_v<Mma, Tf32Mma>, float,
-                                    std::conditional_t<std::is_same_v<Mma, Bf16Mma>, __nv_bfloat16, __half>>;
-
 struct Params {
   TaskGrid grid;
   const uint32_t* fragments;  // the weight's A fragments: (channel_blocks, kFragmentWords)
@@ -143,7 +138,7 @@ template <typename Mma, bool kPositive>
 __global__ void __launch_bounds__(kThreads, 1)
     conv3d_max_pool3d_mean_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
   using Op = Operation<Mma>;
-  using T = ConvType<Mma>;
+  using T = typename Mma::Input;  // (the convolution's type, for the epilogue's rounding of y)
   extern __shared__ __align__(128) float smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxStages;
@@ -272,24 +267,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // The tensor-core operation of the fused kernel for this call, if the kernels
-// take it (kernel_takes): a float32 weight where TF32 convolutions are allowed
-// (PyTorch's torch.backends.cudnn.allow_tf32, as its own convolution would use
-// them), or a bfloat16 / float16 weight (x rounded to it: what autocast
-// passes). f(Mma{}) is called with it; false if none.
+// take it (kernel_takes): the weight's (with_weight_operation). f(Mma{}) is
+// called with it; false if none.
 template <typename F>
 bool with_fused_operation(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g, F&& f) {
-  if (!kernel_takes(x, weight, g)) return false;
-  switch (weight.scalar_type()) {
-    case at::kFloat:
-      if (!at::globalContext().allowTF32CuDNN()) return false;
-      return f(Tf32Mma{}), true;
-    case at::kBFloat16:
-      return f(Bf16Mma{}), true;
-    case at::kHalf:
-      return f(F16Mma{}), true;
-    default:
-      return false;
-  }
+  return kernel_takes(x, weight, g) && with_weight_operation(weight.scalar_type(), f);
 }
 
 // The fused kernel's launch (its shared memory: the barriers, up to two

@@ -156,30 +156,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// x's type the convolution rounds to for a weight of `dtype`, if the kernel takes it (a
-// float32 weight where TF32 convolutions are allowed, as PyTorch's backward would use them).
-template <typename F>
-bool with_conv_type(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kFloat:
-      if (!at::globalContext().allowTF32CuDNN()) return false;
-      return f(float{}), true;
-    case at::kBFloat16:
-      return f(__nv_bfloat16{}), true;
-    case at::kHalf:
-      return f(__half{}), true;
-    default:
-      return false;
-  }
-}
-
 // grad_weight (O, C, 3, 3, 3) float32 by the kernel, or an undefined tensor where it does not run.
 at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices, const at::Tensor& x,
                                  const at::Tensor& weight, const Conv3dPoolGeometry& geometry) {
   at::Tensor grad_weight;
   if (!kernel_takes(x, weight, geometry)) return grad_weight;
-  with_conv_type(weight.scalar_type(), [&](auto type) {
-    using T = decltype(type);
+  with_weight_operation(weight.scalar_type(), [&](auto mma) {  // (its TF32 kernel on x rounded to the weight's type)
+    using T = typename decltype(mma)::Input;
     const auto kernel = conv3d_max_pool3d_mean_weight_grad_kernel<T>;
     const SharedLayout layout = shared_layout(2 * kOperandWords, x);
     if (layout.stages < 1 || !runs_bulk_copy(kernel)) return;

@@ -3,6 +3,8 @@
 // mma.sync each, f32 accumulators, operands rounded to the operation's type.
 #pragma once
 
+#include <ATen/Context.h>
+#include <c10/core/ScalarType.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -25,6 +27,7 @@ namespace fused_ops {
 // a2 = A[g][t + 4], a3 = A[g + 8][t + 4]; b0 = B[t][g], b1 = B[t + 4][g]; and
 // the accumulators c0, c1 = C[g][2t, 2t + 1], c2, c3 = C[g + 8][2t, 2t + 1].
 struct Tf32Mma {
+  using Input = float;  // the type the convolution's input is rounded to (TF32's values: float's, rounded here)
   static constexpr int kStepK = 8, kPerRegister = 1;
   static constexpr uint32_t kOne = 0x3f800000u;  // 1.0 (exact in TF32)
   __device__ static uint32_t pack(float v, float) {
@@ -42,6 +45,7 @@ struct Tf32Mma {
 // Tf32Mma's layout has t; + 8 where it has + 4).
 template <bool kBf16>
 struct Mma16 {
+  using Input = std::conditional_t<kBf16, __nv_bfloat16, __half>;
   static constexpr int kStepK = 16, kPerRegister = 2;
   __device__ static uint32_t pack(float lo, float hi) {
     uint32_t r;
@@ -64,6 +68,25 @@ struct Mma16 {
 };
 using Bf16Mma = Mma16<true>;
 using F16Mma = Mma16<false>;
+
+// The tensor-core operation of a fused convolution with a weight of `dtype`, as
+// PyTorch's own convolution would compute: TF32 for a float32 weight where
+// torch.backends.cudnn.allow_tf32 allows it, bf16 / f16 for a 16-bit weight (x
+// rounded to it: what autocast passes). f(Mma{}) is called with it; false if none.
+template <typename F>
+bool with_weight_operation(c10::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case c10::kFloat:
+      if (!at::globalContext().allowTF32CuDNN()) return false;
+      return f(Tf32Mma{}), true;
+    case c10::kBFloat16:
+      return f(Bf16Mma{}), true;
+    case c10::kHalf:
+      return f(F16Mma{}), true;
+    default:
+      return false;
+  }
+}
 
 // v rounded to T (float, or bfloat16 / float16 to nearest even, as .to() rounds), as a float.
 template <typename T>
