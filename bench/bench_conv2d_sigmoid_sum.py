@@ -13,15 +13,15 @@ training step (forward, and the parameters' gradients; x needs none) the same wa
 GFLOP at SPEC's sizes.)
 """
 import argparse
-import contextlib
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-from fused_ops import autotune, conv2d_sigmoid_sum, reference, rewrites
+from fused_ops import conv2d_sigmoid_sum, reference, rewrites
 from fused_ops import nn as fnn
-from timing import copy_bandwidth_gbs, device_name, interleaved_medians, module_training_step
+from timing import (copy_bandwidth_gbs, device_name, forced_call, interleaved_medians, module_training_step,
+                    print_convolution_table, with_bf16_autocast)
 
 
 def main():
@@ -40,22 +40,12 @@ def main():
         expected = original.double()(x.double())
         original.float()
 
-    def forced(name):
-        def call():
-            with autotune.force(name):
-                return fused(x)
-        return call
-
     float32 = {"op": lambda: conv2d_sigmoid_sum(x, weight, bias, 4, 0),
                "folded cuDNN": lambda: torch.sigmoid(F.conv2d(x, weight, bias, 4)).sum(dim=(1, 2, 3)),
-               "C fused_conv": forced("fused_conv"),
-               "C rewrite": forced("rewrite"),
+               "C fused_conv": forced_call(fused, x, "fused_conv"),
+               "C rewrite": forced_call(fused, x, "rewrite"),
                "C original": lambda: original(x)}
-    # the same calls under bfloat16 autocast (names ending in " bf16")
-    calls = {**float32, **{f"{name} bf16": call for name, call in float32.items()}}
-
-    def settings(name):
-        return torch.autocast("cuda", torch.bfloat16) if name.endswith(" bf16") else contextlib.nullcontext()
+    calls, settings = with_bf16_autocast(float32)  # (and the same under bfloat16 autocast)
 
     flop = 2 * args.batch * 95 * 95 * 64 * 8 * 36
     read = x.numel() * x.element_size()
@@ -68,10 +58,7 @@ def main():
             with settings(name):
                 errors[name] = ((call().double() - expected).abs() / expected.abs()).max().item()
         times = interleaved_medians(calls, device, {name: 20 for name in calls}, args.rounds, settings)
-    print(f"{'variant':<14}{'ms':>8}{'TFLOP/s':>9}{'GB/s':>7}{'max rel err':>13}")
-    for name, rounds in times.items():
-        ms = statistics.median(rounds)
-        print(f"{name:<14}{ms:>8.3f}{flop / ms / 1e9:>9.0f}{read / ms / 1e6:>7.0f}{errors[name]:>13.1e}")
+    print_convolution_table(times, errors, flop, read, 14)
 
     # training steps: the op on leaf parameters (the folded kernel), and the module (original's parameters)
     original.train()
@@ -82,11 +69,10 @@ def main():
     def op_step():
         conv2d_sigmoid_sum(x, weight_leaf, bias_leaf, 4, 0).backward(grad)
 
-
     train32 = {"op": op_step, "C fused_conv": module_training_step(fused, x, grad, "fused_conv"),
                "C rewrite": module_training_step(fused, x, grad, "rewrite"),
                "C original": module_training_step(original, x, grad)}
-    train = {**train32, **{f"{name} bf16": call for name, call in train32.items()}}
+    train, _ = with_bf16_autocast(train32)
     times = interleaved_medians(train, device, {name: 10 for name in train}, args.rounds, settings)
     print(f"\ntraining step (forward + the parameters' gradients), {device_name(device)}")
     print(f"{'variant':<14}{'ms':>8}{'TFLOP/s':>9}")

@@ -9,15 +9,15 @@ the input read once, and the error of each against the float64 result. Then the 
     python bench/bench_conv3d_max_pool3d_mean.py [--batch 128] [--rounds 5]
 """
 import argparse
-import contextlib
 import statistics
 
 import torch
 import torch.nn.functional as F
 
-from fused_ops import autotune, conv3d_max_pool3d_mean, max_pool3d_mean, reference
+from fused_ops import conv3d_max_pool3d_mean, max_pool3d_mean, reference
 from fused_ops import nn as fnn
-from timing import copy_bandwidth_gbs, device_name, interleaved_medians, module_training_step
+from timing import (copy_bandwidth_gbs, device_name, forced_call, interleaved_medians, module_training_step,
+                    print_convolution_table, with_bf16_autocast)
 
 
 def main():
@@ -35,25 +35,15 @@ def main():
         expected = original.double()(x.double())
         original.float()
 
-    def forced(name):
-        def call():
-            with autotune.force(name):
-                return fused(x)
-        return call
-
     def cudnn_then_tail():
         return max_pool3d_mean(F.conv3d(x, weight, bias), 2, divisor=2.0)
 
     float32 = {"op": lambda: conv3d_max_pool3d_mean(x, weight, bias, 0, 2, 2.0),
                "cuDNN + tail": cudnn_then_tail,
-               "A fused_conv": forced("fused_conv"),
-               "A rewrite": forced("rewrite"),
+               "A fused_conv": forced_call(fused, x, "fused_conv"),
+               "A rewrite": forced_call(fused, x, "rewrite"),
                "A original": lambda: original(x)}
-    # the same calls under bfloat16 autocast (names ending in " bf16")
-    calls = {**float32, **{f"{name} bf16": call for name, call in float32.items()}}
-
-    def settings(name):
-        return torch.autocast("cuda", torch.bfloat16) if name.endswith(" bf16") else contextlib.nullcontext()
+    calls, settings = with_bf16_autocast(float32)  # (and the same under bfloat16 autocast)
 
     flop = 2 * args.batch * 14 * 62 * 62 * 16 * 8 * 27
     read = x.numel() * x.element_size()
@@ -72,10 +62,7 @@ def main():
                 reference_out = expected
             errors[name] = ((out - reference_out).abs() / reference_out.abs()).max().item()
         times = interleaved_medians(calls, device, {name: 20 for name in calls}, args.rounds, settings)
-    print(f"{'variant':<18}{'ms':>8}{'TFLOP/s':>9}{'GB/s':>7}{'max rel err':>13}")
-    for name, rounds in times.items():
-        ms = statistics.median(rounds)
-        print(f"{name:<18}{ms:>8.3f}{flop / ms / 1e9:>9.0f}{read / ms / 1e6:>7.0f}{errors[name]:>13.1e}")
+    print_convolution_table(times, errors, flop, read, 18)
 
     # training steps: the op on leaf parameters, and the module (original's parameters)
     original.train()
@@ -86,12 +73,11 @@ def main():
     def op_step():
         conv3d_max_pool3d_mean(x, weight_leaf, bias_leaf, 0, 2, 2.0).backward(grad)
 
-
     grad_out = grad[:, :1].reshape(args.batch, 1, 1, 1)  # (the module's output: (N, 1, 1, 1))
     train32 = {"op": op_step, "A fused_conv": module_training_step(fused, x, grad_out, "fused_conv"),
                "A rewrite": module_training_step(fused, x, grad_out, "rewrite"),
                "A original": module_training_step(original, x, grad_out)}
-    train = {**train32, **{f"{name} bf16": call for name, call in train32.items()}}
+    train, _ = with_bf16_autocast(train32)
     times = interleaved_medians(train, device, {name: 10 for name in train}, args.rounds, settings)
     print(f"\ntraining step (forward + the parameters' gradients), {device_name(device)}")
     print(f"{'variant':<18}{'ms':>8}")

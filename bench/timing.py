@@ -4,6 +4,8 @@ side by side, the device's measured copy bandwidth; the medians themselves
 import contextlib
 import json
 import os
+import statistics
+from collections.abc import Callable
 
 import torch
 
@@ -78,3 +80,30 @@ def module_training_step(module, x, grad, formulation=None):
             out = module(x)
         out.float().backward(grad)
     return step
+
+
+def print_convolution_table(times: dict, errors: dict, flop: float, read: int, width: int = 18) -> None:
+    """A row per variant: its median time over the rounds, the TFLOP/s of `flop` and the GB/s of
+    `read` bytes at that time, and its error (`errors[name]`)."""
+    print(f"{'variant':<{width}}{'ms':>8}{'TFLOP/s':>9}{'GB/s':>7}{'max rel err':>13}")
+    for name, rounds in times.items():
+        ms = statistics.median(rounds)
+        print(f"{name:<{width}}{ms:>8.3f}{flop / ms / 1e9:>9.0f}{read / ms / 1e6:>7.0f}{errors[name]:>13.1e}")
+
+
+def forced_call(module, x, formulation):
+    """module(x) under fused_ops.autotune.force(formulation), as a call to time."""
+    from fused_ops import autotune
+
+    def call():
+        with autotune.force(formulation):
+            return module(x)
+    return call
+
+
+def with_bf16_autocast(calls: dict) -> tuple[dict, Callable]:
+    """The calls and the same again under CUDA bfloat16 autocast (names ending in " bf16"), and the
+    settings function interleaved_medians takes for them."""
+    def settings(name):
+        return torch.autocast("cuda", torch.bfloat16) if name.endswith(" bf16") else contextlib.nullcontext()
+    return {**calls, **{f"{name} bf16": call for name, call in calls.items()}}, settings

@@ -66,6 +66,23 @@ def cuda_kernel_names(call) -> list:
     return [e.name for e in prof.events()]
 
 
+def make_convolution_case(x_shape, w_shape, bias, dtype, device, seed=0, integers=False):
+    """x, a weight and (where `bias`) a bias for a fused convolution's tests. integers: x in
+    {-2..2}, the weight in eighths of {-1, 0, 1}, the bias in eighths of {-4..4}: every product
+    and float32 sum exact, in TF32 and 16 bits too, so every path gives PyTorch's float64 result;
+    else x uniform in [0, 1), the weight in [-1/8, 1/8), the bias in [-1/2, 1/2)."""
+    g = torch.Generator().manual_seed(seed)
+    if integers:
+        x = torch.randint(-2, 3, x_shape, generator=g).to(dtype)
+        w = torch.randint(-1, 2, w_shape, generator=g).to(dtype) / 8
+        b = torch.randint(-4, 5, (w_shape[0],), generator=g).to(dtype) / 8
+    else:
+        x = torch.rand(x_shape, generator=g, dtype=torch.float64).to(dtype)
+        w = ((torch.rand(w_shape, generator=g, dtype=torch.float64) - 0.5) / 4).to(dtype)
+        b = (torch.rand(w_shape[0], generator=g, dtype=torch.float64) - 0.5).to(dtype)
+    return x.to(device), w.to(device), (b.to(device) if bias else None)
+
+
 def poison_cuda_allocator():
     """Fill the CUDA caching allocator's free blocks with NaN, so that an
     output element a kernel fails to write shows up as NaN."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import cuda_kernel_names, poison_cuda_allocator, requires_cuda
+from conftest import cuda_kernel_names, make_convolution_case, poison_cuda_allocator, requires_cuda
 from fused_ops import autotune, conv2d_sigmoid_sum, reference, rewrites
 from fused_ops import nn as fnn
 
@@ -56,19 +56,6 @@ def composite(x, weight, bias, stride, padding):
     return torch.sigmoid(F.conv2d(x, weight, bias, stride, padding)).sum(dim=(1, 2, 3))
 
 
-def make_case(x_shape, w_shape, bias, dtype, device, seed=0, integers=False):
-    g = torch.Generator().manual_seed(seed)
-    if integers:  # exact in TF32 and in float32 sums: every path gives PyTorch's float64 result
-        x = torch.randint(-2, 3, x_shape, generator=g).to(dtype)
-        w = torch.randint(-1, 2, w_shape, generator=g).to(dtype) / 8
-        b = torch.randint(-4, 5, (w_shape[0],), generator=g).to(dtype) / 8
-    else:
-        x = torch.rand(x_shape, generator=g, dtype=torch.float64).to(dtype)
-        w = ((torch.rand(w_shape, generator=g, dtype=torch.float64) - 0.5) / 4).to(dtype)
-        b = (torch.rand(w_shape[0], generator=g, dtype=torch.float64) - 0.5).to(dtype)
-    return x.to(device), w.to(device), (b.to(device) if bias else None)
-
-
 def tf32_bound(x, w, b, stride, padding):
     """A bound on a TF32 convolution's effect on the sums: each product's operands rounded to
     10-bit mantissas (relative error 2^-11 each), sigmoid' <= 1/4, plus float32 accumulation."""
@@ -78,7 +65,7 @@ def tf32_bound(x, w, b, stride, padding):
 
 @pytest.mark.parametrize("x_shape,w_shape,stride,padding,bias", CASES, ids=IDS)
 def test_float64_is_pytorchs(x_shape, w_shape, stride, padding, bias, device):
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float64, device)
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float64, device)
     torch.testing.assert_close(conv2d_sigmoid_sum(x, w, b, stride, padding), composite(x, w, b, stride, padding),
                                rtol=1e-12, atol=1e-12)
 
@@ -108,7 +95,7 @@ def expected_loader(x) -> str:
 def test_float32_within_tf32_or_float32(x_shape, w_shape, stride, padding, bias, allow_tf32):
     """float32: with TF32 allowed, the kernel (where its shapes cover the call) within the TF32
     bound of the float64 result; with it off, PyTorch's full-float32 ops, within float32's."""
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda")
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, "cuda")
     cudnn = torch.backends.cudnn
     with cudnn.flags(enabled=True, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic, allow_tf32=allow_tf32):
         out = conv2d_sigmoid_sum(x, w, b, stride, padding)
@@ -125,7 +112,7 @@ def test_float32_within_tf32_or_float32(x_shape, w_shape, stride, padding, bias,
 def test_integer_valued_exact(x_shape, w_shape, stride, padding, bias, tf32):
     """Integer-valued input and eighths as weights: every product and sum exact in TF32 and
     float32, so the kernel's result is the float64 one to float32's sigmoid and sums."""
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda", integers=True)
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, "cuda", integers=True)
     expected = composite(x.double(), w.double(), None if b is None else b.double(), stride, padding)
     torch.testing.assert_close(conv2d_sigmoid_sum(x, w, b, stride, padding).double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -134,7 +121,7 @@ def test_integer_valued_exact(x_shape, w_shape, stride, padding, bias, tf32):
 @pytest.mark.parametrize("width", [41, 44])
 def test_nan_and_inf_as_pytorch(width, tf32):
     """A NaN in an item's input makes its sum NaN; +-inf saturate the sigmoids as PyTorch's do."""
-    x, w, b = make_case((4, 8, 45, width), (64, 8, 6, 6), True, torch.float32, "cuda")
+    x, w, b = make_convolution_case((4, 8, 45, width), (64, 8, 6, 6), True, torch.float32, "cuda")
     w = w.abs()  # (one sign: an infinite input gives infinite outputs, not inf - inf)
     x[1, 3, 10, 7] = float("nan")
     x[2, 0, 20, 20] = float("inf")
@@ -151,7 +138,7 @@ def test_strided_input_and_deterministic(width, tf32):
     """A channels-last or sliced input gives the contiguous input's result; calls repeat bit for
     bit; both loaders stage the same values (rows of whole 16-byte chunks at an address that is
     not 16-byte aligned take cp.async)."""
-    x, w, b = make_case((3, 8, 50, width), (64, 8, 6, 6), True, torch.float32, "cuda")
+    x, w, b = make_convolution_case((3, 8, 50, width), (64, 8, 6, 6), True, torch.float32, "cuda")
     out = conv2d_sigmoid_sum(x, w, b, 4, 0)
     assert torch.equal(conv2d_sigmoid_sum(x.contiguous(memory_format=torch.channels_last), w, b, 4, 0), out)
     wide = torch.zeros(3, 8, 50, 60, device="cuda")
@@ -167,7 +154,7 @@ def test_strided_input_and_deterministic(width, tf32):
 def test_gradcheck(device):
     """(cuDNN's deterministic algorithms: gradcheck checks that repeated backwards agree bit for bit,
     which PyTorch's own convolution backward need not otherwise)"""
-    x, w, b = make_case((2, 3, 9, 10), (4, 3, 3, 4), True, torch.float64, device)
+    x, w, b = make_convolution_case((2, 3, 9, 10), (4, 3, 3, 4), True, torch.float64, device)
     inputs = [t.requires_grad_() for t in (x, w, b)]
     cudnn = torch.backends.cudnn
     with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=True, allow_tf32=False):
@@ -181,7 +168,7 @@ def test_input_gradient_float32_kernel(tf32):
     grad_out * factor * w: the factor's error (y's TF32 error 2^-10 of its magnitude times
     |sigmoid''| <= 0.1; its rounding to TF32, 2^-11 of sigmoid' <= 1/4), the backward's own
     rounding of grad_y and w to TF32 (2^-10), plus float32 accumulation."""
-    x, w, b = make_case((2, 8, 45, 41), (64, 8, 6, 6), True, torch.float32, "cuda")
+    x, w, b = make_convolution_case((2, 8, 45, 41), (64, 8, 6, 6), True, torch.float32, "cuda")
     grad_out = torch.tensor([0.5, -2.0], device="cuda")
     leaf = x.clone().requires_grad_()
     conv2d_sigmoid_sum(leaf, w, b, 4, 0).backward(grad_out)
@@ -196,7 +183,7 @@ def test_input_gradient_float32_kernel(tf32):
 
 
 def test_opcheck(device):
-    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
     torch.library.opcheck(OP, (x, w, b, [4, 4], [0, 0], False))
     torch.library.opcheck(OP, (x.double().requires_grad_(), w.double().requires_grad_(), b.double(), [2, 3], [1, 0],
                                True))
@@ -206,7 +193,7 @@ def test_opcheck(device):
 
 @pytest.mark.parametrize("mask", [(True, True, True), (False, True, False), (True, False, False)])
 def test_backward_opcheck(mask, device):
-    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
     _, factor = OP(x, w, b, [4, 4], [1, 0], True)
     grad_out = torch.tensor([0.5, -2.0], device=device)
     torch.library.opcheck(BACKWARD, (grad_out, factor, x, w, [4, 4], [1, 0], list(mask)))
@@ -219,7 +206,7 @@ def test_backward_opcheck(mask, device):
 def test_backward_is_autograds(w_shape, stride, padding, device):
     """float64 (PyTorch's ops): the backward op from the saved factor gives autograd's gradients of
     the composite for x, the weight and the bias (two column blocks; two channel groups)."""
-    x, w, b = make_case((2, 3, 30, 211), w_shape, True, torch.float64, device)
+    x, w, b = make_convolution_case((2, 3, 30, 211), w_shape, True, torch.float64, device)
     out, factor = OP(x, w, b, _pair(stride), _pair(padding), True)
     grad_out = torch.tensor([0.5, -2.0], dtype=torch.float64, device=device)
     actual = BACKWARD(grad_out, factor, x, w, _pair(stride), _pair(padding), [True, True, True])
@@ -237,7 +224,7 @@ def test_backward_is_autograds(w_shape, stride, padding, device):
     (lambda g, f, x, w: (g, f, x[:, :2], w), "conv2d_sigmoid_sum_backward: the input has 2 channels"),
 ])
 def test_backward_bad_input_named(args, match, device):
-    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
     _, factor = OP(x, w, b, [4, 4], [0, 0], True)
     grad_out = torch.tensor([0.5, -2.0], device=device)
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
@@ -247,7 +234,7 @@ def test_backward_bad_input_named(args, match, device):
 def test_backward_needs_the_saved_factor(device):
     """The op called without save_grad_factor (its wrapper sets it where a gradient is needed)
     cannot be differentiated: the backward says so."""
-    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
     out, factor = OP(x, w.requires_grad_(), b, [4, 4], [0, 0], False)
     assert factor.numel() == 0
     with pytest.raises(RuntimeError, match="save_grad_factor=True"):
@@ -287,7 +274,7 @@ def in_layout(values, index):
 def test_grad_factor_is_sigmoid_derivative_in_layout(w_shape, stride, padding, device):
     """The saved factor is s (1 - s) of every output, placed as the header's formula says (two
     column blocks; two channel groups past 64 outputs), zeros elsewhere; float64 exactly."""
-    x, w, b = make_case((2, 3, 30, 211), w_shape, True, torch.float64, device)
+    x, w, b = make_convolution_case((2, 3, 30, 211), w_shape, True, torch.float64, device)
     out, factor = OP(x, w, b, _pair(stride), _pair(padding), True)
     s = torch.sigmoid(F.conv2d(x, w, b, stride, padding))
     assert factor.dtype == torch.float64
@@ -301,7 +288,7 @@ def test_kernel_grad_factor(x_shape, w_shape, stride, padding, bias, tf32):
     """The tensor-core forward's factor: sigmoid'(y) of its TF32 convolution rounded to TF32, in the
     layout, zeros past OW and O: within TF32's effect (y's error times |sigmoid''| <= 0.1, and the
     rounding's 2^-11 relative) of the float64 factor."""
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda")
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, "cuda")
     poison_cuda_allocator()  # (a word the kernel does not write reads NaN)
     out, factor = OP(x, w, b, _pair(stride), _pair(padding), True)
     assert kernel_loaders(lambda: OP(x, w, b, _pair(stride), _pair(padding), True)) == {expected_loader(x)}
@@ -330,7 +317,7 @@ def test_backward_kernel_exact_on_exact_factor(x_shape, w_shape, stride, padding
     """The weight-gradient kernel on integer-valued x, a factor of 64ths and integer grad_out (every
     product and sum exact in TF32 and float32): exactly the float64 convolution backward's
     weight and bias gradients of grad_y = grad_out * factor; x's gradient as PyTorch's."""
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda", integers=True)
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, "cuda", integers=True)
     n = x.shape[0]
     _, factor = OP(x, w, b, _pair(stride), _pair(padding), True)
     g = torch.Generator().manual_seed(1)
@@ -363,7 +350,7 @@ def test_backward_kernel_within_tf32(x_shape, w_shape, stride, padding, bias, tf
     * x: the factor's error from the forward's TF32 convolution (y's error 2^-10 of its
     magnitude, times |sigmoid''| <= 0.1) and its and x's rounding to TF32 (2^-11 each of
     sigmoid' <= 1/4), plus float32 accumulation over an image's pixels."""
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda")
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, "cuda")
     grad_out = torch.linspace(-2, 2, x.shape[0], device="cuda")
     params = [w] if b is None else [w, b]
     grads = []
@@ -394,7 +381,7 @@ def test_backward_kernel_within_tf32(x_shape, w_shape, stride, padding, bias, tf
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_16_bit_as_pytorch(dtype, device):
     """A 16-bit input: PyTorch's ops in that dtype (the result its dtype, or float32 asked for)."""
-    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, dtype, device)
+    x, w, b = make_convolution_case((2, 3, 13, 14), (4, 3, 6, 6), True, dtype, device)
     out = conv2d_sigmoid_sum(x, w, b, 4, 0)
     assert out.dtype == dtype
     torch.testing.assert_close(out, composite(x, w, b, 4, 0))
@@ -415,7 +402,7 @@ def test_rounded_input(dtype, width, device):
     """A float32 x with a 16-bit weight and bias: the convolution of x rounded to the weight's dtype
     (the result in that dtype by default). PyTorch's ops on the CPU, exactly; the kernel on a GPU
     (either loader), within float32 accumulation's bound of the float64 sums."""
-    x, w, b = make_case((2, 8, 45, width), (64, 8, 6, 6), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 8, 45, width), (64, 8, 6, 6), True, torch.float32, device)
     w, b = w.to(dtype), b.to(dtype)
     out = conv2d_sigmoid_sum(x, w, b, 4, 0, dtype=torch.float32)
     assert conv2d_sigmoid_sum(x, w, b, 4, 0).dtype == dtype
@@ -434,7 +421,7 @@ def test_rounded_input_kernel_shapes(dtype):
     """The kernel at the rounded input for every case it takes (both kernel shapes, padding, odd
     channels, fewer outputs, no bias), integer-valued (exact in 16 bits): the float64 result."""
     for x_shape, w_shape, stride, padding, bias in CASES[:-1]:
-        x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda", integers=True)
+        x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, "cuda", integers=True)
         w, b = w.to(dtype), None if b is None else b.to(dtype)
         assert kernel_loaders(lambda: conv2d_sigmoid_sum(x, w, b, stride, padding)) == {expected_loader(x)}
         expected = composite(x.double(), w.double(), None if b is None else b.double(), stride, padding)
@@ -450,7 +437,7 @@ def test_rounded_input_gradients(width, device, tf32):
     the rounded operands: per term grad_out * sigmoid' * (x or w), sigmoid' <= 1/4, relative
     2^-7 (a few 16-bit roundings: y, sigmoid', grad_y, the result). On a GPU with rows of whole
     16-byte chunks the weight's and bias's come from the weight-gradient kernel."""
-    x, w, b = make_case((2, 3, 13, width), (4, 3, 6, 6), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 13, width), (4, 3, 6, 6), True, torch.float32, device)
     w, b = w.bfloat16(), b.bfloat16()
     grad_out = torch.tensor([0.5, -2.0], device=device)
     grads = []
@@ -480,7 +467,7 @@ def test_autocast_casts_as_a_convolution(autocast_dtype, w_shape, device):
     shape the kernel does not take) it is the original's ops under autocast, exactly; the kernel
     adds float32 sigmoids of the rounded operands' convolution (the original also rounds y and the
     sigmoids to 16 bits): within float32 accumulation's bound of the float64 sums."""
-    x, w, b = make_case((2, 3, 13, 16), w_shape, True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 13, 16), w_shape, True, torch.float32, device)
     kernel = device == "cuda" and w_shape[2:] == (6, 6)
     with torch.autocast(device, dtype=autocast_dtype):
         out = conv2d_sigmoid_sum(x, w, b, 4, 0)
@@ -510,7 +497,7 @@ def test_autocast_casts_as_a_convolution(autocast_dtype, w_shape, device):
     (lambda x, w, b: (x, w, b, 4, -1), "padding must be non-negative"),
 ])
 def test_bad_input_named(args, match, device):
-    x, w, b = make_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 13, 14), (4, 3, 6, 6), True, torch.float32, device)
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         conv2d_sigmoid_sum(*args(x, w, b))
 

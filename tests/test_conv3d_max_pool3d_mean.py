@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import build_pair, check_matches_original, cuda_kernel_names, poison_cuda_allocator, requires_cuda
+from conftest import (build_pair, check_matches_original, cuda_kernel_names, make_convolution_case,
+                      poison_cuda_allocator, requires_cuda)
 from fused_ops import autotune, conv3d_max_pool3d_mean, reference
 from fused_ops import nn as fnn
 
@@ -51,19 +52,6 @@ def tf32():
 
 def _triple(v):
     return [v] * 3 if isinstance(v, int) else list(v)
-
-
-def make_case(x_shape, w_shape, bias, dtype, device, seed=0, integers=False):
-    g = torch.Generator().manual_seed(seed)
-    if integers:  # exact in TF32, 16 bits and float32 sums: every path gives PyTorch's float64 y
-        x = torch.randint(-2, 3, x_shape, generator=g).to(dtype)
-        w = torch.randint(-1, 2, w_shape, generator=g).to(dtype) / 8
-        b = torch.randint(-4, 5, (w_shape[0],), generator=g).to(dtype) / 8
-    else:
-        x = torch.rand(x_shape, generator=g, dtype=torch.float64).to(dtype)
-        w = ((torch.rand(w_shape, generator=g, dtype=torch.float64) - 0.5) / 4).to(dtype)
-        b = (torch.rand(w_shape[0], generator=g, dtype=torch.float64) - 0.5).to(dtype)
-    return x.to(device), w.to(device), (b.to(device) if bias else None)
 
 
 def composite(x, w, b, padding, pool, divisor):
@@ -139,7 +127,7 @@ def mean_sums(y_windows, pooled_per_plane):
 def test_float64_is_pytorchs(x_shape, w_shape, padding, pool, bias, divisor, device):
     """float64: PyTorch's result and picks; the wrapper (int or triple arguments) as the raw op,
     which saves no picks unless asked."""
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float64, device)
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float64, device)
     out = conv3d_max_pool3d_mean(x, w, b, padding, pool, divisor)
     assert out.dtype == torch.float64 and out.shape == (x.shape[0], w.shape[0]) and out.device == x.device
     torch.testing.assert_close(out, composite(x, w, b, padding, pool, divisor), rtol=1e-10, atol=1e-12)
@@ -154,7 +142,7 @@ def test_float64_is_pytorchs(x_shape, w_shape, padding, pool, bias, divisor, dev
 @pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", CASES, ids=IDS)
 def test_float32_full_precision(x_shape, w_shape, padding, pool, bias, divisor, device):
     """float32 with TF32 off: PyTorch's ops (no tensor-core kernel), within 1e-5 of M."""
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, device)
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, device)
     out, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
     if device == "cuda":
         assert not kernel_ran(lambda: OP(x, w, b, _triple(padding), _triple(pool), divisor, False))
@@ -170,7 +158,7 @@ def test_float32_tf32_kernel(x_shape, w_shape, padding, pool, bias, divisor, tf3
     """TF32 allowed: the kernel where it covers the call, within TF32's bound of the float64 result:
     each product's operands rounded to nearest (2^-11 each), float32 sums; the max and the mean
     are 1-Lipschitz, so each (n, o) is within the bound of its windows' largest magnitude."""
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, "cuda")
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, "cuda")
     poison_cuda_allocator()  # (a mean or pick the kernel does not write reads NaN or garbage)
     out, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
     assert kernel_ran(lambda: OP(x, w, b, _triple(padding), _triple(pool), divisor, True)) == kernel_takes(x, w, pool)
@@ -187,7 +175,7 @@ def test_integer_valued_exact(x_shape, w_shape, padding, pool, bias, divisor, we
     float32, so every path convolves PyTorch's float64 y: the picks exactly PyTorch's (many ties:
     the first maximum in scan order), the mean to its float32 arithmetic."""
     divisor = 2.0 if divisor > 0 else -2.0
-    x, w, b = make_case(x_shape, w_shape, bias, torch.float32, device, integers=True)
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, device, integers=True)
     w, b = w.to(weight_dtype), None if b is None else b.to(weight_dtype)
     poison_cuda_allocator()
     out, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True, torch.float32)
@@ -204,7 +192,7 @@ def test_integer_valued_exact(x_shape, w_shape, padding, pool, bias, divisor, we
 def test_nan_and_inf_as_pytorch(divisor, device, tf32):
     """Integer data, positive weights: a NaN in an item's input makes its means NaN, the windows
     holding NaNs pick their last NaN; +-inf give +-inf maxima (a window of -inf picks its first)."""
-    x, w, b = make_case((4, 8, 6, 10, 16), (16, 8, 3, 3, 3), True, torch.float32, device, integers=True)
+    x, w, b = make_convolution_case((4, 8, 6, 10, 16), (16, 8, 3, 3, 3), True, torch.float32, device, integers=True)
     w = w.abs() + 0.125  # (one sign, no zeros: an infinite input gives infinite outputs, not inf - inf or 0 * inf)
     x[1, 3, 2, 4, 7] = x[1, 5, 3, 4, 8] = float("nan")
     x[2, 0, 3, 5, 5] = float("inf")
@@ -225,7 +213,7 @@ def test_nan_and_inf_as_pytorch(divisor, device, tf32):
 def test_deterministic_and_strided(width, weight_dtype, tf32):
     """Repeated calls bit for bit; the mean the same with or without saved picks; a channels-last
     or sliced x gives the contiguous x's result."""
-    x, w, b = make_case((2, 8, 8, 12, width), (16, 8, 3, 3, 3), True, torch.float32, "cuda")
+    x, w, b = make_convolution_case((2, 8, 8, 12, width), (16, 8, 3, 3, 3), True, torch.float32, "cuda")
     w, b = w.to(weight_dtype), b.to(weight_dtype)
     out, indices = OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, True)
     assert kernel_ran(lambda: OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, True))
@@ -245,7 +233,7 @@ def test_gradcheck(device):
     """(cuDNN's deterministic algorithms: gradcheck checks that repeated backwards agree bit for bit)"""
     cudnn = torch.backends.cudnn
     for padding, pool, divisor in [(0, 2, 2.0), ((1, 0, 1), (2, 1, 2), -0.7)]:
-        x, w, b = make_case((2, 3, 5, 6, 7), (2, 3, 3, 3, 3), True, torch.float64, device)
+        x, w, b = make_convolution_case((2, 3, 5, 6, 7), (2, 3, 3, 3, 3), True, torch.float64, device)
         inputs = [t.requires_grad_() for t in (x, w, b)]
         with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=True, allow_tf32=False):
             assert torch.autograd.gradcheck(lambda x, w, b: conv3d_max_pool3d_mean(x, w, b, padding, pool, divisor),
@@ -258,7 +246,7 @@ def test_gradcheck(device):
 def test_backward_is_autograds(w_shape, padding, pool, divisor, device):
     """float64: the backward op from the saved picks gives autograd's gradients of the composite for
     x, the weight and the bias (windows leaving a remainder); masked gradients empty."""
-    x, w, b = make_case((2, 3, 7, 9, 11), w_shape, True, torch.float64, device)
+    x, w, b = make_convolution_case((2, 3, 7, 9, 11), w_shape, True, torch.float64, device)
     _, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
     grad_mean = torch.rand(2, w_shape[0], dtype=torch.float64, device=device) - 0.5
     actual = BACKWARD(grad_mean, indices, x, w, _triple(padding), _triple(pool), divisor, [True, True, True])
@@ -271,7 +259,7 @@ def test_backward_is_autograds(w_shape, padding, pool, divisor, device):
 
 
 def test_opcheck(device):
-    x, w, b = make_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
     grad = [t.clone().requires_grad_() for t in (x, w, b)]
     torch.library.opcheck(OP, (x, w, b, [0, 0, 0], [2, 2, 2], 2.0, False))
     torch.library.opcheck(OP, (*grad, [0, 0, 0], [2, 2, 2], 2.0, True))
@@ -284,7 +272,7 @@ def test_opcheck(device):
 
 @pytest.mark.parametrize("mask", [(True, True, True), (False, True, False), (True, False, False), (False, False, True)])
 def test_backward_opcheck(mask, device):
-    x, w, b = make_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
     grad_mean = torch.rand(2, 4, device=device)
     for padding, pool, dtype in [([0, 0, 0], [2, 2, 2], torch.float32), ([1, 0, 1], [2, 1, 2], torch.float64)]:
         xt, wt, bt = (t.to(dtype) for t in (x, w, b))
@@ -295,7 +283,7 @@ def test_backward_opcheck(mask, device):
 def test_backward_needs_the_saved_indices(device):
     """The op called without save_indices (its wrapper sets it where a gradient is needed) cannot be
     differentiated: the backward says so; the backward op refuses other picks."""
-    x, w, b = make_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
     out, indices = OP(x, w.clone().requires_grad_(), b, [0, 0, 0], [2, 2, 2], 2.0, False)
     with pytest.raises(RuntimeError, match="save_indices=True"):
         out.sum().backward()
@@ -312,7 +300,7 @@ def test_16_bit_weights(dtype, device):
     weight's dtype, the result in that dtype (or float32 asked for), within a few 16-bit roundings
     (y, y / divisor, the result: unit roundoff u each) and float32 sums of the float64 result on the
     rounded operands; x's gradient float32, the weight's and bias's 16-bit."""
-    x, w, b = make_case((2, 8, 8, 16, 16), (16, 8, 3, 3, 3), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 8, 8, 16, 16), (16, 8, 3, 3, 3), True, torch.float32, device)
     w, b = w.to(dtype), b.to(dtype)
     u = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
     for xin in (x, x.to(dtype)):
@@ -346,7 +334,7 @@ def test_16_bit_weights(dtype, device):
     (lambda x, w, b: ((x, w, b), dict(dtype=torch.float64)), "dtype must be"),
 ])
 def test_bad_input_named(args, match, device):
-    x, w, b = make_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    x, w, b = make_convolution_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
     positional, keywords = args(x, w, b)
     with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
         conv3d_max_pool3d_mean(*positional, **keywords)
@@ -413,7 +401,7 @@ def test_weight_grad_kernel(x_shape, w_shape, padding, pool, bias, divisor, weig
     (the CPU op's: routing and PyTorch's convolution backward): within TF32's rounding of x and of g
     (and, for a 16-bit weight, 16-bit rounding of g and of the result) times the float64 sums of the
     terms' magnitudes (the same op on |grad_mean| and |x|); bit-identical on a second call."""
-    x, w, b = make_case(x_shape, w_shape, True, torch.float32, "cuda")
+    x, w, b = make_convolution_case(x_shape, w_shape, True, torch.float32, "cuda")
     w, b = w.to(weight_dtype), b.to(weight_dtype)
     _, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
     grad_mean = torch.rand(x.shape[0], w.shape[0], device="cuda") - 0.5
@@ -445,7 +433,7 @@ def test_weight_grad_kernel_exact_on_integer_data(tf32):
     """Integer-valued x and picks from it, dyadic grad_mean: every product and sum exact in TF32
     and float32, so the kernel's weight gradient is the float64 one bit for bit (two channel
     blocks, padding, a negative divisor, windows past the output's edge)."""
-    x, w, b = make_case((2, 11, 7, 11, 20), (16, 11, 3, 3, 3), True, torch.float32, "cuda", integers=True)
+    x, w, b = make_convolution_case((2, 11, 7, 11, 20), (16, 11, 3, 3, 3), True, torch.float32, "cuda", integers=True)
     padding, divisor = [1, 0, 1], -2.0
     _, indices = OP(x, w, b, padding, [2, 2, 2], divisor, True)
     grad_mean = (torch.randint(-8, 9, (2, 16), device="cuda") / 4).float()
