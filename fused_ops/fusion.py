@@ -1,0 +1,328 @@
+"""``fused_ops.fuse(model)``: the four architectures' chains found in any model and run by the
+drop-in modules' formulations.
+
+The model is traced by ``torch.fx.symbolic_trace``; each chain that starts at a convolution
+module and goes on, one op after another, through one of the four tails below is replaced by
+one call of the matching ``fused_ops.nn`` module, built around the model's own convolution,
+pools, batch norm and parameters (shared, not copied: the ``state_dict`` keeps its keys,
+optimizers keep their parameters). The fused module is not a submodule of the result (its
+members are the model's); it takes the model's train / eval mode at each call. Everything else
+is left as it was traced. A chain is taken only where each op's result feeds the next op
+alone; where one is used elsewhere too, or the next op is not the chain's, the report says so.
+
+The chains (module and functional spellings alike; d, s: Python numbers; b: a parameter):
+
+- A: ``Conv3d`` → ``/ d`` (``torch.div``, ``.div``) → ``MaxPool3d`` / ``F.max_pool3d`` → a
+  global average (``AdaptiveAvgPool3d(1)``, ``F.adaptive_avg_pool3d(·, 1)``,
+  ``.mean((2, 3, 4), keepdim=True)``) → ``+ b`` → ``torch.sum(·, dim=k)``;
+- B: ``ConvTranspose3d`` → max-pool → max-pool → ``.sum(1, keepdim=True)``;
+- C: ``Conv2d`` → ``AvgPool2d`` / ``F.avg_pool2d`` → sigmoid → ``.sum((1, 2, 3))``;
+- D: ``ConvTranspose3d`` → ``* s`` → ``BatchNorm3d`` → a global average.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+from . import nn as fnn
+
+_NO_MEMBER = object()  # a matched op that gives the fused module no member
+
+
+@dataclasses.dataclass
+class FuseReport:
+    """What ``fuse`` did: `fused` lists each replaced chain (the architecture's letter and the
+    traced nodes' names), `skipped` each chain that began to match and stopped (its letter, the
+    node where it stopped, why); `traced` is False where the model could not be traced (`reason`)."""
+    traced: bool = True
+    reason: str = ""
+    fused: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        if not self.traced:
+            return f"fused_ops.fuse: the model was not traced ({self.reason}); nothing fused"
+        lines = [f"fused_ops.fuse: {len(self.fused)} chain(s) fused"]
+        lines += [f"  fused {letter}: {' -> '.join(nodes)}" for letter, nodes in self.fused]
+        lines += [f"  not fused {letter} at {node}: {why}" for letter, node, why in self.skipped]
+        return "\n".join(lines)
+
+
+class _FusedChain:
+    """The call that replaces a chain: the fused module on the chain's input, in the traced
+    model's train / eval mode. (A callable, not a submodule: the module's members are the
+    model's own, and a submodule would repeat them in the state_dict.)"""
+
+    def __init__(self, module: nn.Module, owner: nn.Module, name: str):
+        self.module, self.owner = module, owner
+        self.__name__ = self.__qualname__ = name
+
+    def __call__(self, x):
+        if self.module.training != self.owner.training:
+            self.module.train(self.owner.training)
+        return self.module(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# One op of a chain: matchers. Each takes (node, the previous node, the traced model) and gives
+# the fused module's member the op holds (_NO_MEMBER for none), or None where the node is not
+# that op applied to the previous node's result.
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _arguments(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any] | None:
+    """The call's arguments after its input, by name (positional ones in `names`' order), with
+    `defaults` for those not given; None where it passes one not in `names`."""
+    given = dict(zip(names, node.args[1:]))
+    if len(node.args) - 1 > len(names) or any(key in given or key not in names for key in node.kwargs):
+        return None
+    return {**defaults, **given, **node.kwargs}
+
+
+def _is_call(node: fx.Node, functions: tuple = (), methods: tuple = ()) -> bool:
+    return ((node.op == "call_function" and node.target in functions)
+            or (node.op == "call_method" and node.target in methods))
+
+
+def _module(node: fx.Node, model: fx.GraphModule, kind: type) -> nn.Module | None:
+    if node.op != "call_module":
+        return None
+    module = model.get_submodule(node.target)
+    return module if type(module) is kind else None
+
+
+def _convolution(kind: type) -> Callable:
+    def match(node, previous, model):
+        module = _module(node, model, kind)
+        return module if module is not None and len(node.args) == 1 and not node.kwargs else None
+    return match
+
+
+def _number_operand(node: fx.Node, previous: fx.Node, functions: tuple, methods: tuple,
+                    commutative: bool) -> float | None:
+    """The number `previous`'s result is divided or multiplied by (the other operand)."""
+    if not _is_call(node, functions, methods) or len(node.args) != 2 or node.kwargs:
+        return None
+    first, second = node.args
+    if first is previous and _number(second):
+        return second
+    return first if commutative and second is previous and _number(first) else None
+
+
+def _division(node, previous, model):
+    return _number_operand(node, previous, (operator.truediv, torch.div, torch.true_divide),
+                           ("div", "true_divide", "__truediv__"), commutative=False)
+
+
+def _scale(node, previous, model):
+    return _number_operand(node, previous, (operator.mul, torch.mul), ("mul", "__mul__"), commutative=True)
+
+
+def _max_pool3d(node, previous, model):
+    module = _module(node, model, nn.MaxPool3d)
+    if module is not None:
+        return module if node.args == (previous,) and not node.kwargs and not module.return_indices else None
+    if not (node.op == "call_function" and node.args[:1] == (previous,)):
+        return None
+    if node.target is F.max_pool3d:
+        a = _arguments(node, ("kernel_size", "stride", "padding", "dilation", "ceil_mode", "return_indices"),
+                       {"stride": None, "padding": 0, "dilation": 1, "ceil_mode": False, "return_indices": False})
+    elif node.target is torch.max_pool3d:
+        a = _arguments(node, ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+                       {"stride": (), "padding": 0, "dilation": 1, "ceil_mode": False})
+    else:
+        return None
+    if a is None or a.get("return_indices") or "kernel_size" not in a:
+        return None
+    return nn.MaxPool3d(a["kernel_size"], a["stride"] or None, a["padding"], a["dilation"], ceil_mode=a["ceil_mode"])
+
+
+def _avg_pool2d(node, previous, model):
+    module = _module(node, model, nn.AvgPool2d)
+    if module is not None:
+        return module if node.args == (previous,) and not node.kwargs else None
+    if not (node.op == "call_function" and node.target is F.avg_pool2d and node.args[:1] == (previous,)):
+        return None
+    a = _arguments(node, ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+                   {"stride": None, "padding": 0, "ceil_mode": False, "count_include_pad": True,
+                    "divisor_override": None})
+    if a is None or "kernel_size" not in a:
+        return None
+    return nn.AvgPool2d(a["kernel_size"], a["stride"], a["padding"], a["ceil_mode"], a["count_include_pad"],
+                        a["divisor_override"])
+
+
+def _is_whole(size) -> bool:
+    return size in (1, (1, 1, 1), [1, 1, 1])
+
+
+def _global_average(node, previous, model):
+    """AdaptiveAvgPool3d to one element, or a mean over the three spatial dims keeping them."""
+    module = _module(node, model, nn.AdaptiveAvgPool3d)
+    if module is not None:
+        return module if node.args == (previous,) and not node.kwargs and _is_whole(module.output_size) else None
+    if node.op == "call_function" and node.target is F.adaptive_avg_pool3d and node.args[:1] == (previous,):
+        a = _arguments(node, ("output_size",), {})
+        return nn.AdaptiveAvgPool3d((1, 1, 1)) if a is not None and _is_whole(a.get("output_size")) else None
+    if _is_call(node, (torch.mean,), ("mean",)) and node.args[:1] == (previous,):
+        a = _arguments(node, ("dim", "keepdim", "dtype"), {"keepdim": False, "dtype": None})
+        dims = a and a.get("dim")
+        if (a is not None and a["keepdim"] is True and a["dtype"] is None and isinstance(dims, (tuple, list))
+                and sorted(d % 5 for d in dims) == [2, 3, 4] and len(dims) == 3):
+            return nn.AdaptiveAvgPool3d((1, 1, 1))
+    return None
+
+
+def _parameter_added(node, previous, model):
+    if not _is_call(node, (operator.add, torch.add), ("add", "__add__")) or len(node.args) != 2 or node.kwargs:
+        return None
+    others = [arg for arg in node.args if arg is not previous]
+    if len(others) != 1 or not isinstance(others[0], fx.Node) or others[0].op != "get_attr":
+        return None
+    value = model.get_parameter(others[0].target) if _has_parameter(model, others[0].target) else None
+    return value
+
+
+def _has_parameter(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _sum_arguments(node: fx.Node, previous: fx.Node) -> dict | None:
+    if not (_is_call(node, (torch.sum,), ("sum",)) and node.args[:1] == (previous,)):
+        return None
+    a = _arguments(node, ("dim", "keepdim", "dtype"), {"keepdim": False, "dtype": None})
+    return a if a is not None and a["dtype"] is None and "dim" in a else None
+
+
+def _sum_over_one_dim(node, previous, model):
+    """torch.sum(·, dim=k) (A's sum_dim, an int, not keeping it)."""
+    a = _sum_arguments(node, previous)
+    dim = a and a["dim"]
+    dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+    return dim if a is not None and not a["keepdim"] and isinstance(dim, int) else None
+
+
+def _channel_sum_kept(node, previous, model):
+    """.sum(1, keepdim=True) of a 5-D result (B's)."""
+    a = _sum_arguments(node, previous)
+    return _NO_MEMBER if a is not None and a["keepdim"] is True and a["dim"] in (1, -4, (1,), [1]) else None
+
+
+def _sum_over_chw(node, previous, model):
+    """.sum((1, 2, 3)) of a 4-D result (C's)."""
+    a = _sum_arguments(node, previous)
+    dims = a and a["dim"]
+    whole = isinstance(dims, (tuple, list)) and len(dims) == 3 and sorted(d % 4 for d in dims) == [1, 2, 3]
+    return _NO_MEMBER if a is not None and not a["keepdim"] and whole else None
+
+
+def _sigmoid(node, previous, model):
+    if _module(node, model, nn.Sigmoid) is not None or _is_call(node, (torch.sigmoid,), ("sigmoid",)):
+        return _NO_MEMBER if node.args == (previous,) and not node.kwargs else None
+    return None
+
+
+def _batch_norm3d(node, previous, model):
+    module = _module(node, model, nn.BatchNorm3d)
+    return module if module is not None and node.args == (previous,) and not node.kwargs else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chain:
+    letter: str
+    module: type  # the fused_ops.nn module that computes it
+    steps: tuple[tuple[str | None, Callable], ...]  # (the member an op gives, its matcher)
+
+
+CHAINS = (
+    _Chain("A", fnn.Conv3dDivMaxPoolGAPBiasSum,
+           (("conv", _convolution(nn.Conv3d)), ("divisor", _division), ("max_pool", _max_pool3d),
+            ("global_avg_pool", _global_average), ("bias", _parameter_added), ("sum_dim", _sum_over_one_dim))),
+    _Chain("B", fnn.ConvTranspose3dMaxPoolMaxPoolSum,
+           (("conv_transpose", _convolution(nn.ConvTranspose3d)), ("max_pool1", _max_pool3d),
+            ("max_pool2", _max_pool3d), (None, _channel_sum_kept))),
+    _Chain("C", fnn.Conv2dAvgPoolSigmoidSum,
+           (("conv", _convolution(nn.Conv2d)), ("avg_pool", _avg_pool2d), (None, _sigmoid), (None, _sum_over_chw))),
+    _Chain("D", fnn.ConvTranspose3dScaleBatchNormGAP,
+           (("conv_transpose", _convolution(nn.ConvTranspose3d)), ("scale_factor", _scale),
+            ("batch_norm", _batch_norm3d), ("global_avg_pool", _global_average))),
+)
+
+
+def _match(chain: _Chain, start: fx.Node, model: fx.GraphModule) -> tuple[list[fx.Node], dict] | tuple[int, str]:
+    """The chain's nodes from `start` and the members they give, or how far it matched and why
+    it stopped there."""
+    nodes, members = [], {}
+    node, previous = start, None
+    for index, (member, matches) in enumerate(chain.steps):
+        if index > 0:
+            users = list(previous.users)
+            if len(users) != 1:
+                return index, f"its result is used by {len(users)} nodes ({', '.join(u.name for u in users)})"
+            node = users[0]
+        value = matches(node, previous, model)
+        if value is None:
+            return index, f"{node.name} is not the chain's next op ({chain.steps[index][1].__name__.strip('_')})"
+        if member is not None:
+            members[member] = value
+        nodes.append(node)
+        previous = node
+    return nodes, members
+
+
+def fuse(model: nn.Module, *, report: bool = False):
+    """`model` traced, with each of the four architectures' chains replaced by a call of its
+    ``fused_ops.nn`` module (sharing the model's parameters and buffers): a ``torch.fx.GraphModule``
+    with the model's submodules, parameters and state_dict keys. With report=True, also a
+    FuseReport of what was fused and what was not, and why. A model that symbolic tracing cannot
+    trace (data-dependent control flow, say) is returned as it is."""
+    result = FuseReport()
+    try:
+        traced = fx.symbolic_trace(model)
+    except Exception as error:  # (fx raises TraceError, TypeError, ... on what it cannot trace)
+        result.traced, result.reason = False, f"{type(error).__name__}: {error}"
+        return (model, result) if report else model
+    traced.train(model.training)
+    graph = traced.graph
+    taken: set[fx.Node] = set()  # (the nodes of the chains fused so far: erased)
+    for start in list(graph.nodes):
+        if start in taken or start.op != "call_module":
+            continue
+        for chain in CHAINS:
+            found = _match(chain, start, traced)
+            if isinstance(found[0], int):
+                if found[0] >= 2:  # (a convolution and at least one of the tail's ops: worth a word)
+                    result.skipped.append((chain.letter, start.name, f"stopped after {found[0]} ops: {found[1]}"))
+                continue
+            nodes, members = found
+            fused = chain.module.from_module(types.SimpleNamespace(**members, training=traced.training))
+            call = _FusedChain(fused, traced, f"fused_{chain.letter}_{len(result.fused)}")
+            with graph.inserting_before(nodes[-1]):
+                replacement = graph.call_function(call, (start.args[0],))
+            nodes[-1].replace_all_uses_with(replacement)
+            attributes = [arg for node in nodes for arg in node.args if isinstance(arg, fx.Node) and arg.op == "get_attr"]
+            for node in reversed(nodes):
+                graph.erase_node(node)
+            taken.update(nodes)
+            for attribute in attributes:
+                if not attribute.users:
+                    graph.erase_node(attribute)
+            result.fused.append((chain.letter, [node.name for node in nodes]))
+            break
+    graph.lint()
+    traced.recompile()
+    return (traced, result) if report else traced

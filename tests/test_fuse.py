@@ -1,0 +1,168 @@
+"""fused_ops.fuse: the four architectures' chains found in models written without fused_ops in
+mind (their own names, functional spellings, inside nn.Sequential and a larger network) and run
+by the drop-in modules, with the original's outputs, gradients, running statistics and
+state_dict; what it must leave alone (an intermediate result used twice, other ops, an
+untraceable model) left alone and reported."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fused_ops
+from conftest import DEVICES
+
+
+class Network(nn.Module):
+    """The four chains after a shared stem, each spelled another way than fused_ops.reference."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv3d(3, 8, 1)
+        self.a_conv = nn.Conv3d(8, 16, 3)
+        self.a_offset = nn.Parameter(torch.randn(16, 1, 1, 1))
+        self.up = nn.ConvTranspose3d(8, 4, 5, stride=2, padding=2)
+        self.pools = nn.Sequential(nn.MaxPool3d(2), nn.MaxPool3d(3))
+        self.head2d = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AvgPool2d(2), nn.Sigmoid())
+        self.d_up = nn.ConvTranspose3d(8, 6, 3)
+        self.d_norm = nn.BatchNorm3d(6)
+
+    def forward(self, x, image):
+        h = torch.relu(self.stem(x))
+        a = F.max_pool3d(torch.div(self.a_conv(h), -1.5), 2).mean((2, 3, 4), keepdim=True)
+        a = (a + self.a_offset).sum(dim=1)
+        b = self.pools(self.up(h)).sum(1, keepdim=True)
+        c = self.head2d(image).sum(dim=(1, 2, 3))
+        d = F.adaptive_avg_pool3d(self.d_norm(self.d_up(h) * 2.0), 1)
+        return a, b, c, d
+
+
+def inputs(device, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    return (torch.rand(2, 3, 8, 10, 12, generator=g, dtype=dtype).to(device),
+            torch.rand(2, 3, 13, 14, generator=g, dtype=dtype).to(device))
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_fuses_the_four_chains_with_the_originals_results(train, device):
+    torch.manual_seed(0)
+    original = Network().double().to(device).train(train)
+    model = copy.deepcopy(original)
+    fused, report = fused_ops.fuse(model, report=True)
+    assert report.traced and [letter for letter, _ in report.fused] == ["A", "B", "C", "D"] and not report.skipped
+    assert sorted(fused.state_dict()) == sorted(original.state_dict())
+    assert all(fused.get_parameter(name) is p for name, p in model.named_parameters())  # (shared, not copied)
+    for step in range(2):
+        x, image = inputs(device)
+        outputs, expected = fused(x, image), original(x, image)
+        for out, ref in zip(outputs, expected):
+            assert out.shape == ref.shape and out.dtype == ref.dtype
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+        if train:
+            sum(o.sum() * (i + 1) for i, o in enumerate(outputs)).backward()
+            sum(e.sum() * (i + 1) for i, e in enumerate(expected)).backward()
+            for (name, p), q in zip(model.named_parameters(), original.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    for (name, buffer), ref in zip(model.named_buffers(), original.buffers()):
+        torch.testing.assert_close(buffer, ref, rtol=1e-10, atol=1e-12, msg=name)  # (the running statistics)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_modes_follow_the_model(device):
+    """The fused calls take the traced model's train / eval mode: after training steps, eval uses
+    the running statistics the steps updated, as the original does."""
+    torch.manual_seed(1)
+    original = Network().double().to(device)
+    fused = fused_ops.fuse(copy.deepcopy(original))
+    for _ in range(2):
+        fused(*inputs(device))
+        original(*inputs(device))
+    fused.eval()
+    original.eval()
+    with torch.no_grad():
+        for out, ref in zip(fused(*inputs(device)), original(*inputs(device))):
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
+class SharedIntermediate(nn.Module):
+    """A's chain whose quotient is returned too: fusing it would lose that use."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3)
+        self.bias = nn.Parameter(torch.randn(4, 1, 1, 1))
+        self.pool = nn.MaxPool3d(2)
+        self.average = nn.AdaptiveAvgPool3d(1)
+
+    def forward(self, x):
+        y = self.conv(x) / 2.0
+        out = torch.sum(self.average(self.pool(y)) + self.bias, dim=1)
+        return out, y.amax()
+
+
+class OtherOps(nn.Module):
+    """Convolutions followed by other ops than the chains': nothing to fuse."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3)
+        self.conv2d = nn.Conv2d(2, 4, 3)
+
+    def forward(self, x, image):
+        y = F.max_pool3d(torch.relu(self.conv(x)), 2).mean((2, 3, 4))
+        z = torch.sigmoid(F.avg_pool2d(self.conv2d(image) * 3.0, 2)).sum(dim=(1, 2, 3))
+        return y, z
+
+
+def test_an_intermediate_used_elsewhere_is_not_fused():
+    torch.manual_seed(2)
+    original = SharedIntermediate().double()
+    fused, report = fused_ops.fuse(copy.deepcopy(original), report=True)
+    assert report.fused == []
+    [(letter, node, why)] = report.skipped
+    assert letter == "A" and node == "conv" and "used by 2 nodes" in why
+    x = torch.rand(2, 2, 6, 7, 8, dtype=torch.float64)
+    for out, ref in zip(fused(x), original(x)):
+        assert torch.equal(out, ref)
+
+
+def test_other_ops_are_left_as_they_were():
+    torch.manual_seed(3)
+    original = OtherOps().double()
+    fused, report = fused_ops.fuse(copy.deepcopy(original), report=True)
+    assert report.fused == [] and report.skipped == []
+    assert "relu" in fused.code and "avg_pool2d" in fused.code
+    x, image = torch.rand(2, 2, 6, 7, 8, dtype=torch.float64), torch.rand(2, 2, 9, 9, dtype=torch.float64)
+    for out, ref in zip(fused(x, image), original(x, image)):
+        assert torch.equal(out, ref)
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y if y.sum() > 0 else -y  # (data-dependent control flow)
+
+
+def test_an_untraceable_model_is_returned_as_it_is():
+    model = Untraceable()
+    fused, report = fused_ops.fuse(model, report=True)
+    assert fused is model and not report.traced and "nothing fused" in str(report)
+
+
+def test_the_reference_architectures_fuse_to_their_drop_ins():
+    """Each of the SPEC's architectures, traced whole, is one fused chain of its own letter."""
+    from fused_ops import architectures
+
+    for architecture in architectures.ARCHITECTURES:
+        torch.manual_seed(4)
+        original = architecture.build_original().double()
+        fused, report = fused_ops.fuse(copy.deepcopy(original), report=True)
+        assert [chain for chain, _ in report.fused] == [architecture.letter], report
+        x = torch.rand(architecture.input_shape("tiny"), dtype=torch.float64)
+        torch.testing.assert_close(fused(x), original(x), rtol=1e-10, atol=1e-12)
