@@ -17,7 +17,15 @@ The chains (module and functional spellings alike; d, s: Python numbers; b: a pa
   ``.mean((2, 3, 4), keepdim=True)``) → ``+ b`` → ``torch.sum(·, dim=k)``;
 - B: ``ConvTranspose3d`` → max-pool → max-pool → ``.sum(1, keepdim=True)``;
 - C: ``Conv2d`` → ``AvgPool2d`` / ``F.avg_pool2d`` → sigmoid → ``.sum((1, 2, 3))``;
-- D: ``ConvTranspose3d`` → ``* s`` → ``BatchNorm3d`` → a global average.
+- D: ``ConvTranspose3d`` → ``* s`` → ``BatchNorm3d`` → ``AdaptiveAvgPool3d(1)`` /
+  ``F.adaptive_avg_pool3d(·, 1)``;
+
+and, where no whole chain holds (another producer, a convolution whose result is used elsewhere
+too), the tails alone, each replaced by its fused op: ``AvgPool2d → sigmoid → .sum((1, 2, 3))``
+(``avg_pool2d_sigmoid_sum``); ``[/ d →] max-pool → global average`` (``max_pool3d_mean``);
+``max-pool → max-pool → .sum(1, keepdim=True)`` (``max_pool3d_cascade_sum``). A tail's call runs
+the traced ops instead where the fused op does not take the pools (dilation; ceil_mode for the
+cascade) or the input's rank (an unbatched input).
 """
 from __future__ import annotations
 
@@ -31,16 +39,20 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from . import _autocast
 from . import nn as fnn
+from .nn import _fusable_max_pool
+from .ops import avg_pool2d_sigmoid_sum, max_pool3d_cascade_sum, max_pool3d_mean
 
 _NO_MEMBER = object()  # a matched op that gives the fused module no member
 
 
 @dataclasses.dataclass
 class FuseReport:
-    """What ``fuse`` did: `fused` lists each replaced chain (the architecture's letter and the
-    traced nodes' names), `skipped` each chain that began to match and stopped (its letter, the
-    node where it stopped, why); `traced` is False where the model could not be traced (`reason`)."""
+    """What ``fuse`` did: `fused` lists each replaced chain or tail (its name: the architecture's
+    letter, or "A-tail" etc.; the traced nodes' names), `skipped` each that began to match and
+    stopped (its name, the node where it began, why); `traced` is False where the model could not
+    be traced (`reason`)."""
     traced: bool = True
     reason: str = ""
     fused: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)
@@ -166,15 +178,22 @@ def _is_whole(size) -> bool:
     return size in (1, (1, 1, 1), [1, 1, 1])
 
 
-def _global_average(node, previous, model):
-    """AdaptiveAvgPool3d to one element, or a mean over the three spatial dims keeping them."""
+def _adaptive_average(node, previous, model):
+    """AdaptiveAvgPool3d to one element (the module or F.adaptive_avg_pool3d)."""
+    return _global_average(node, previous, model, mean_too=False)
+
+
+def _global_average(node, previous, model, mean_too=True):
+    """AdaptiveAvgPool3d to one element, or (mean_too) a mean over the three spatial dims keeping
+    them: the same values, and the same dtype under autocast after a max-pool (which autocast
+    runs in float32 on the CPU), not after a batch norm (the pool runs in float32 there, the mean not)."""
     module = _module(node, model, nn.AdaptiveAvgPool3d)
     if module is not None:
         return module if node.args == (previous,) and not node.kwargs and _is_whole(module.output_size) else None
     if node.op == "call_function" and node.target is F.adaptive_avg_pool3d and node.args[:1] == (previous,):
         a = _arguments(node, ("output_size",), {})
         return nn.AdaptiveAvgPool3d((1, 1, 1)) if a is not None and _is_whole(a.get("output_size")) else None
-    if _is_call(node, (torch.mean,), ("mean",)) and node.args[:1] == (previous,):
+    if mean_too and _is_call(node, (torch.mean,), ("mean",)) and node.args[:1] == (previous,):
         a = _arguments(node, ("dim", "keepdim", "dtype"), {"keepdim": False, "dtype": None})
         dims = a and a.get("dim")
         if (a is not None and a["keepdim"] is True and a["dtype"] is None and isinstance(dims, (tuple, list))
@@ -217,16 +236,17 @@ def _sum_over_one_dim(node, previous, model):
 
 
 def _channel_sum_kept(node, previous, model):
-    """.sum(1, keepdim=True) of a 5-D result (B's)."""
+    """.sum(1, keepdim=True) (B's; dim 1 as such: an unbatched input sums its depth there, as the
+    drop-in module does)."""
     a = _sum_arguments(node, previous)
-    return _NO_MEMBER if a is not None and a["keepdim"] is True and a["dim"] in (1, -4, (1,), [1]) else None
+    return _NO_MEMBER if a is not None and a["keepdim"] is True and a["dim"] in (1, (1,), [1]) else None
 
 
 def _sum_over_chw(node, previous, model):
-    """.sum((1, 2, 3)) of a 4-D result (C's)."""
+    """.sum((1, 2, 3)) (C's; those dims as such: a 3-D input is refused there, as by the drop-in)."""
     a = _sum_arguments(node, previous)
     dims = a and a["dim"]
-    whole = isinstance(dims, (tuple, list)) and len(dims) == 3 and sorted(d % 4 for d in dims) == [1, 2, 3]
+    whole = isinstance(dims, (tuple, list)) and sorted(dims) == [1, 2, 3]
     return _NO_MEMBER if a is not None and not a["keepdim"] and whole else None
 
 
@@ -259,15 +279,82 @@ CHAINS = (
            (("conv", _convolution(nn.Conv2d)), ("avg_pool", _avg_pool2d), (None, _sigmoid), (None, _sum_over_chw))),
     _Chain("D", fnn.ConvTranspose3dScaleBatchNormGAP,
            (("conv_transpose", _convolution(nn.ConvTranspose3d)), ("scale_factor", _scale),
-            ("batch_norm", _batch_norm3d), ("global_avg_pool", _global_average))),
+            ("batch_norm", _batch_norm3d), ("global_avg_pool", _adaptive_average))),
 )
 
 
-def _match(chain: _Chain, start: fx.Node, model: fx.GraphModule) -> tuple[list[fx.Node], dict] | tuple[int, str]:
-    """The chain's nodes from `start` and the members they give, or how far it matched and why
-    it stopped there."""
+# The tails alone (where no whole chain holds), each replaced by a call of its fused op: builders
+# of that call from the members the ops give. Each runs the traced ops instead where the fused op
+# does not take the pools or the input's rank, and returns the traced ops' dtype under autocast.
+
+
+def _in_tail_dtype(out: torch.Tensor, y: torch.Tensor, ops: tuple[str, ...]) -> torch.Tensor:
+    return out.to(_autocast.tail_dtype(y.dtype, y.device.type, ops))
+
+
+def _average_sigmoid_sum(avg_pool):
+    def call(y):
+        if y.dim() != 4:
+            return torch.sum(torch.sigmoid(avg_pool(y)), dim=(1, 2, 3))
+        out = avg_pool2d_sigmoid_sum(y, avg_pool.kernel_size, avg_pool.stride, avg_pool.padding, avg_pool.ceil_mode,
+                                     avg_pool.count_include_pad, avg_pool.divisor_override)
+        return _in_tail_dtype(out, y, ("aten::avg_pool2d", "aten::sigmoid", "aten::sum.dim_IntList"))
+    return call
+
+
+def _max_pool_mean(max_pool, global_avg_pool, divisor=None):
+    def call(y):
+        if y.dim() != 5 or not _fusable_max_pool(max_pool, ceil_mode_ok=True):
+            return global_avg_pool(max_pool(y if divisor is None else y / divisor))
+        mean = max_pool3d_mean(y, max_pool.kernel_size, max_pool.stride, max_pool.padding, max_pool.ceil_mode,
+                               1.0 if divisor is None else divisor)
+        return _in_tail_dtype(mean, y, ("aten::max_pool3d", "aten::adaptive_avg_pool3d")).view(*mean.shape, 1, 1, 1)
+    return call
+
+
+def _max_pool_cascade_sum(max_pool1, max_pool2):
+    def call(y):
+        if y.dim() != 5 or not all(_fusable_max_pool(pool, ceil_mode_ok=False) for pool in (max_pool1, max_pool2)):
+            return torch.sum(max_pool2(max_pool1(y)), dim=1, keepdim=True)
+        out = max_pool3d_cascade_sum(y, max_pool1.kernel_size, max_pool2.kernel_size, stride1=max_pool1.stride,
+                                     padding1=max_pool1.padding, stride2=max_pool2.stride, padding2=max_pool2.padding)
+        return _in_tail_dtype(out, y, ("aten::max_pool3d", "aten::sum.dim_IntList"))
+    return call
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tail:
+    name: str
+    build: Callable  # the call that replaces it, from the members its ops give
+    steps: tuple[tuple[str | None, Callable], ...]
+
+
+TAILS = (
+    _Tail("A-tail", _max_pool_mean, (("divisor", _division), ("max_pool", _max_pool3d),
+                                     ("global_avg_pool", _global_average))),
+    _Tail("A-tail", _max_pool_mean, (("max_pool", _max_pool3d), ("global_avg_pool", _global_average))),
+    _Tail("B-tail", _max_pool_cascade_sum, (("max_pool1", _max_pool3d), ("max_pool2", _max_pool3d),
+                                            (None, _channel_sum_kept))),
+    _Tail("C-tail", _average_sigmoid_sum, (("avg_pool", _avg_pool2d), (None, _sigmoid), (None, _sum_over_chw))),
+)
+
+
+class _TailCall:
+    """The call that replaces a tail (a callable with a name, as torch.fx's code wants)."""
+
+    def __init__(self, call: Callable, name: str):
+        self.call = call
+        self.__name__ = self.__qualname__ = name
+
+    def __call__(self, y):
+        return self.call(y)
+
+
+def _match(chain, start: fx.Node, model: fx.GraphModule) -> tuple[list[fx.Node], dict] | tuple[int, str]:
+    """The chain's (or tail's) nodes from `start` and the members they give, or how far it matched
+    and why it stopped there. A tail's first op applies to `start`'s first argument."""
     nodes, members = [], {}
-    node, previous = start, None
+    node, previous = start, (start.args[0] if start.args and isinstance(start.args[0], fx.Node) else None)
     for index, (member, matches) in enumerate(chain.steps):
         if index > 0:
             users = list(previous.users)
@@ -284,12 +371,26 @@ def _match(chain: _Chain, start: fx.Node, model: fx.GraphModule) -> tuple[list[f
     return nodes, members
 
 
+def _replace(graph: fx.Graph, nodes: list[fx.Node], call: Callable, data: fx.Node) -> None:
+    """The matched nodes replaced by call(data); get_attr nodes left unused by them removed."""
+    with graph.inserting_before(nodes[-1]):
+        replacement = graph.call_function(call, (data,))
+    nodes[-1].replace_all_uses_with(replacement)
+    attributes = [arg for node in nodes for arg in node.args if isinstance(arg, fx.Node) and arg.op == "get_attr"]
+    for node in reversed(nodes):
+        graph.erase_node(node)
+    for attribute in attributes:
+        if not attribute.users:
+            graph.erase_node(attribute)
+
+
 def fuse(model: nn.Module, *, report: bool = False):
     """`model` traced, with each of the four architectures' chains replaced by a call of its
-    ``fused_ops.nn`` module (sharing the model's parameters and buffers): a ``torch.fx.GraphModule``
-    with the model's submodules, parameters and state_dict keys. With report=True, also a
-    FuseReport of what was fused and what was not, and why. A model that symbolic tracing cannot
-    trace (data-dependent control flow, say) is returned as it is."""
+    ``fused_ops.nn`` module (sharing the model's parameters and buffers), and where no whole chain
+    holds, each tail alone by its fused op: a ``torch.fx.GraphModule`` with the model's submodules,
+    parameters and state_dict keys. With report=True, also a FuseReport of what was fused and
+    what was not, and why. A model that symbolic tracing cannot trace (data-dependent control
+    flow, say) is returned as it is."""
     result = FuseReport()
     try:
         traced = fx.symbolic_trace(model)
@@ -299,30 +400,27 @@ def fuse(model: nn.Module, *, report: bool = False):
     traced.train(model.training)
     graph = traced.graph
     taken: set[fx.Node] = set()  # (the nodes of the chains fused so far: erased)
-    for start in list(graph.nodes):
-        if start in taken or start.op != "call_module":
-            continue
-        for chain in CHAINS:
-            found = _match(chain, start, traced)
-            if isinstance(found[0], int):
-                if found[0] >= 2:  # (a convolution and at least one of the tail's ops: worth a word)
-                    result.skipped.append((chain.letter, start.name, f"stopped after {found[0]} ops: {found[1]}"))
+    for patterns, starts in ((CHAINS, ("call_module",)), (TAILS, ("call_module", "call_function", "call_method"))):
+        for start in list(graph.nodes):
+            if start in taken or start.op not in starts:
                 continue
-            nodes, members = found
-            fused = chain.module.from_module(types.SimpleNamespace(**members, training=traced.training))
-            call = _FusedChain(fused, traced, f"fused_{chain.letter}_{len(result.fused)}")
-            with graph.inserting_before(nodes[-1]):
-                replacement = graph.call_function(call, (start.args[0],))
-            nodes[-1].replace_all_uses_with(replacement)
-            attributes = [arg for node in nodes for arg in node.args if isinstance(arg, fx.Node) and arg.op == "get_attr"]
-            for node in reversed(nodes):
-                graph.erase_node(node)
-            taken.update(nodes)
-            for attribute in attributes:
-                if not attribute.users:
-                    graph.erase_node(attribute)
-            result.fused.append((chain.letter, [node.name for node in nodes]))
-            break
+            for pattern in patterns:
+                found = _match(pattern, start, traced)
+                name = pattern.letter if isinstance(pattern, _Chain) else pattern.name
+                if isinstance(found[0], int):
+                    if found[0] >= 2:  # (two of its ops at least: worth a word)
+                        result.skipped.append((name, start.name, f"stopped after {found[0]} ops: {found[1]}"))
+                    continue
+                nodes, members = found
+                label = f"fused_{name.replace('-', '_')}_{len(result.fused)}"
+                if isinstance(pattern, _Chain):
+                    fused = pattern.module.from_module(types.SimpleNamespace(**members, training=traced.training))
+                    _replace(graph, nodes, _FusedChain(fused, traced, label), start.args[0])
+                else:
+                    _replace(graph, nodes, _TailCall(pattern.build(**members), label), start.args[0])
+                taken.update(nodes)
+                result.fused.append((name, [node.name for node in nodes]))
+                break
     graph.lint()
     traced.recompile()
     return (traced, result) if report else traced

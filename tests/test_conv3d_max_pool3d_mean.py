@@ -361,7 +361,8 @@ def test_module_fused_conv_float64(args, train, device):
 def test_module_fused_conv_float32_exact(mode, device, tf32):
     """Architecture A forced to ``fused_conv`` in float32 (TF32 on: the kernel on a GPU) with
     integer-valued input and parameters in eighths, 32 windows (rows of whole 16-byte chunks: the
-    kernel takes them): every value and sum dyadic and exact, so the output and (in training) every gradient equal the float64 original's."""
+    kernel takes them): every value and sum dyadic and exact, so the output and (in training)
+    every gradient equal the float64 original's."""
     original = reference.Conv3dDivMaxPoolGAPBiasSum(8, 16, 3, 2.0, 2, (16, 1, 1, 1), 1).to(device)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():

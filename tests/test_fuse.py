@@ -103,7 +103,8 @@ class SharedIntermediate(nn.Module):
 
 
 class OtherOps(nn.Module):
-    """Convolutions followed by other ops than the chains': nothing to fuse."""
+    """Convolutions followed by other ops than the chains' and tails' (a mean not kept, a mean for
+    the sum): nothing to fuse."""
 
     def __init__(self):
         super().__init__()
@@ -112,15 +113,17 @@ class OtherOps(nn.Module):
 
     def forward(self, x, image):
         y = F.max_pool3d(torch.relu(self.conv(x)), 2).mean((2, 3, 4))
-        z = torch.sigmoid(F.avg_pool2d(self.conv2d(image) * 3.0, 2)).sum(dim=(1, 2, 3))
+        z = torch.sigmoid(F.avg_pool2d(self.conv2d(image) * 3.0, 2)).mean(dim=(1, 2, 3))
         return y, z
 
 
 def test_an_intermediate_used_elsewhere_is_not_fused():
+    """The chain through the quotient used twice is not fused (the report says why); the tail
+    after it, which reads the quotient, is."""
     torch.manual_seed(2)
     original = SharedIntermediate().double()
     fused, report = fused_ops.fuse(copy.deepcopy(original), report=True)
-    assert report.fused == []
+    assert report.fused == [("A-tail", ["pool", "average"])]
     [(letter, node, why)] = report.skipped
     assert letter == "A" and node == "conv" and "used by 2 nodes" in why
     x = torch.rand(2, 2, 6, 7, 8, dtype=torch.float64)
@@ -132,7 +135,9 @@ def test_other_ops_are_left_as_they_were():
     torch.manual_seed(3)
     original = OtherOps().double()
     fused, report = fused_ops.fuse(copy.deepcopy(original), report=True)
-    assert report.fused == [] and report.skipped == []
+    assert report.fused == []
+    [(name, node, why)] = report.skipped  # (the pool and the sigmoid began C's tail)
+    assert name == "C-tail" and node == "avg_pool2d" and "mean_1 is not the chain's next op" in why
     assert "relu" in fused.code and "avg_pool2d" in fused.code
     x, image = torch.rand(2, 2, 6, 7, 8, dtype=torch.float64), torch.rand(2, 2, 9, 9, dtype=torch.float64)
     for out, ref in zip(fused(x, image), original(x, image)):
@@ -166,3 +171,63 @@ def test_the_reference_architectures_fuse_to_their_drop_ins():
         assert [chain for chain, _ in report.fused] == [architecture.letter], report
         x = torch.rand(architecture.input_shape("tiny"), dtype=torch.float64)
         torch.testing.assert_close(fused(x), original(x), rtol=1e-10, atol=1e-12)
+
+
+class Tails(nn.Module):
+    """The tails without their chains' convolutions: after other producers, after a convolution
+    whose result is used again, with a dilated pool (the traced ops run) and a 2-D input."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(3, 6, 3)
+        self.strided = nn.Conv2d(3, 5, 3, stride=2)
+        self.pool = nn.MaxPool3d(2)
+        self.dilated = nn.MaxPool3d(2, dilation=2)
+
+    def forward(self, x, image):
+        h = self.conv(x)
+        a = F.adaptive_avg_pool3d(self.pool(h / 2.0), 1)                           # A-tail, h used again
+        a2 = self.dilated(torch.relu(h)).mean((2, 3, 4), keepdim=True)           # A-tail, dilated: traced ops
+        b = F.max_pool3d(F.max_pool3d(torch.relu(h), 2), 2, stride=1).sum(1, keepdim=True)  # B-tail
+        c = torch.sigmoid(F.avg_pool2d(torch.relu(self.strided(image)), 3, stride=2, padding=1)).sum(dim=(1, 2, 3))
+        return a, a2, b, c, h.sum()
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_tails_alone_are_fused_with_the_originals_results(train, device):
+    torch.manual_seed(5)
+    original = Tails().double().to(device).train(train)
+    model = copy.deepcopy(original)
+    fused, report = fused_ops.fuse(model, report=True)
+    assert sorted(name for name, _ in report.fused) == ["A-tail", "A-tail", "B-tail", "C-tail"], report
+    g = torch.Generator().manual_seed(6)
+    x = torch.rand(2, 3, 9, 11, 12, generator=g, dtype=torch.float64).to(device)
+    image = torch.rand(2, 3, 15, 17, generator=g, dtype=torch.float64).to(device)
+    with torch.profiler.profile() as profile:
+        outputs = fused(x, image)
+    ran = {event.name for event in profile.events()}
+    assert {"fused_ops::max_pool3d_mean", "fused_ops::max_pool3d_cascade_sum",
+            "fused_ops::avg_pool2d_sigmoid_sum"} <= ran
+    expected = original(x, image)
+    for out, ref in zip(outputs, expected):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    if train:
+        sum(o.sum() * (i + 1) for i, o in enumerate(outputs)).backward()
+        sum(e.sum() * (i + 1) for i, e in enumerate(expected)).backward()
+        for (name, p), q in zip(model.named_parameters(), original.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_cascade_tail_on_unbatched_input_runs_the_traced_ops():
+    """A 4-D (unbatched) input's channel sum is over its depth: the tail's call runs the traced ops."""
+
+    class Cascade(nn.Module):
+        def forward(self, y):
+            return F.max_pool3d(F.max_pool3d(y, 2), 3).sum(1, keepdim=True)
+
+    fused, report = fused_ops.fuse(Cascade(), report=True)
+    assert [name for name, _ in report.fused] == ["B-tail"]
+    y = torch.rand(4, 13, 14, 15, dtype=torch.float64)
+    assert torch.equal(fused(y), Cascade()(y))
