@@ -231,3 +231,19 @@ def test_a_cascade_tail_on_unbatched_input_runs_the_traced_ops():
     assert [name for name, _ in report.fused] == ["B-tail"]
     y = torch.rand(4, 13, 14, 15, dtype=torch.float64)
     assert torch.equal(fused(y), Cascade()(y))
+
+
+@pytest.mark.parametrize("network", [Network, Tails])
+def test_autocast_returns_the_originals_dtypes(network):
+    """Under CPU bfloat16 autocast the fused calls return the dtype each traced chain returns
+    (autocast runs the CPU's pools in float32), within bfloat16's rounding of the original."""
+    torch.manual_seed(7)
+    original = network().eval()
+    fused = fused_ops.fuse(copy.deepcopy(original))
+    args = inputs("cpu", torch.float32) if network is Network else (
+        torch.rand(2, 3, 9, 11, 12), torch.rand(2, 3, 15, 17))
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        outputs, expected = fused(*args), original(*args)
+    for out, ref in zip(outputs, expected):
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2 * ref.float().abs().max().item())
