@@ -44,6 +44,21 @@ def inputs(device, dtype=torch.float64):
             torch.rand(2, 3, 13, 14, generator=g, dtype=dtype).to(device))
 
 
+def check_step(model, original, outputs, args, train):
+    """The fused model's outputs (given) equal original(*args)'s in float64, and where train, after
+    a backward of a weighted sum of each, `model`'s parameters' gradients (the fused model's) equal
+    original's."""
+    expected = original(*args)
+    for out, ref in zip(outputs, expected):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    if train:
+        sum(o.sum() * (i + 1) for i, o in enumerate(outputs)).backward()
+        sum(e.sum() * (i + 1) for i, e in enumerate(expected)).backward()
+        for (name, p), q in zip(model.named_parameters(), original.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_fuses_the_four_chains_with_the_originals_results(train, device):
@@ -55,16 +70,8 @@ def test_fuses_the_four_chains_with_the_originals_results(train, device):
     assert sorted(fused.state_dict()) == sorted(original.state_dict())
     assert all(fused.get_parameter(name) is p for name, p in model.named_parameters())  # (shared, not copied)
     for step in range(2):
-        x, image = inputs(device)
-        outputs, expected = fused(x, image), original(x, image)
-        for out, ref in zip(outputs, expected):
-            assert out.shape == ref.shape and out.dtype == ref.dtype
-            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-        if train:
-            sum(o.sum() * (i + 1) for i, o in enumerate(outputs)).backward()
-            sum(e.sum() * (i + 1) for i, e in enumerate(expected)).backward()
-            for (name, p), q in zip(model.named_parameters(), original.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+        args = inputs(device)
+        check_step(model, original, fused(*args), args, train)
     for (name, buffer), ref in zip(model.named_buffers(), original.buffers()):
         torch.testing.assert_close(buffer, ref, rtol=1e-10, atol=1e-12, msg=name)  # (the running statistics)
 
@@ -209,15 +216,7 @@ def test_tails_alone_are_fused_with_the_originals_results(train, device):
     ran = {event.name for event in profile.events()}
     assert {"fused_ops::max_pool3d_mean", "fused_ops::max_pool3d_cascade_sum",
             "fused_ops::avg_pool2d_sigmoid_sum"} <= ran
-    expected = original(x, image)
-    for out, ref in zip(outputs, expected):
-        assert out.shape == ref.shape and out.dtype == ref.dtype
-        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    if train:
-        sum(o.sum() * (i + 1) for i, o in enumerate(outputs)).backward()
-        sum(e.sum() * (i + 1) for i, e in enumerate(expected)).backward()
-        for (name, p), q in zip(model.named_parameters(), original.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+    check_step(model, original, outputs, (x, image), train)
 
 
 def test_a_cascade_tail_on_unbatched_input_runs_the_traced_ops():
