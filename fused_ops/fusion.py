@@ -132,8 +132,10 @@ def _number_operand(node: fx.Node, previous: fx.Node, functions: tuple, methods:
 
 
 def _division(node, previous, model):
-    return _number_operand(node, previous, (operator.truediv, torch.div, torch.true_divide),
-                           ("div", "true_divide", "__truediv__"), commutative=False)
+    """/ d by a non-zero number (the fused ops refuse a zero divisor, PyTorch's division gives inf)."""
+    divisor = _number_operand(node, previous, (operator.truediv, torch.div, torch.true_divide),
+                              ("div", "true_divide", "__truediv__"), commutative=False)
+    return divisor if divisor != 0 else None
 
 
 def _scale(node, previous, model):

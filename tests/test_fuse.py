@@ -246,3 +246,23 @@ def test_autocast_returns_the_originals_dtypes(network):
     for out, ref in zip(outputs, expected):
         assert out.dtype == ref.dtype and out.shape == ref.shape
         torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2 * ref.float().abs().max().item())
+
+
+def test_a_zero_divisor_stays_a_traced_division():
+    """The fused ops refuse a zero divisor where PyTorch's division gives infinities: the division
+    stays as traced (only the pool and the average after it are fused), with the original's result."""
+
+    class ByZero(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv3d(2, 3, 3)
+
+        def forward(self, x):
+            return F.adaptive_avg_pool3d(F.max_pool3d(self.conv(x) / 0.0, 2), 1)
+
+    torch.manual_seed(8)
+    original = ByZero().double()
+    fused, report = fused_ops.fuse(copy.deepcopy(original), report=True)
+    assert report.fused == [("A-tail", ["max_pool3d", "adaptive_avg_pool3d"])]
+    x = torch.rand(2, 2, 6, 7, 8, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), original(x), equal_nan=True)
