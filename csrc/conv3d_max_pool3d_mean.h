@@ -20,7 +20,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 
 #include <array>
 #include <optional>
@@ -29,6 +28,7 @@
 #include "convolution_checks.h"
 #include "dispatch.h"
 #include "max_pool3d_mean.h"
+#include "op_handle.h"
 #include "pool_geometry.h"
 
 namespace fused_ops {
@@ -71,11 +71,10 @@ namespace detail {
 inline std::tuple<at::Tensor, at::Tensor> call_max_pool3d_mean(const at::Tensor& y, at::IntArrayRef kernel,
                                                                double divisor, bool save_indices,
                                                                std::optional<at::ScalarType> dtype) {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fused_ops::max_pool3d_mean", "")
-                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef,
-                                                                       at::IntArrayRef, at::IntArrayRef, bool,
-                                                                       double, bool, std::optional<at::ScalarType>)>();
+  static const auto op =
+      typed_op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef,
+                                                  bool, double, bool, std::optional<at::ScalarType>)>(
+          "fused_ops::max_pool3d_mean");
   return op.call(y, kernel, kernel, {0, 0, 0}, false, divisor, save_indices, dtype);
 }
 
@@ -83,10 +82,9 @@ inline at::Tensor call_max_pool3d_mean_backward(const at::Tensor& grad_mean, con
                                                 c10::SymIntArrayRef input_size, at::IntArrayRef kernel,
                                                 double divisor) {
   static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("fused_ops::max_pool3d_mean_backward", "")
-          .typed<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                            c10::SymIntArrayRef, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, bool, double)>();
+      typed_op<at::Tensor(const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                          c10::SymIntArrayRef, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, bool, double)>(
+          "fused_ops::max_pool3d_mean_backward");
   return op.call(grad_mean, indices, std::nullopt, input_size, kernel, kernel, {0, 0, 0}, false, divisor);
 }
 }  // namespace detail

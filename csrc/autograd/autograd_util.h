@@ -6,10 +6,10 @@
 // both as the ops they are.
 #pragma once
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 
 #include "../memory_format.h"
+#include "../op_handle.h"
 
 #include <array>
 #include <cstddef>
@@ -21,15 +21,6 @@ namespace fused_ops::autograd {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-// The op `name` (its overload "") as a typed handle, called through the
-// dispatcher. Each caller finds it once, keeping it in a static of its own:
-//   static const auto op = typed_op<decltype(call_foo)>("fused_ops::foo");
-//   return op.call(...);
-template <typename Signature>
-c10::TypedOperatorHandle<Signature> typed_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Signature>();
-}
 
 inline std::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
