@@ -44,13 +44,8 @@ inline bool copy_engine_takes(const at::Tensor& x) {
 // The copy engine's map over such an x, innermost first (W, H, C, N), boxes of
 // `columns` x `rows` x `channels` of one image.
 inline CUtensorMap nchw_tensor_map(const at::Tensor& x, int columns, int rows, int channels) {
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(x.size(3)), static_cast<cuuint64_t>(x.size(2)),
-                              static_cast<cuuint64_t>(x.size(1)), static_cast<cuuint64_t>(x.size(0))};
-  const cuuint64_t strides[3] = {dims[0] * sizeof(float), dims[0] * dims[1] * sizeof(float),
-                                 dims[0] * dims[1] * dims[2] * sizeof(float)};
-  const cuuint32_t box[4] = {static_cast<cuuint32_t>(columns), static_cast<cuuint32_t>(rows),
-                             static_cast<cuuint32_t>(channels), 1};
-  return tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, x.const_data_ptr(), 4, dims, strides, box);
+  return contiguous_float_tensor_map(
+      x, {static_cast<cuuint32_t>(columns), static_cast<cuuint32_t>(rows), static_cast<cuuint32_t>(channels), 1});
 }
 
 // The kernel shapes compiled: (KH, KW, SH, SW) of architecture C's folded

@@ -111,11 +111,7 @@ inline bool kernel_takes(const at::Tensor& x, const at::Tensor& weight, const Co
 // The copy engine's map over a contiguous float32 x (N, C, D, H, W), innermost
 // first (W, H, D, C, N), boxes of (kBoxCols, kBoxRows, kBoxPlanes, kBlockChannels, 1).
 inline CUtensorMap ncdhw_tensor_map(const at::Tensor& x) {
-  cuuint64_t dims[5], strides[4];
-  for (int d = 0; d < 5; ++d) dims[d] = static_cast<cuuint64_t>(x.size(4 - d));
-  for (int d = 0; d < 4; ++d) strides[d] = static_cast<cuuint64_t>(x.stride(3 - d)) * sizeof(float);
-  const cuuint32_t box[5] = {kBoxCols, kBoxRows, kBoxPlanes, kBlockChannels, 1};
-  return tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, x.const_data_ptr(), 5, dims, strides, box);
+  return contiguous_float_tensor_map(x, {kBoxCols, kBoxRows, kBoxPlanes, kBlockChannels, 1});
 }
 
 // Stages of kBoxWords that fit beside `fixed_words` of other shared memory on
