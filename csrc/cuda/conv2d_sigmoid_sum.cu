@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "../conv2d_sigmoid_sum.h"
 #include "bulk_copy.cuh"
@@ -275,8 +276,9 @@ __global__ void weight_fragments_kernel(const Params p, uint32_t* fragments) {
 // once its `full` barrier has seen the bytes land; once every thread has
 // arrived on its `empty` barrier, thread 0 refills it with the item p.stages
 // later (as it starts the next item: only warp 0 waits for the others); else
-// the warps load by cp.async, a block barrier between items.
-template <int KH, int KW, int SH, int SW, int NT, typename Mma, bool kTensorLoads>
+// the warps load by cp.async, a block barrier between items. kSaveFactor: the
+// epilogue also writes sigmoid' (p.factor); without it (eval) it computes none.
+template <int KH, int KW, int SH, int SW, int NT, typename Mma, bool kTensorLoads, bool kSaveFactor>
 __global__ void __launch_bounds__(kThreads, 1)
     conv2d_sigmoid_sum_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
   using T = Tile<KH, KW, SH, SW, NT, Mma>;
@@ -419,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int first_ow = tc.col_tile * kTilePixels + kWarpPixels * half;
     static_assert(kWarpPixels == kFactorColumns && 8 * NT == kFactorChannels, "a warp's tile: a factor block");
     float4* factor = nullptr;
-    if (p.factor != nullptr && oh < p.OH && first_ow < p.OW) {
+    if (kSaveFactor && oh < p.OH && first_ow < p.OW) {
       factor = reinterpret_cast<float4*>(
           p.factor + ((tc.n * p.OH + oh) * p.factor_tiles + tc.col_tile * 2 + half) * kFactorWords);
     }
@@ -439,11 +441,13 @@ __global__ void __launch_bounds__(kThreads, 1)
             const bool inside = oh < p.OH && ow < p.OW && o < p.O;
             const Sigmoid y = fast_sigmoid(acc[mt][j][e] + bias[j][e & 1]);
             if (inside) sum += y.s;
-            words[e & 1][2 * jj + (e >> 1)] = inside ? __uint_as_float(Tf32Mma::pack(y.derivative, 0.f)) : 0.f;
+            if constexpr (kSaveFactor) {
+              words[e & 1][2 * jj + (e >> 1)] = inside ? __uint_as_float(Tf32Mma::pack(y.derivative, 0.f)) : 0.f;
+            }
             acc[mt][j][e] = 0.f;
           }
         }
-        if (factor != nullptr) {
+        if (kSaveFactor && factor != nullptr) {
 #pragma unroll
           for (int l = 0; l < 2; ++l) {
             factor[((2 * mt + g / 4) * 4 + pair) * 32 + 4 * (2 * t + l) + g % 4] =
@@ -531,11 +535,19 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
       kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, map);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    const auto tensor_kernel = conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, Mma, true>;
-    if (copy_engine_takes(x) && runs_bulk_copy(tensor_kernel)) {
-      launch(tensor_kernel, nchw_tensor_map(x, T::kBoxCols, T::kRows, kStageChannels));
+    auto launch_saving = [&](auto save_factor) {
+      constexpr bool kSave = decltype(save_factor)::value;
+      const auto tensor_kernel = conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, Mma, true, kSave>;
+      if (copy_engine_takes(x) && runs_bulk_copy(tensor_kernel)) {
+        launch(tensor_kernel, nchw_tensor_map(x, T::kBoxCols, T::kRows, kStageChannels));
+      } else {
+        launch(conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, Mma, false, kSave>, CUtensorMap{});
+      }
+    };
+    if (factor != nullptr) {
+      launch_saving(std::true_type{});
     } else {
-      launch(conv2d_sigmoid_sum_kernel<S::kh, S::kw, S::sh, S::sw, 8, Mma, false>, CUtensorMap{});
+      launch_saving(std::false_type{});
     }
     launched = true;
   });
