@@ -18,7 +18,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from fused_ops import conv2d_sigmoid_sum, reference, rewrites
+from fused_ops import box_fold2d, conv2d_sigmoid_sum, reference
 from fused_ops import nn as fnn
 from timing import (copy_bandwidth_gbs, device_name, forced_call, interleaved_medians, module_training_step,
                     print_convolution_table, with_bf16_autocast)
@@ -34,7 +34,7 @@ def main():
     original = reference.Conv2dAvgPoolSigmoidSum(8, 64, 3, 4).to(device).eval()
     fused = fnn.Conv2dAvgPoolSigmoidSum.from_module(original)
     x = torch.rand(args.batch, 8, 384, 384, device=device)
-    weight = rewrites._pool_folded_kernel(original.conv.weight.detach(), (4, 4), 16).float()
+    weight = box_fold2d(original.conv.weight.detach(), (4, 4), 16)
     bias = original.conv.bias.detach()
     with torch.no_grad():
         expected = original.double()(x.double())

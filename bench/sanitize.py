@@ -47,6 +47,8 @@ def main():
             fused_ops.depth_stacked_channels_last(rand(1, 20, 5, 6, 7, dtype=dtype), 3, 1, [0, -1, 0], [3, 8, 7],
                                                   dtype=out_dtype)
         print(f"depth_stacked_channels_last {dtype}: ok")
+        run(f"box_fold2d {dtype}", lambda w, dtype: fused_ops.box_fold2d(w, (4, 3), 12.0, dtype=dtype),
+            rand(5, 3, 3, 2, dtype=dtype))
     # the tensor-core kernels (TF32; bf16 with x rounded): both kernel shapes, both loaders, odd rows, padding,
     # an odd channel count, more than one pass of eight channels in the weight gradient; forward alone, then
     # forward saving sigmoid' and the weight-gradient kernel (copy engine: rows of whole 16-byte chunks)

@@ -132,4 +132,13 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "batch_norm_update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, "
       "Tensor(c!)? num_batches_tracked, Tensor mean, Tensor var, SymInt count, float? momentum) -> ()");
+
+  // A 2-D convolution kernel (..., kh, kw) followed by an average pool's box,
+  // as one kernel (..., kh + bh - 1, kw + bw - 1) in `dtype` (weight's for
+  // None; any floating type): box_fold2d.h. Its backward takes the folded
+  // kernel's gradient to the kernel's (kernel_size, in `dtype`); each is the
+  // other's adjoint, so both are differentiable.
+  m.def("box_fold2d(Tensor weight, int[2] box, float divisor, ScalarType? dtype=None) -> Tensor");
+  m.def(
+      "box_fold2d_backward(Tensor grad, int[2] kernel_size, int[2] box, float divisor, ScalarType dtype) -> Tensor");
 }

@@ -50,8 +50,8 @@ from torch import Tensor, nn
 
 from . import _autocast
 from ._derived import derived
-from .ops import (_accumulation_dtype, _expand, _pool_triples, _pooled_size, conv2d_sigmoid_sum, conv3d_max_pool3d_mean,
-                  depth_stacked_channels_last)
+from .ops import (_accumulation_dtype, _expand, _pool_triples, _pooled_size, box_fold2d, conv2d_sigmoid_sum,
+                  conv3d_max_pool3d_mean, depth_stacked_channels_last)
 
 
 def _triple(v) -> tuple[int, int, int]:
@@ -423,31 +423,6 @@ def _pool_fold(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> _PoolFold | No
     return _PoolFold(box, stride, pool.divisor_override or box[0] * box[1], folded, padding, out)
 
 
-def _box_fold_matrix(kernel: tuple[int, int], box: tuple[int, int], divisor: float) -> Tensor:
-    """(kh kw, (kh + bh - 1)(kw + bw - 1)) float64: row (a, b) holds 1 / divisor at the folded taps
-    (a + p, b + q) for p < bh, q < bw: a kernel's taps times it is the kernel convolved with the box
-    over the divisor."""
-    folded = (kernel[0] + box[0] - 1, kernel[1] + box[1] - 1)
-    matrix = torch.zeros(*kernel, *folded, dtype=torch.float64)
-    for a in range(kernel[0]):
-        for b in range(kernel[1]):
-            matrix[a, b, a:a + box[0], b:b + box[1]] = 1 / divisor
-    return matrix.reshape(kernel[0] * kernel[1], -1)
-
-
-def _pool_folded_kernel(weight: Tensor, box: tuple[int, int], divisor: float) -> Tensor:
-    """(O, I, kh + bh - 1, kw + bw - 1) in float64: the kernel (O, I, kh, kw) convolved with the
-    box over the divisor, as one float64 product with _box_fold_matrix (sums of at most bh bw
-    terms, exact for a power-of-two divisor; float64 is never TF32; one op each way for
-    autograd, the host's time in a training step)."""
-    o, i, *kernel = weight.shape
-    kernel, box, divisor = tuple(kernel), tuple(box), float(divisor)
-    matrix = _device_constant(("box_fold", kernel, box, divisor), lambda: _box_fold_matrix(kernel, box, divisor),
-                              weight.device)
-    return (weight.double().reshape(o * i, -1) @ matrix).reshape(o, i, kernel[0] + box[0] - 1,
-                                                                  kernel[1] + box[1] - 1)
-
-
 def _pool_folded_bias(bias: Tensor | None, fold: _PoolFold) -> Tensor | None:
     """The box's average of a constant: the bias itself where the divisor is the box's area."""
     scale = fold.box[0] * fold.box[1] / fold.divisor
@@ -465,7 +440,7 @@ def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) 
         return None
     dtype = kernel_dtype(x, conv.weight)
     weight, bias = derived(("conv2d_pool_folded", fold.box, fold.divisor, dtype), (conv.weight, conv.bias),
-                           lambda: (_pool_folded_kernel(conv.weight, fold.box, fold.divisor).to(dtype),
+                           lambda: (box_fold2d(conv.weight, fold.box, fold.divisor, dtype=dtype),
                                     None if conv.bias is None else _pool_folded_bias(conv.bias, fold).to(dtype)))
     if cast is not None and x.dtype != torch.float32:
         x = x.to(cast)
@@ -508,12 +483,12 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
 
 
 def _space_to_depth_kernel(weight: Tensor, fold: _PoolFold, taps: list[int], dtype: torch.dtype) -> Tensor:
-    """(O, Sw Sh I, Th, Tw) channels last, in `dtype`: the pool-folded kernel (_pool_folded_kernel)
+    """(O, Sw Sh I, Th, Tw) channels last, in `dtype`: the pool-folded kernel (box_fold2d)
     zero-padded to taps x stride and split into the space-to-depth input's channels (Sw, Sh, I)."""
     o, i = weight.shape[:2]
     stride = fold.stride
-    kernel_folded = _pool_folded_kernel(weight, fold.box, fold.divisor)
+    kernel_folded = box_fold2d(weight, fold.box, fold.divisor, dtype=dtype)
     kernel_folded = F.pad(kernel_folded, (0, taps[1] * stride[1] - fold.folded[1], 0, taps[0] * stride[0] - fold.folded[0]))
     # (O, I, Th, Sh, Tw, Sw) -> (O, (Sw, Sh, I), Th, Tw)
     return kernel_folded.reshape(o, i, taps[0], stride[0], taps[1], stride[1]).permute(0, 5, 3, 1, 2, 4).reshape(
-        o, i * stride[0] * stride[1], *taps).to(dtype).contiguous(memory_format=torch.channels_last)
+        o, i * stride[0] * stride[1], *taps).contiguous(memory_format=torch.channels_last)

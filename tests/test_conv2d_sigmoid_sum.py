@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import cuda_kernel_names, make_convolution_case, poison_cuda_allocator, requires_cuda
-from fused_ops import autotune, conv2d_sigmoid_sum, reference, rewrites
+from fused_ops import autotune, box_fold2d, conv2d_sigmoid_sum, reference
 from fused_ops import nn as fnn
 
 OP = torch.ops.fused_ops.conv2d_sigmoid_sum.default
@@ -519,7 +519,7 @@ def test_module_fused_conv_float32(shape, mode, tf32):
         out = fused(x)
     assert autotune.last_formulation() == "fused_conv"
     expected = copy.deepcopy(original).double()(x.double())
-    folded = rewrites._pool_folded_kernel(original.conv.weight.detach(), (4, 4), 16)
+    folded = box_fold2d(original.conv.weight.detach(), (4, 4), 16, dtype=torch.float64)
     bound = tf32_bound(x, folded, original.conv.bias.detach(), 4, 0)
     assert ((out.double() - expected).abs() <= bound).all()
     if mode == "train":

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 namespace fused_ops::autograd {
@@ -49,7 +50,7 @@ Tuple as_tuple(const variable_list& outputs, std::index_sequence<I...>) {
 }
 
 // The Autograd kernel of an op whose forward, `call` (through the dispatcher),
-// returns a tuple of tensors: Function::apply where autograd records the call,
+// returns a tensor or a tuple of tensors: Function::apply where autograd records the call,
 // else `call` alone below autograd (as torch.library's autograd kernels do).
 // Registered as m.impl("op", &AutogradKernel<OpFunction, &call_op>::kernel).
 template <typename Function, auto call>
@@ -62,7 +63,11 @@ struct AutogradKernel<Function, call> {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       return call(args...);
     }
-    return as_tuple<Result>(Function::apply(args...), std::make_index_sequence<std::tuple_size_v<Result>>());
+    if constexpr (std::is_same_v<Result, at::Tensor>) {
+      return Function::apply(args...)[0];
+    } else {
+      return as_tuple<Result>(Function::apply(args...), std::make_index_sequence<std::tuple_size_v<Result>>());
+    }
   }
 };
 
