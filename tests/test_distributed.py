@@ -11,7 +11,10 @@ is the one process's loss (out * R).sum(), so each rank's input gradient is
 that loss's on its slice, and DDP's parameter gradients, the ranks' mean, are
 that loss's divided by the world size."""
 import datetime
+import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -25,6 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from conftest import assert_close_to_reference, make_input
 from fused_ops import nn as fnn
 from fused_ops import reference
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "distributed.py")
 
 requires_gloo = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()),
@@ -216,3 +221,32 @@ def test_from_module_takes_a_converted_original():
     assert isinstance(fused.batch_norm, nn.SyncBatchNorm) and fused.batch_norm is original.batch_norm
     plain = build(fnn, "D")
     assert_same_steps(*(run_steps(m, m, "D", 0, sum(CASES["D"][3])) for m in (fused, plain)))
+
+
+def run_script(*args: str) -> str:
+    """bench/distributed.py under torchrun with two ranks (NVLink multicast off), its output; the
+    command fails the test where it exits non-zero or hangs past 15 minutes."""
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             SCRIPT, *args], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0 and "distributed: all ok" in result.stdout, result.stdout + result.stderr[-4000:]
+    return result.stdout
+
+
+@requires_gloo
+def test_distributed_script_on_two_cpu_ranks():
+    """The issue's script (bench/distributed.py) as a dry run: two gloo ranks, tiny sizes, every
+    architecture's DDP steps against one process on the whole batch."""
+    out = run_script("--device", "cpu", "--models", "A,C,D")
+    assert out.count(" ok ") >= 3
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                    reason="needs two CUDA devices and NCCL")
+@pytest.mark.parametrize("autocast", [None, "bfloat16"], ids=["float32", "bf16-autocast"])
+def test_ddp_and_sync_batch_norm_on_two_gpus(autocast):
+    """One process per GPU, NCCL: the four fused modules under DDP (D with SyncBatchNorm) at the
+    reduced sizes against one process on the whole batch; the timing of D's step (the script's
+    table) printed."""
+    out = run_script("--size", "reduced", *(["--autocast", autocast] if autocast else []))
+    assert "SyncBatchNorm" in out
