@@ -23,7 +23,9 @@ The chains (module and functional spellings alike; d, s: Python numbers; b: a pa
 and, where no whole chain holds (another producer, a convolution whose result is used elsewhere
 too), the tails alone, each replaced by its fused op: ``AvgPool2d → sigmoid → .sum((1, 2, 3))``
 (``avg_pool2d_sigmoid_sum``); ``[/ d →] max-pool → global average`` (``max_pool3d_mean``);
-``max-pool → max-pool → .sum(1, keepdim=True)`` (``max_pool3d_cascade_sum``). A tail's call runs
+``max-pool → max-pool → .sum(1, keepdim=True)`` (``max_pool3d_cascade_sum``); ``* s →
+BatchNorm3d → AdaptiveAvgPool3d(1)`` (``batch_norm_gap``, the running statistics updated as the
+module updates them). A tail's call runs
 the traced ops instead where the fused op does not take the pools (dilation; ceil_mode for the
 cascade) or the input's rank (an unbatched input).
 """
@@ -41,7 +43,7 @@ from torch import fx, nn
 
 from . import _autocast
 from . import nn as fnn
-from .nn import _fusable_max_pool
+from .nn import _fusable_max_pool, scaled_batch_norm_gap
 from .ops import avg_pool2d_sigmoid_sum, max_pool3d_cascade_sum, max_pool3d_mean
 
 _NO_MEMBER = object()  # a matched op that gives the fused module no member
@@ -324,6 +326,15 @@ def _max_pool_cascade_sum(max_pool1, max_pool2):
     return call
 
 
+def _scale_batch_norm_mean(scale_factor, batch_norm, global_avg_pool):
+    def call(y):
+        if y.dim() != 5:  # (BatchNorm3d's own error)
+            return global_avg_pool(batch_norm(y * scale_factor))
+        out = scaled_batch_norm_gap(y, scale_factor, batch_norm)
+        return _in_tail_dtype(out, y, ("aten::batch_norm", "aten::adaptive_avg_pool3d"))
+    return call
+
+
 @dataclasses.dataclass(frozen=True)
 class _Tail:
     name: str
@@ -338,6 +349,8 @@ TAILS = (
     _Tail("B-tail", _max_pool_cascade_sum, (("max_pool1", _max_pool3d), ("max_pool2", _max_pool3d),
                                             (None, _channel_sum_kept))),
     _Tail("C-tail", _average_sigmoid_sum, (("avg_pool", _avg_pool2d), (None, _sigmoid), (None, _sum_over_chw))),
+    _Tail("D-tail", _scale_batch_norm_mean, (("scale_factor", _scale), ("batch_norm", _batch_norm3d),
+                                             ("global_avg_pool", _adaptive_average))),
 )
 
 
@@ -352,11 +365,17 @@ class _TailCall:
         return self.call(y)
 
 
+def _input(start: fx.Node) -> fx.Node | None:
+    """The node a chain's or tail's first op applies to: its first argument that is a node (the
+    second for ``s * y``)."""
+    return next((arg for arg in start.args if isinstance(arg, fx.Node)), None)
+
+
 def _match(chain, start: fx.Node, model: fx.GraphModule) -> tuple[list[fx.Node], dict] | tuple[int, str]:
     """The chain's (or tail's) nodes from `start` and the members they give, or how far it matched
-    and why it stopped there. A tail's first op applies to `start`'s first argument."""
+    and why it stopped there. Its first op applies to _input(start)."""
     nodes, members = [], {}
-    node, previous = start, (start.args[0] if start.args and isinstance(start.args[0], fx.Node) else None)
+    node, previous = start, _input(start)
     for index, (member, matches) in enumerate(chain.steps):
         if index > 0:
             users = list(previous.users)
@@ -417,9 +436,9 @@ def fuse(model: nn.Module, *, report: bool = False):
                 label = f"fused_{name.replace('-', '_')}_{len(result.fused)}"
                 if isinstance(pattern, _Chain):
                     fused = pattern.module.from_module(types.SimpleNamespace(**members, training=traced.training))
-                    _replace(graph, nodes, _FusedChain(fused, traced, label), start.args[0])
+                    _replace(graph, nodes, _FusedChain(fused, traced, label), _input(start))
                 else:
-                    _replace(graph, nodes, _TailCall(pattern.build(**members), label), start.args[0])
+                    _replace(graph, nodes, _TailCall(pattern.build(**members), label), _input(start))
                 taken.update(nodes)
                 result.fused.append((name, [node.name for node in nodes]))
                 break

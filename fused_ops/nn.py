@@ -115,6 +115,17 @@ def _max_pool3d(pool: nn.MaxPool3d, y: Tensor) -> Tensor:
     return F.max_pool3d(y, pool.kernel_size, pool.stride, pool.padding, pool.dilation, pool.ceil_mode)
 
 
+def scaled_batch_norm_gap(y: Tensor, scale, bn: nn.BatchNorm3d) -> Tensor:
+    """``F.adaptive_avg_pool3d(bn(y * scale), 1)`` by ``batch_norm_gap`` under nn.BatchNorm3d's
+    rules: the running statistics normalized with in eval mode and updated in training mode with
+    track_running_stats (in place, as the module updates them)."""
+    running = not bn.training or bn.track_running_stats
+    return batch_norm_gap(y, scale, bn.weight, bn.bias,
+                          bn.running_mean if running else None, bn.running_var if running else None,
+                          bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
+                          training=bn.training, momentum=bn.momentum, eps=bn.eps)
+
+
 class _Formulations:
     """The formulations of a module's function and the choice among them
     (``fused_ops.autotune``). A subclass gives `_config()` (what its choice depends on besides
@@ -462,14 +473,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             y = _conv(self.conv_transpose, x)
         if name.startswith("original"):
             return F.adaptive_avg_pool3d(bn(y * self.scale_factor), self.global_avg_pool.output_size)
-        # nn.BatchNorm3d's rules: the running statistics are normalized with
-        # in eval mode and updated in training mode with track_running_stats.
-        running = not bn.training or bn.track_running_stats
-        out = batch_norm_gap(y, self.scale_factor, bn.weight, bn.bias,
-                             bn.running_mean if running else None, bn.running_var if running else None,
-                             bn.num_batches_tracked if bn.training and bn.track_running_stats else None,
-                             training=bn.training, momentum=bn.momentum, eps=bn.eps)
-        return _as_original(out, x, self._TAIL_OPS)
+        return _as_original(scaled_batch_norm_gap(y, self.scale_factor, bn), x, self._TAIL_OPS)
 
     def _running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
         """(W (I, O), b (O)) in float64 with the output, normalized with the running

@@ -190,14 +190,16 @@ class Tails(nn.Module):
         self.strided = nn.Conv2d(3, 5, 3, stride=2)
         self.pool = nn.MaxPool3d(2)
         self.dilated = nn.MaxPool3d(2, dilation=2)
+        self.norm = nn.BatchNorm3d(6, momentum=0.3)
 
     def forward(self, x, image):
         h = self.conv(x)
+        d = F.adaptive_avg_pool3d(self.norm(1.5 * torch.relu(h)), 1)             # D-tail, the number first
         a = F.adaptive_avg_pool3d(self.pool(h / 2.0), 1)                           # A-tail, h used again
         a2 = self.dilated(torch.relu(h)).mean((2, 3, 4), keepdim=True)           # A-tail, dilated: traced ops
         b = F.max_pool3d(F.max_pool3d(torch.relu(h), 2), 2, stride=1).sum(1, keepdim=True)  # B-tail
         c = torch.sigmoid(F.avg_pool2d(torch.relu(self.strided(image)), 3, stride=2, padding=1)).sum(dim=(1, 2, 3))
-        return a, a2, b, c, h.sum()
+        return a, a2, b, c, d, h.sum()
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
@@ -207,7 +209,7 @@ def test_tails_alone_are_fused_with_the_originals_results(train, device):
     original = Tails().double().to(device).train(train)
     model = copy.deepcopy(original)
     fused, report = fused_ops.fuse(model, report=True)
-    assert sorted(name for name, _ in report.fused) == ["A-tail", "A-tail", "B-tail", "C-tail"], report
+    assert sorted(name for name, _ in report.fused) == ["A-tail", "A-tail", "B-tail", "C-tail", "D-tail"], report
     g = torch.Generator().manual_seed(6)
     x = torch.rand(2, 3, 9, 11, 12, generator=g, dtype=torch.float64).to(device)
     image = torch.rand(2, 3, 15, 17, generator=g, dtype=torch.float64).to(device)
@@ -215,8 +217,11 @@ def test_tails_alone_are_fused_with_the_originals_results(train, device):
         outputs = fused(x, image)
     ran = {event.name for event in profile.events()}
     assert {"fused_ops::max_pool3d_mean", "fused_ops::max_pool3d_cascade_sum",
-            "fused_ops::avg_pool2d_sigmoid_sum"} <= ran
+            "fused_ops::avg_pool2d_sigmoid_sum", "fused_ops::batch_norm_gap"} <= ran
     check_step(model, original, outputs, (x, image), train)
+    # the batch norm's running statistics: updated in training as the module updates them
+    for (name, buffer), expected in zip(model.named_buffers(), original.buffers()):
+        torch.testing.assert_close(buffer, expected, rtol=1e-12, atol=1e-14, msg=name)
 
 
 def test_a_cascade_tail_on_unbatched_input_runs_the_traced_ops():
