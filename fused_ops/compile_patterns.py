@@ -1,0 +1,230 @@
+"""``fused_ops.enable_compile_patterns()``: the fused tails as replacements inside
+``torch.compile``, for models written without fused_ops in mind.
+
+Inductor runs a pattern pass of ours (``torch._inductor.config.post_grad_custom_pre_pass``) over
+each graph it compiles, after decomposition, before its own post-grad passes. It replaces, where
+each intermediate result feeds the next op alone:
+
+- ``sum(sigmoid(avg_pool2d(y)), [1, 2, 3])`` by ``avg_pool2d_sigmoid_sum``; and where ``y`` is a
+  2-D convolution that the pool folds into (stride 1, no dilation or groups, a pool without
+  padding whose windows are the folded convolution's), the convolution too: ``box_fold2d`` of its
+  weight, then ``conv2d_sigmoid_sum`` at the pool's stride (architecture C's chain: on a GPU one
+  tensor-core kernel, the convolution's output never in memory);
+- a global average (``mean`` over the three spatial dims, kept) of a 3-D max-pool of ``y`` or of
+  ``y / d`` by ``max_pool3d_mean`` (architecture A's tail);
+- ``sum(max_pool3d(max_pool3d(y)), 1, keepdim=True)`` by ``max_pool3d_cascade_sum`` (B's tail).
+
+Inference graphs only (``torch.no_grad()``, ``torch.inference_mode()``): in a training graph the
+forward's intermediate results are saved for the backward (used twice), and nothing matches.
+Results equal the compiled ops' up to the fused kernels' rounding (the fused ops' contract).
+"""
+from __future__ import annotations
+
+import hashlib
+import operator
+import types
+
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor import pattern_matcher as pm
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.operator_schemas import normalize_function
+
+from . import rewrites
+from .nn import _fusable_max_pool
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+_PATTERNS = pm.PatternMatcherPass(pass_name="fused_ops_compile_patterns")
+
+# the max-pools as Inductor's decomposition leaves them (its low-memory form in recent versions)
+_MAX_POOLS = [aten.max_pool3d_with_indices.default]
+if hasattr(prims, "_low_memory_max_pool_with_offsets"):
+    _MAX_POOLS.append(prims._low_memory_max_pool_with_offsets.default)
+
+
+def _arguments(node: torch.fx.Node) -> dict:
+    """The call's arguments by name, defaults filled in (the op's schema)."""
+    normalized = normalize_function(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
+    return dict(normalized.kwargs)
+
+
+def _value(node) -> torch.Tensor:
+    return node.meta["val"]
+
+
+def _expand(value, n: int) -> list[int]:
+    """An int or a list of ints as an aten pool takes it (one element for all dims) as n ints."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return values * n if len(values) == 1 else values
+
+
+def _max_pool(node: torch.fx.Node) -> types.SimpleNamespace:
+    """A 3-D max-pool node's settings (nn.MaxPool3d's names, three ints each), from either form's
+    arguments (input, kernel, stride, padding, dilation, ceil_mode; an empty stride: the kernel)."""
+    args = list(node.args[1:]) + [None] * 5
+    kernel, stride, padding, dilation, ceil_mode = args[:5]
+    return types.SimpleNamespace(kernel_size=_expand(kernel, 3), stride=_expand(stride or kernel, 3),
+                                 padding=_expand(padding or 0, 3), dilation=_expand(dilation or 1, 3),
+                                 ceil_mode=bool(ceil_mode), return_indices=False)
+
+
+def _dims(dims, rank: int) -> list[int]:
+    return sorted(d % rank for d in dims)
+
+
+# --- C: sum(sigmoid(avg_pool2d(y)), [1, 2, 3]), and the convolution before it -----------------
+
+
+def _average_sigmoid_sum_check(match: pm.Match) -> bool:
+    out = match.output_node()
+    keepdim = out.args[2] if len(out.args) > 2 else False
+    return not keepdim and _dims(out.args[1], 4) == [1, 2, 3] and _value(out.args[0]).dim() == 4
+
+
+def _replace_average_sigmoid_sum(match: pm.Match, *args, **kwargs) -> None:
+    sigmoid = match.output_node().args[0]
+    pool_node = sigmoid.args[0]
+    p = _arguments(pool_node)
+    kernel = _expand(p["kernel_size"], 2)
+    pool = types.SimpleNamespace(kernel_size=kernel, stride=_expand(p["stride"] or kernel, 2),
+                                 padding=_expand(p["padding"], 2), ceil_mode=p["ceil_mode"],
+                                 count_include_pad=p["count_include_pad"], divisor_override=p["divisor_override"])
+    y = p["input"]
+    conv = y.target is aten.convolution.default and len(y.users) == 1 and _folded_convolution(y, pool)
+    if conv:
+        x, weight, bias = y.args[:3]
+        fold = conv.fold
+
+        def replacement(x, weight, bias):
+            folded = torch.ops.fused_ops.box_fold2d(weight, list(fold.box), float(fold.divisor), None)
+            scale = fold.box[0] * fold.box[1] / fold.divisor
+            b = bias if bias is None or scale == 1 else bias * scale
+            return torch.ops.fused_ops.conv2d_sigmoid_sum(x, folded, b, list(fold.stride), list(fold.padding), False,
+                                                          None)[0]
+        match.replace_by_example(replacement, [x, weight, bias])
+        return
+
+    def replacement(y):
+        return torch.ops.fused_ops.avg_pool2d_sigmoid_sum(
+            y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, pool.count_include_pad,
+            pool.divisor_override, False, None)[0]
+    match.replace_by_example(replacement, [y])
+
+
+def _folded_convolution(node: torch.fx.Node, pool) -> types.SimpleNamespace | None:
+    """The fold (rewrites._pool_fold) of a 2-D convolution node and the pool after it, or None."""
+    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = node.args
+    w = _value(weight)
+    if transposed or w.dim() != 4 or any(output_padding) or (bias is not None and _value(bias).dtype != w.dtype):
+        return None
+    conv = types.SimpleNamespace(groups=groups, padding_mode="zeros", padding=tuple(padding), dilation=tuple(dilation),
+                                 stride=tuple(stride), kernel_size=tuple(w.shape[2:]), in_channels=w.shape[1] * groups,
+                                 weight=w)
+    xv = _value(x)
+    if xv.dtype != w.dtype:
+        return None
+    fold = rewrites._pool_fold(xv, conv, pool)
+    return None if fold is None else types.SimpleNamespace(fold=fold)
+
+
+for _keepdim in ((), (False,)):
+    pm.register_graph_pattern(
+        pm.CallFunction(aten.sum.dim_IntList,
+                        pm.CallFunction(aten.sigmoid.default, pm.CallFunctionVarArgs(aten.avg_pool2d.default)),
+                        pm.KeywordArg("dims"), *_keepdim),
+        extra_check=_average_sigmoid_sum_check, pass_dict=_PATTERNS)(_replace_average_sigmoid_sum)
+
+
+# --- A's tail: the global average of a max-pool of y (or y / d) --------------------------------
+
+
+def _max_pool_mean_check(match: pm.Match) -> bool:
+    mean = match.output_node()
+    keepdim = mean.args[2] if len(mean.args) > 2 else False
+    pool_node = mean.args[0].args[0]
+    return (keepdim is True and _value(mean).dim() == 5 and _dims(mean.args[1], 5) == [2, 3, 4]
+            and len(mean.args) <= 3 and not mean.kwargs and _fusable_max_pool(_max_pool(pool_node), ceil_mode_ok=True))
+
+
+def _replace_max_pool_mean(match: pm.Match, *args, **kwargs) -> None:
+    pool_node = match.output_node().args[0].args[0]
+    pool = _max_pool(pool_node)
+    y, divisor = pool_node.args[0], 1.0
+    number = y.args[1] if y.target is aten.div.Tensor and len(y.args) == 2 else None
+    if len(y.users) == 1 and isinstance(number, (int, float)) and not isinstance(number, bool) and number != 0:
+        y, divisor = y.args[0], float(number)
+
+    def replacement(y):
+        mean = torch.ops.fused_ops.max_pool3d_mean(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode,
+                                                   divisor, False, None)[0]
+        return mean.view(*mean.shape, 1, 1, 1)
+    match.replace_by_example(replacement, [y])
+
+
+pm.register_graph_pattern(
+    pm.CallFunction(aten.mean.dim, pm.CallFunction(operator.getitem, pm.CallFunctionVarArgs(_MAX_POOLS), 0),
+                    pm.KeywordArg("dims"), True),
+    extra_check=_max_pool_mean_check, pass_dict=_PATTERNS)(_replace_max_pool_mean)
+
+
+# --- B's tail: sum(max_pool3d(max_pool3d(y)), 1, keepdim=True) ---------------------------------
+
+
+def _cascade_check(match: pm.Match) -> bool:
+    out = match.output_node()
+    second = out.args[0].args[0]
+    first = second.args[0].args[0]
+    return (_value(out).dim() == 5 and _dims(out.args[1], 5) == [1]
+            and all(_fusable_max_pool(_max_pool(node), ceil_mode_ok=False) for node in (first, second)))
+
+
+def _replace_cascade(match: pm.Match, *args, **kwargs) -> None:
+    second = match.output_node().args[0].args[0]
+    first = second.args[0].args[0]
+    pool1, pool2 = _max_pool(first), _max_pool(second)
+
+    def replacement(y):
+        return torch.ops.fused_ops.max_pool3d_cascade_sum(
+            y, pool1.kernel_size, pool1.stride, pool1.padding, pool2.kernel_size, pool2.stride, pool2.padding,
+            False, None)[0]
+    match.replace_by_example(replacement, [first.args[0]])
+
+
+pm.register_graph_pattern(
+    pm.CallFunction(aten.sum.dim_IntList,
+                    pm.CallFunction(operator.getitem, pm.CallFunctionVarArgs(_MAX_POOLS), 0),
+                    pm.KeywordArg("dims"), True),
+    extra_check=_cascade_check, pass_dict=_PATTERNS)(_replace_cascade)
+
+
+class _FusedOpsPass(CustomGraphPass):
+    """Our patterns over a graph, as Inductor's custom post-grad pass (its uuid: this file's
+    contents, for Inductor's cache of compiled graphs)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        _PATTERNS.apply(graph)
+        graph.lint()
+
+    def uuid(self) -> bytes:
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).digest()
+
+
+_PASS = _FusedOpsPass()
+
+
+def enable_compile_patterns() -> None:
+    """From now on, ``torch.compile`` (Inductor) replaces the fused tails it finds in inference
+    graphs by the fused ops (this module's docstring). Refuses to replace another custom pass."""
+    current = inductor_config.post_grad_custom_pre_pass
+    if current is not None and current is not _PASS:
+        raise RuntimeError("fused_ops.enable_compile_patterns: torch._inductor.config.post_grad_custom_pre_pass "
+                           f"is already set ({current!r}); not replacing it")
+    inductor_config.post_grad_custom_pre_pass = _PASS
+
+
+def disable_compile_patterns() -> None:
+    """Undoes enable_compile_patterns (graphs compiled already keep their fused ops)."""
+    if inductor_config.post_grad_custom_pre_pass is _PASS:
+        inductor_config.post_grad_custom_pre_pass = None

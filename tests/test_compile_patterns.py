@@ -1,0 +1,105 @@
+"""fused_ops.enable_compile_patterns: inside torch.compile (Inductor), the fused tails of a model
+written without fused_ops in mind replaced by the fused ops in inference graphs (the generated
+code calls them), with the compiled model's results; what must stay (an intermediate used twice,
+a training graph) stays."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import fused_ops
+from conftest import DEVICES
+
+
+class Heads(nn.Module):
+    """C's chain, C's tail after another producer, A's tail with a division, B's cascade tail."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.other = nn.Conv2d(3, 5, 3, stride=2)
+        self.conv3d = nn.Conv3d(3, 6, 3)
+
+    def forward(self, image, volume):
+        c = torch.sigmoid(F.avg_pool2d(self.conv(image), 4)).sum(dim=(1, 2, 3))
+        c_tail = torch.sigmoid(F.avg_pool2d(torch.relu(self.other(image)), 3, stride=2, padding=1)).sum((1, 2, 3))
+        h = self.conv3d(volume)
+        a = F.adaptive_avg_pool3d(F.max_pool3d(h / -1.5, 2), 1)
+        b = F.max_pool3d(F.max_pool3d(torch.relu(h), 2), 2, stride=1).sum(1, keepdim=True)
+        return c, c_tail, a, b
+
+
+@pytest.fixture
+def patterns():
+    fused_ops.enable_compile_patterns()
+    yield
+    fused_ops.disable_compile_patterns()
+
+
+def inputs(device):
+    g = torch.Generator().manual_seed(0)
+    return (torch.rand(2, 3, 23, 27, generator=g).to(device), torch.rand(2, 3, 9, 11, 12, generator=g).to(device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inference_graphs_call_the_fused_ops(patterns, device):
+    """(Full float32 convolutions: the fused kernels' TF32 is the fused ops' own tests' business.)"""
+    torch.manual_seed(0)
+    model = Heads().to(device).eval()
+    args = inputs(device)
+    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        expected = model(*args)
+        outputs, code = run_and_get_code(torch.compile(model), *args)
+    code = "\n".join(code)
+    for op in ("box_fold2d", "conv2d_sigmoid_sum", "avg_pool2d_sigmoid_sum", "max_pool3d_mean",
+               "max_pool3d_cascade_sum"):
+        assert f"fused_ops.{op}" in code, op
+    for out, ref in zip(outputs, expected, strict=True):
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        torch.testing.assert_close(out, ref, rtol=2e-5, atol=1e-5)
+
+
+def test_an_intermediate_used_twice_stays(patterns):
+    class Twice(nn.Module):
+        def forward(self, y):
+            pooled = F.avg_pool2d(y, 2)
+            return torch.sigmoid(pooled).sum((1, 2, 3)), pooled.amax()
+
+    y = torch.rand(2, 3, 8, 8)
+    with torch.no_grad():
+        outputs, code = run_and_get_code(torch.compile(Twice()), y)
+    assert "fused_ops" not in "\n".join(code)
+    torch.testing.assert_close(outputs, Twice()(y))
+
+
+def test_training_graphs_stay(patterns):
+    """A training graph saves the forward's intermediates for the backward: nothing matches, the
+    gradients are the compiled ops' own."""
+    torch.manual_seed(1)
+    model = Heads()
+    image, volume = inputs("cpu")
+    outputs, code = run_and_get_code(lambda: sum(o.sum() for o in torch.compile(model)(image, volume)))
+    assert "fused_ops" not in "\n".join(code)
+
+
+def test_enable_refuses_to_replace_another_pass():
+    import torch._inductor.config as config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Other(CustomGraphPass):
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            return b"other"
+
+    config.post_grad_custom_pre_pass = Other()
+    try:
+        with pytest.raises(RuntimeError, match="already set"):
+            fused_ops.enable_compile_patterns()
+    finally:
+        config.post_grad_custom_pre_pass = None
+    fused_ops.enable_compile_patterns()
+    fused_ops.disable_compile_patterns()
+    assert config.post_grad_custom_pre_pass is None
