@@ -198,6 +198,48 @@ pm.register_graph_pattern(
     extra_check=_cascade_check, pass_dict=_PATTERNS)(_replace_cascade)
 
 
+# The fused ops a replacement inserts, and the name fuse's report gives each.
+_FUSED = {"conv2d_sigmoid_sum": "C", "avg_pool2d_sigmoid_sum": "C-tail", "max_pool3d_mean": "A-tail",
+          "max_pool3d_cascade_sum": "B-tail"}
+
+
+class _SavingWhereAutogradRecords:
+    """A fused op's call in an eager graph (fuse's torch.export path): its save flag (the
+    argument named save_*) set at each call to whether autograd records it, as the op's Python
+    wrapper sets it; the replacements insert the op with the flag off (what an inference graph
+    wants)."""
+
+    def __init__(self, op):
+        self.op = op
+        self.flag = next(i for i, a in enumerate(op._schema.arguments) if a.name.startswith("save_"))
+        self.__name__ = self.__qualname__ = f"{op._schema.name.split('::')[1]}_saving_where_autograd_records"
+
+    def __call__(self, *args):
+        args = list(args)
+        args[self.flag] = torch.is_grad_enabled() and any(
+            isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        return self.op(*args)
+
+
+def apply_to_eager_graph(graph: torch.fx.Graph) -> list[tuple[str, list[str]]]:
+    """The patterns over a graph that runs eagerly, autograd included (an exported program's
+    module): each inserted fused op's save flag set at run time, the replaced ops removed. The
+    replacements: (the report's name, [the fused op's node]) each."""
+    before = set(graph.nodes)
+    _PATTERNS.apply(graph)
+    graph.eliminate_dead_code()
+    fused = []
+    for node in graph.nodes:
+        if node in before or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        name = node.target._schema.name.split("::")
+        if name[0] == "fused_ops" and name[1] in _FUSED:
+            node.target = _SavingWhereAutogradRecords(node.target)
+            fused.append((_FUSED[name[1]], [node.name]))
+    graph.lint()
+    return fused
+
+
 class _FusedOpsPass(CustomGraphPass):
     """Our patterns over a graph, as Inductor's custom post-grad pass (its uuid: this file's
     contents, for Inductor's cache of compiled graphs)."""

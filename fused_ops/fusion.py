@@ -52,18 +52,21 @@ _NO_MEMBER = object()  # a matched op that gives the fused module no member
 @dataclasses.dataclass
 class FuseReport:
     """What ``fuse`` did: `fused` lists each replaced chain or tail (its name: the architecture's
-    letter, or "A-tail" etc.; the traced nodes' names), `skipped` each that began to match and
-    stopped (its name, the node where it began, why); `traced` is False where the model could not
-    be traced (`reason`)."""
+    letter, or "A-tail" etc.; the traced nodes' names, or the fused op's node where `exported`),
+    `skipped` each that began to match and stopped (its name, the node where it began, why);
+    `traced` is False where the model could not be traced (`reason`), `exported` True where
+    torch.export traced it instead."""
     traced: bool = True
     reason: str = ""
+    exported: bool = False  # (symbolic tracing failed and torch.export at example_inputs ran)
     fused: list[tuple[str, list[str]]] = dataclasses.field(default_factory=list)
     skipped: list[tuple[str, str, str]] = dataclasses.field(default_factory=list)
 
     def __str__(self) -> str:
         if not self.traced:
             return f"fused_ops.fuse: the model was not traced ({self.reason}); nothing fused"
-        lines = [f"fused_ops.fuse: {len(self.fused)} chain(s) fused"]
+        how = f" (torch.export: symbolic tracing failed: {self.reason})" if self.exported else ""
+        lines = [f"fused_ops.fuse: {len(self.fused)} chain(s) fused{how}"]
         lines += [f"  fused {letter}: {' -> '.join(nodes)}" for letter, nodes in self.fused]
         lines += [f"  not fused {letter} at {node}: {why}" for letter, node, why in self.skipped]
         return "\n".join(lines)
@@ -405,18 +408,47 @@ def _replace(graph: fx.Graph, nodes: list[fx.Node], call: Callable, data: fx.Nod
             graph.erase_node(attribute)
 
 
-def fuse(model: nn.Module, *, report: bool = False):
+def _fuse_exported(model: nn.Module, example_inputs: tuple, result: FuseReport) -> nn.Module:
+    """The fallback for a model symbolic tracing cannot trace: ``torch.export`` at example_inputs
+    (non-strict), decomposed to core ATen, its module with the tails that
+    ``fused_ops.compile_patterns`` finds replaced by the fused ops (each op's save flag set at run
+    time: the module trains); or `model` itself where export fails too (the report says why)."""
+    try:
+        exported = torch.export.export(model, tuple(example_inputs), strict=False).run_decompositions()
+    except Exception as error:  # (export raises many kinds on what it cannot export)
+        result.traced = False
+        result.reason += f"; torch.export: {type(error).__name__}: {error}"
+        return model
+    from .compile_patterns import apply_to_eager_graph  # (imports Inductor: only here)
+    module = exported.module()
+    result.exported = True
+    result.fused = apply_to_eager_graph(module.graph)
+    module.recompile()
+    return module
+
+
+def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
     """`model` traced, with each of the four architectures' chains replaced by a call of its
     ``fused_ops.nn`` module (sharing the model's parameters and buffers), and where no whole chain
     holds, each tail alone by its fused op: a ``torch.fx.GraphModule`` with the model's submodules,
     parameters and state_dict keys. With report=True, also a FuseReport of what was fused and
-    what was not, and why. A model that symbolic tracing cannot trace (data-dependent control
-    flow, say) is returned as it is."""
+    what was not, and why.
+
+    A model that symbolic tracing cannot trace (control flow on shapes, say): with
+    `example_inputs` (a tuple of the forward's arguments), ``torch.export`` of it at those inputs
+    (specialized to their shapes and to the model's current train / eval mode, as export
+    specializes), with C's chain and the tails of A, B and C replaced by the fused ops
+    (``fused_ops.compile_patterns``), parameters shared; without them, or where export fails too
+    (data-dependent control flow), the model is returned as it is."""
     result = FuseReport()
     try:
         traced = fx.symbolic_trace(model)
     except Exception as error:  # (fx raises TraceError, TypeError, ... on what it cannot trace)
-        result.traced, result.reason = False, f"{type(error).__name__}: {error}"
+        result.reason = f"{type(error).__name__}: {error}"
+        if example_inputs is None:
+            result.traced = False
+        else:
+            model = _fuse_exported(model, example_inputs, result)
         return (model, result) if report else model
     traced.train(model.training)
     graph = traced.graph

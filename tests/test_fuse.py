@@ -167,6 +167,53 @@ def test_an_untraceable_model_is_returned_as_it_is():
     assert fused is model and not report.traced and "nothing fused" in str(report)
 
 
+def test_an_untraceable_model_with_example_inputs_that_export_cannot_take_either():
+    """Data-dependent control flow: torch.export refuses it too; returned as it is, both reasons given."""
+    model = Untraceable()
+    fused, report = fused_ops.fuse(model, (torch.rand(1, 2, 5, 5, 5),), report=True)
+    assert fused is model and not report.traced and "torch.export" in report.reason
+
+
+class ShapeBranching(nn.Module):
+    """Control flow on a shape (symbolic tracing refuses it; torch.export specializes it), around
+    C's chain and A's and B's tails."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.conv3d = nn.Conv3d(3, 6, 3)
+
+    def forward(self, image, volume):
+        if image.shape[0] > 1:
+            image = image * 2.0
+        c = torch.sigmoid(F.avg_pool2d(self.conv(image), 4)).sum(dim=(1, 2, 3))
+        h = self.conv3d(volume)
+        a = F.adaptive_avg_pool3d(F.max_pool3d(h / -1.5, 2), 1)
+        b = F.max_pool3d(F.max_pool3d(torch.relu(h), 2), 2, stride=1).sum(1, keepdim=True)
+        return c, a, b
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_the_export_fallback_fuses_with_the_originals_results(train):
+    """symbolic tracing fails; with example inputs torch.export traces it: C's chain and A's and B's
+    tails by the fused ops, the model's own parameters, the original's outputs and gradients."""
+    torch.manual_seed(8)
+    original = ShapeBranching().double().train(train)
+    model = copy.deepcopy(original)
+    g = torch.Generator().manual_seed(9)
+    args = (torch.rand(2, 3, 23, 27, generator=g, dtype=torch.float64),
+            torch.rand(2, 3, 9, 11, 12, generator=g, dtype=torch.float64))
+    fused, report = fused_ops.fuse(model, args, report=True)
+    assert report.traced and report.exported and "torch.export" in str(report)
+    assert sorted(name for name, _ in report.fused) == ["A-tail", "B-tail", "C"], report
+    assert fused.get_parameter("conv.weight") is model.conv.weight
+    with torch.profiler.profile() as profile:
+        outputs = fused(*args)
+    ran = {event.name for event in profile.events()}
+    assert {"fused_ops::conv2d_sigmoid_sum", "fused_ops::max_pool3d_mean", "fused_ops::max_pool3d_cascade_sum"} <= ran
+    check_step(model, original, outputs, args, train)
+
+
 def test_the_reference_architectures_fuse_to_their_drop_ins():
     """Each of the SPEC's architectures, traced whole, is one fused chain of its own letter."""
     from fused_ops import architectures
