@@ -115,4 +115,21 @@ inline std::vector<int64_t> with_last_two(at::IntArrayRef sizes, int64_t h, int6
   return shape;
 }
 
+// The op and its backward on a device whose map_planes(in, shape, dtype, tap)
+// writes out (shape, dtype) with out[plane, i, j] = tap(in's plane, i, j).
+template <typename MapPlanes>
+at::Tensor box_fold2d_with(MapPlanes map_planes, const at::Tensor& weight, at::IntArrayRef box, double divisor,
+                           std::optional<at::ScalarType> dtype) {
+  const BoxFold f = box_fold2d_setup(weight, box, divisor, dtype);
+  return map_planes(weight, with_last_two(weight.sizes(), f.folded_h(), f.folded_w()),
+                    dtype.value_or(weight.scalar_type()), FoldTap{f});
+}
+
+template <typename MapPlanes>
+at::Tensor box_fold2d_backward_with(MapPlanes map_planes, const at::Tensor& grad, at::IntArrayRef kernel_size,
+                                    at::IntArrayRef box, double divisor, at::ScalarType dtype) {
+  const BoxFold f = box_fold2d_backward_setup(grad, kernel_size, box, divisor, dtype);
+  return map_planes(grad, with_last_two(grad.sizes(), f.kh, f.kw), dtype, UnfoldTap{f});
+}
+
 }  // namespace fused_ops

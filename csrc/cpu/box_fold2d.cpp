@@ -38,15 +38,13 @@ at::Tensor map_planes_cpu(const at::Tensor& in_, at::IntArrayRef shape, at::Scal
 
 at::Tensor box_fold2d_cpu(const at::Tensor& weight, at::IntArrayRef box, double divisor,
                           std::optional<at::ScalarType> dtype) {
-  const BoxFold f = box_fold2d_setup(weight, box, divisor, dtype);
-  return map_planes_cpu(weight, with_last_two(weight.sizes(), f.folded_h(), f.folded_w()),
-                        dtype.value_or(weight.scalar_type()), FoldTap{f});
+  return box_fold2d_with([](auto&&... a) { return map_planes_cpu(a...); }, weight, box, divisor, dtype);
 }
 
 at::Tensor box_fold2d_backward_cpu(const at::Tensor& grad, at::IntArrayRef kernel_size, at::IntArrayRef box,
                                    double divisor, at::ScalarType dtype) {
-  const BoxFold f = box_fold2d_backward_setup(grad, kernel_size, box, divisor, dtype);
-  return map_planes_cpu(grad, with_last_two(grad.sizes(), f.kh, f.kw), dtype, UnfoldTap{f});
+  return box_fold2d_backward_with([](auto&&... a) { return map_planes_cpu(a...); }, grad, kernel_size, box,
+                                  divisor, dtype);
 }
 
 }  // namespace

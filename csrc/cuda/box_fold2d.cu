@@ -50,16 +50,14 @@ at::Tensor map_planes_cuda(const at::Tensor& in_, at::IntArrayRef shape, at::Sca
 }
 
 at::Tensor box_fold2d_cuda(const at::Tensor& weight, at::IntArrayRef box, double divisor,
-                           std::optional<at::ScalarType> dtype) {
-  const BoxFold f = box_fold2d_setup(weight, box, divisor, dtype);
-  return map_planes_cuda(weight, with_last_two(weight.sizes(), f.folded_h(), f.folded_w()),
-                         dtype.value_or(weight.scalar_type()), FoldTap{f});
+                          std::optional<at::ScalarType> dtype) {
+  return box_fold2d_with([](auto&&... a) { return map_planes_cuda(a...); }, weight, box, divisor, dtype);
 }
 
 at::Tensor box_fold2d_backward_cuda(const at::Tensor& grad, at::IntArrayRef kernel_size, at::IntArrayRef box,
-                                    double divisor, at::ScalarType dtype) {
-  const BoxFold f = box_fold2d_backward_setup(grad, kernel_size, box, divisor, dtype);
-  return map_planes_cuda(grad, with_last_two(grad.sizes(), f.kh, f.kw), dtype, UnfoldTap{f});
+                                   double divisor, at::ScalarType dtype) {
+  return box_fold2d_backward_with([](auto&&... a) { return map_planes_cuda(a...); }, grad, kernel_size, box,
+                                  divisor, dtype);
 }
 
 }  // namespace
