@@ -1,12 +1,15 @@
 """fused_ops.fuse on models written without fused_ops in mind: each architecture's chain in a
 module of its own (other names, functional spellings), traced and fused, against the same model
 eager and against the drop-in module around fused_ops.reference's original, eval forward and
-training step, in one run (interleaved rounds; CUDA events on a GPU).
+training step, in one run (interleaved rounds; CUDA events on a GPU). In eval also the user's
+model under torch.compile, without and with fused_ops.enable_compile_patterns() (a copy each:
+two compilations).
 
     python bench/bench_fuse.py [--device cuda] [--size spec|tiny] [--rounds 5]
 """
 import argparse
 import contextlib
+import copy
 import statistics
 
 import torch
@@ -60,6 +63,20 @@ class UserD(nn.Module):
 USER_MODELS = {"A": UserA, "B": UserB, "C": UserC, "D": UserD}
 
 
+@contextlib.contextmanager
+def patterns(name: str):
+    """The compile patterns on around the calls of the variant that uses them (it compiles on its
+    first call)."""
+    if name != "compile+patterns":
+        yield
+        return
+    fused_ops.enable_compile_patterns()
+    try:
+        yield
+    finally:
+        fused_ops.disable_compile_patterns()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -70,7 +87,7 @@ def main():
     size = args.size or ("spec" if device.type == "cuda" else "tiny")
     print(f"{device_name(device)}, {size} sizes, float32 (TF32 convolutions: {torch.backends.cudnn.allow_tf32})")
     print(f"{'model':<6}{'step':<7}{'user eager ms':>14}{'fused ms':>10}{'drop-in ms':>12}{'speed-up':>10}"
-          f"{'fused / drop-in':>17}")
+          f"{'fused / drop-in':>17}{'compile ms':>12}{'compile+patterns ms':>21}")
     for architecture in architectures.ARCHITECTURES:
         torch.manual_seed(0)
         user = USER_MODELS[architecture.letter]().to(device)
@@ -93,11 +110,14 @@ def main():
                 return run
 
             calls = {"user": call(user), "fused": call(fused), "drop-in": call(drop_in)}
-            times = interleaved_medians(calls, device, {name: 10 for name in calls}, args.rounds,
-                                        lambda name: contextlib.nullcontext())
+            if step == "eval":  # (the patterns replace ops in inference graphs only)
+                calls["compile"] = call(torch.compile(copy.deepcopy(user)))
+                calls["compile+patterns"] = call(torch.compile(copy.deepcopy(user)))
+            times = interleaved_medians(calls, device, {name: 10 for name in calls}, args.rounds, patterns)
             ms = {name: statistics.median(rounds) for name, rounds in times.items()}
+            compiled = (f"{ms['compile']:>12.3f}{ms['compile+patterns']:>21.3f}" if "compile" in ms else "")
             print(f"{architecture.letter:<6}{step:<7}{ms['user']:>14.3f}{ms['fused']:>10.3f}{ms['drop-in']:>12.3f}"
-                  f"{ms['user'] / ms['fused']:>9.2f}x{ms['fused'] / ms['drop-in']:>16.2f}x")
+                  f"{ms['user'] / ms['fused']:>9.2f}x{ms['fused'] / ms['drop-in']:>16.2f}x{compiled}")
 
 
 if __name__ == "__main__":
