@@ -190,7 +190,8 @@ def main() -> int:
         if rank == 0:
             print(f"[checked] {rows[-1]}", flush=True)
     # (timed on GPUs only: PyTorch's nn.SyncBatchNorm, the converted original's, runs on CUDA only)
-    timings = time_d(ARCHITECTURES[3], args, device, world) if "D" in args.models and device.type == "cuda" else {}
+    d = next(arch for arch in ARCHITECTURES if arch.letter == "D")
+    timings = time_d(d, args, device, world) if "D" in args.models.split(",") and device.type == "cuda" else {}
     if rank == 0:
         print(f"\n{'DDP training against one process on the whole batch':<45}{'check':>8}{'max rel err':>14}"
               f"{'tensors':>10}")

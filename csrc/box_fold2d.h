@@ -6,7 +6,8 @@
 //                    of w[..., a, b] / divisor,              out (..., kh + bh - 1, kw + bw - 1).
 // Backward (the adjoint, linear too):
 //   grad_w[..., a, b] = sum over p < bh, q < bw of grad[..., a + p, b + q] / divisor.
-// Each sum in float64 (at most bh bw terms: exact for a power-of-two divisor),
+// Each sum in float64 (at most bh bw terms: exact for a power-of-two divisor
+// where the taps span fewer than ~29 binary orders of magnitude),
 // then converted to the result's dtype as .to() converts a float64 tensor. One
 // kernel launch each way on a GPU.
 #pragma once

@@ -30,8 +30,10 @@ from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx.operator_schemas import normalize_function
 
+from . import nn as fused_nn
 from . import rewrites
 from .nn import _fusable_max_pool
+from .ops import _expand, _pair, _pool_triples
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -43,8 +45,8 @@ if hasattr(prims, "_low_memory_max_pool_with_offsets"):
     _MAX_POOLS.append(prims._low_memory_max_pool_with_offsets.default)
 
 
-def _arguments(node: torch.fx.Node) -> dict:
-    """The call's arguments by name, defaults filled in (the op's schema)."""
+def _schema_kwargs(node: torch.fx.Node) -> dict:
+    """An aten call's arguments by their schema's names, defaults filled in."""
     normalized = normalize_function(node.target, tuple(node.args), dict(node.kwargs), normalize_to_only_use_kwargs=True)
     return dict(normalized.kwargs)
 
@@ -53,20 +55,15 @@ def _value(node) -> torch.Tensor:
     return node.meta["val"]
 
 
-def _expand(value, n: int) -> list[int]:
-    """An int or a list of ints as an aten pool takes it (one element for all dims) as n ints."""
-    values = list(value) if isinstance(value, (list, tuple)) else [value]
-    return values * n if len(values) == 1 else values
-
-
 def _max_pool(node: torch.fx.Node) -> types.SimpleNamespace:
     """A 3-D max-pool node's settings (nn.MaxPool3d's names, three ints each), from either form's
     arguments (input, kernel, stride, padding, dilation, ceil_mode; an empty stride: the kernel)."""
     args = list(node.args[1:]) + [None] * 5
     kernel, stride, padding, dilation, ceil_mode = args[:5]
-    return types.SimpleNamespace(kernel_size=_expand(kernel, 3), stride=_expand(stride or kernel, 3),
-                                 padding=_expand(padding or 0, 3), dilation=_expand(dilation or 1, 3),
-                                 ceil_mode=bool(ceil_mode), return_indices=False)
+    kernel, stride, padding = _pool_triples(kernel, stride or None, padding or 0)
+    return types.SimpleNamespace(kernel_size=kernel, stride=stride, padding=padding,
+                                 dilation=_expand(dilation or 1, 3, "dilation"), ceil_mode=bool(ceil_mode),
+                                 return_indices=False)
 
 
 def _dims(dims, rank: int) -> list[int]:
@@ -79,29 +76,26 @@ def _dims(dims, rank: int) -> list[int]:
 def _average_sigmoid_sum_check(match: pm.Match) -> bool:
     out = match.output_node()
     keepdim = out.args[2] if len(out.args) > 2 else False
-    return not keepdim and _dims(out.args[1], 4) == [1, 2, 3] and _value(out.args[0]).dim() == 4
+    return not keepdim and not out.kwargs and _dims(out.args[1], 4) == [1, 2, 3] and _value(out.args[0]).dim() == 4
 
 
 def _replace_average_sigmoid_sum(match: pm.Match, *args, **kwargs) -> None:
     sigmoid = match.output_node().args[0]
     pool_node = sigmoid.args[0]
-    p = _arguments(pool_node)
-    kernel = _expand(p["kernel_size"], 2)
-    pool = types.SimpleNamespace(kernel_size=kernel, stride=_expand(p["stride"] or kernel, 2),
-                                 padding=_expand(p["padding"], 2), ceil_mode=p["ceil_mode"],
+    p = _schema_kwargs(pool_node)
+    kernel = _pair(p["kernel_size"], "kernel_size")
+    pool = types.SimpleNamespace(kernel_size=kernel, stride=_pair(p["stride"] or kernel, "stride"),
+                                 padding=_pair(p["padding"], "padding"), ceil_mode=p["ceil_mode"],
                                  count_include_pad=p["count_include_pad"], divisor_override=p["divisor_override"])
     y = p["input"]
-    conv = y.target is aten.convolution.default and len(y.users) == 1 and _folded_convolution(y, pool)
-    if conv:
+    fold = y.target is aten.convolution.default and len(y.users) == 1 and _folded_convolution(y, pool)
+    if fold:
         x, weight, bias = y.args[:3]
-        fold = conv.fold
 
         def replacement(x, weight, bias):
             folded = torch.ops.fused_ops.box_fold2d(weight, list(fold.box), float(fold.divisor), None)
-            scale = fold.box[0] * fold.box[1] / fold.divisor
-            b = bias if bias is None or scale == 1 else bias * scale
-            return torch.ops.fused_ops.conv2d_sigmoid_sum(x, folded, b, list(fold.stride), list(fold.padding), False,
-                                                          None)[0]
+            return torch.ops.fused_ops.conv2d_sigmoid_sum(x, folded, rewrites._pool_folded_bias(bias, fold),
+                                                          list(fold.stride), list(fold.padding), False, None)[0]
         match.replace_by_example(replacement, [x, weight, bias])
         return
 
@@ -112,7 +106,7 @@ def _replace_average_sigmoid_sum(match: pm.Match, *args, **kwargs) -> None:
     match.replace_by_example(replacement, [y])
 
 
-def _folded_convolution(node: torch.fx.Node, pool) -> types.SimpleNamespace | None:
+def _folded_convolution(node: torch.fx.Node, pool) -> rewrites._PoolFold | None:
     """The fold (rewrites._pool_fold) of a 2-D convolution node and the pool after it, or None."""
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = node.args
     w = _value(weight)
@@ -124,8 +118,7 @@ def _folded_convolution(node: torch.fx.Node, pool) -> types.SimpleNamespace | No
     xv = _value(x)
     if xv.dtype != w.dtype:
         return None
-    fold = rewrites._pool_fold(xv, conv, pool)
-    return None if fold is None else types.SimpleNamespace(fold=fold)
+    return rewrites._pool_fold(xv, conv, pool)
 
 
 for _keepdim in ((), (False,)):
@@ -144,7 +137,7 @@ def _max_pool_mean_check(match: pm.Match) -> bool:
     keepdim = mean.args[2] if len(mean.args) > 2 else False
     pool_node = mean.args[0].args[0]
     return (keepdim is True and _value(mean).dim() == 5 and _dims(mean.args[1], 5) == [2, 3, 4]
-            and len(mean.args) <= 3 and not mean.kwargs and _fusable_max_pool(_max_pool(pool_node), ceil_mode_ok=True))
+            and not mean.kwargs and _fusable_max_pool(_max_pool(pool_node), ceil_mode_ok=True))
 
 
 def _replace_max_pool_mean(match: pm.Match, *args, **kwargs) -> None:
@@ -171,17 +164,28 @@ pm.register_graph_pattern(
 # --- B's tail: sum(max_pool3d(max_pool3d(y)), 1, keepdim=True) ---------------------------------
 
 
+def _first_pool(second: torch.fx.Node) -> torch.fx.Node | None:
+    """The max-pool whose values alone the max-pool `second` pools (the pattern holds the
+    second's; the first's forms and argument counts vary), or None."""
+    values = second.args[0]
+    if not (values.op == "call_function" and values.target is operator.getitem and values.args[1] == 0
+            and len(values.users) == 1):
+        return None
+    first = values.args[0]
+    return first if first.op == "call_function" and first.target in _MAX_POOLS and len(first.users) == 1 else None
+
+
 def _cascade_check(match: pm.Match) -> bool:
     out = match.output_node()
     second = out.args[0].args[0]
-    first = second.args[0].args[0]
-    return (_value(out).dim() == 5 and _dims(out.args[1], 5) == [1]
+    first = _first_pool(second)
+    return (first is not None and _value(out).dim() == 5 and _dims(out.args[1], 5) == [1] and not out.kwargs
             and all(_fusable_max_pool(_max_pool(node), ceil_mode_ok=False) for node in (first, second)))
 
 
 def _replace_cascade(match: pm.Match, *args, **kwargs) -> None:
     second = match.output_node().args[0].args[0]
-    first = second.args[0].args[0]
+    first = _first_pool(second)
     pool1, pool2 = _max_pool(first), _max_pool(second)
 
     def replacement(y):
@@ -241,16 +245,19 @@ def apply_to_eager_graph(graph: torch.fx.Graph) -> list[tuple[str, list[str]]]:
 
 
 class _FusedOpsPass(CustomGraphPass):
-    """Our patterns over a graph, as Inductor's custom post-grad pass (its uuid: this file's
-    contents, for Inductor's cache of compiled graphs)."""
+    """Our patterns over a graph, as Inductor's custom post-grad pass (its uuid: the contents of
+    the files the matching reads, for Inductor's cache of compiled graphs)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         _PATTERNS.apply(graph)
         graph.lint()
 
     def uuid(self) -> bytes:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).digest()
+        digest = hashlib.sha256()
+        for module in (__file__, rewrites.__file__, fused_nn.__file__):  # (what the matching reads)
+            with open(module, "rb") as f:
+                digest.update(f.read())
+        return digest.digest()
 
 
 _PASS = _FusedOpsPass()

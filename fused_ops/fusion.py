@@ -413,17 +413,16 @@ def _fuse_exported(model: nn.Module, example_inputs: tuple, result: FuseReport) 
     (non-strict), decomposed to core ATen, its module with the tails that
     ``fused_ops.compile_patterns`` finds replaced by the fused ops (each op's save flag set at run
     time: the module trains); or `model` itself where export fails too (the report says why)."""
+    from .compile_patterns import apply_to_eager_graph  # (imports Inductor: only here)
     try:
-        exported = torch.export.export(model, tuple(example_inputs), strict=False).run_decompositions()
+        module = torch.export.export(model, tuple(example_inputs), strict=False).run_decompositions().module()
+        fused = apply_to_eager_graph(module.graph)
     except Exception as error:  # (export raises many kinds on what it cannot export)
         result.traced = False
         result.reason += f"; torch.export: {type(error).__name__}: {error}"
         return model
-    from .compile_patterns import apply_to_eager_graph  # (imports Inductor: only here)
-    module = exported.module()
-    result.exported = True
-    result.fused = apply_to_eager_graph(module.graph)
     module.recompile()
+    result.exported, result.fused = True, fused
     return module
 
 
@@ -435,11 +434,12 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
     what was not, and why.
 
     A model that symbolic tracing cannot trace (control flow on shapes, say): with
-    `example_inputs` (a tuple of the forward's arguments), ``torch.export`` of it at those inputs
-    (specialized to their shapes and to the model's current train / eval mode, as export
-    specializes), with C's chain and the tails of A, B and C replaced by the fused ops
-    (``fused_ops.compile_patterns``), parameters shared; without them, or where export fails too
-    (data-dependent control flow), the model is returned as it is."""
+    `example_inputs` (a tuple of the forward's arguments), ``torch.export`` of it at those inputs,
+    with C's chain and the tails of A, B and C replaced by the fused ops
+    (``fused_ops.compile_patterns``), parameters shared. Export specializes: the result takes
+    inputs of those shapes only and runs in the mode the model was in (its ``train()`` and
+    ``eval()`` raise). Without example_inputs, or where export fails too (data-dependent control
+    flow), the model is returned as it is."""
     result = FuseReport()
     try:
         traced = fx.symbolic_trace(model)

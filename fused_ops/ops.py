@@ -665,7 +665,9 @@ def box_fold2d(weight: Tensor, box, divisor: float, *, dtype: torch.dtype | None
 
     weight: (..., kh, kw) floating point. Returns (..., kh + bh - 1, kw + bw - 1) in ``dtype``
     (the weight's for None; any floating type), each tap the sum in float64 of the kernel's taps
-    under it over the divisor, then converted as ``.to(dtype)`` converts a float64 tensor.
+    under it over the divisor (exact for a power-of-two divisor where the taps span fewer than
+    about 29 binary orders of magnitude: any 16-bit weight), then converted as ``.to(dtype)``
+    converts a float64 tensor.
     Differentiable (twice and more: linear both ways); one kernel launch each way on a GPU.
     """
     if not isinstance(weight, Tensor):
@@ -674,10 +676,11 @@ def box_fold2d(weight: Tensor, box, divisor: float, *, dtype: torch.dtype | None
 
 
 def _box_fold_checks(box, divisor, what: str) -> list[int]:
-    b = _pair(list(box), "box")
-    torch._check_value(b[0] > 0 and b[1] > 0, lambda: f"{what}: box must be two positive sizes, got {box}")
-    torch._check_value(math.isfinite(divisor) and divisor != 0,
-                       lambda: f"{what}: divisor must be finite and non-zero, got {divisor}")
+    b = list(box)  # (two sizes, as the kernels take them: the wrapper expands one)
+    # (RuntimeError, as the kernels' checks raise)
+    torch._check(len(b) == 2 and b[0] > 0 and b[1] > 0, lambda: f"{what}: box must be two positive sizes, got {box}")
+    torch._check(math.isfinite(divisor) and divisor != 0,
+                 lambda: f"{what}: divisor must be finite and non-zero, got {divisor}")
     return b
 
 

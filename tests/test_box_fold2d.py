@@ -4,6 +4,7 @@ folded convolution), every dtype, gradcheck to second order, opcheck, bad input.
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fused_ops import box_fold2d
 
@@ -69,11 +70,22 @@ def test_backward_is_the_adjoint(shape, box, divisor, device):
     (mine,) = torch.autograd.grad(box_fold2d(w, box, divisor), w, grad)
     (expected,) = torch.autograd.grad(folded_float64(w, box, divisor), w, grad)
     torch.testing.assert_close(mine, expected, rtol=1e-13, atol=1e-13)
+    # a float32 weight folded to bfloat16: the bfloat16 gradient summed in float64, converted once to float32
     w32 = w.detach().float().requires_grad_()
     (mine32,) = torch.autograd.grad(box_fold2d(w32, box, divisor, dtype=torch.bfloat16), w32, grad.bfloat16())
     assert mine32.dtype == torch.float32
-    torch.testing.assert_close(mine32, BACKWARD(grad.bfloat16().double(), list(shape[-2:]), list(box), divisor,
-                                                torch.float64).float(), rtol=0, atol=0)
+    w64 = w32.detach().double().requires_grad_()
+    (expected32,) = torch.autograd.grad(folded_float64(w64, box, divisor), w64, grad.bfloat16().double())
+    sums_error = box[0] * box[1] * 2.0 ** -52 * unfolded_abs(grad.bfloat16().double(), shape, box, divisor)
+    bound = torch.finfo(torch.float32).eps * expected32.abs() + 2 * sums_error
+    assert ((mine32.double() - expected32).abs() <= bound).all()
+
+
+def unfolded_abs(grad, shape, box, divisor):
+    """The backward's sums of |terms|: sum over the box of |grad| / |divisor| under each tap."""
+    w = torch.zeros(shape, dtype=torch.float64, device=grad.device, requires_grad=True)
+    (out,) = torch.autograd.grad(folded_float64(w, box, abs(divisor)), w, grad.abs())
+    return out
 
 
 @pytest.mark.parametrize("shape,box,divisor", CASES[:3], ids=IDS[:3])
@@ -101,6 +113,24 @@ def test_compiles(device):
     (grad,) = torch.autograd.grad(compiled(w), w)
     (expected,) = torch.autograd.grad(folded_float64(w, (4, 4), 16).square().sum(), w)
     torch.testing.assert_close(grad, expected.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_empty_leading_dims(device):
+    w = torch.randn(0, 3, 3, 3, device=device, requires_grad=True)
+    out = box_fold2d(w, (4, 4), 16)
+    assert out.shape == (0, 3, 6, 6)
+    (grad,) = torch.autograd.grad(out, w, torch.ones_like(out))
+    assert grad.shape == w.shape
+
+
+def test_the_op_takes_two_box_sizes_traced_or_run(device):
+    """The wrapper expands one size; the op itself takes two, traced (its fake) as run."""
+    w = torch.randn(4, 2, 3, 3, device=device)
+    torch.testing.assert_close(box_fold2d(w, 4, 16), box_fold2d(w, (4, 4), 16), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="box must be two positive sizes"):
+        torch.ops.fused_ops.box_fold2d(w, [4], 16.0)
+    with FakeTensorMode() as mode, pytest.raises(RuntimeError, match="box must be two positive sizes"):
+        torch.ops.fused_ops.box_fold2d(mode.from_tensor(w), [4], 16.0)
 
 
 def test_bad_input(device):

@@ -74,13 +74,43 @@ def test_an_intermediate_used_twice_stays(patterns):
 
 
 def test_training_graphs_stay(patterns):
-    """A training graph saves the forward's intermediates for the backward: nothing matches, the
-    gradients are the compiled ops' own."""
+    """A training graph saves the forward's intermediates for the backward: nothing matches, and
+    the gradients are the eager model's."""
     torch.manual_seed(1)
     model = Heads()
     image, volume = inputs("cpu")
-    outputs, code = run_and_get_code(lambda: sum(o.sum() for o in torch.compile(model)(image, volume)))
+    compiled = torch.compile(model)
+
+    def step():
+        loss = sum(o.sum() for o in compiled(image, volume))
+        return torch.autograd.grad(loss, list(model.parameters()))
+
+    grads, code = run_and_get_code(step)
     assert "fused_ops" not in "\n".join(code)
+    expected = torch.autograd.grad(sum(o.sum() for o in model(image, volume)), list(model.parameters()))
+    for grad, ref in zip(grads, expected, strict=True):
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-5)
+
+
+class NotOurs(nn.Module):
+    """Near misses: a sum with a dtype (the fused ops' result would drop it), one max-pool before
+    B's channel sum, a max-pool after another op."""
+
+    def forward(self, y, v):
+        c = torch.sigmoid(F.avg_pool2d(y, 2)).sum((1, 2, 3), dtype=torch.float64)
+        b = F.max_pool3d(v, 2).sum(1, keepdim=True)
+        b2 = F.max_pool3d(F.avg_pool3d(v, 2), 2).sum(1, keepdim=True)
+        return c, b, b2
+
+
+def test_near_misses_stay(patterns):
+    y, v = torch.rand(2, 3, 8, 8), torch.rand(2, 3, 8, 8, 8)
+    with torch.no_grad():
+        outputs, code = run_and_get_code(torch.compile(NotOurs()), y, v)
+    assert "fused_ops" not in "\n".join(code)
+    for out, ref in zip(outputs, NotOurs()(y, v), strict=True):
+        assert out.dtype == ref.dtype
+        torch.testing.assert_close(out, ref)
 
 
 def test_enable_refuses_to_replace_another_pass():
