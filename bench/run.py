@@ -5,10 +5,12 @@ eval forward and training step, the fused module against the original eager,
 tuned by hand and compiled, peak memory) and the configuration grid
 (bench/configs.py: 40 constructor configurations at batch 1, 8 and SPEC's, eval
 and training step, fused against eager and tuned), each in float32 and again
-under bfloat16 autocast, writes JSON under bench/results/ (and under $OUT when
-that is set), and prints short tables last.
+under bfloat16 autocast, and where two GPUs are visible data-parallel training
+on them (bench/distributed.py under torchrun, NCCL); writes JSON under
+bench/results/ (and under $OUT when that is set), and prints short tables last.
 
-    python bench/run.py [--skip-build] [--skip-tests] [--test-shard K/N] [--only tests|tails|models|configs]
+    python bench/run.py [--skip-build] [--skip-tests] [--test-shard K/N]
+                        [--only tests|tails|models|configs|distributed]
                         [--no-compile] [--max-autotune] [--no-autocast] [--device cuda]
 
 On the lent GPU machines the whole suite outlasts one command (about 27 minutes on an H100):
@@ -101,6 +103,19 @@ def print_tails_table(result: dict) -> None:
                   f"backward op alone {r['backward_op_ms']:.3f} ms")
 
 
+def run_distributed(precisions: list[list[str]]) -> list[tuple[bool, str]]:
+    """bench/distributed.py on two GPUs (torchrun, NCCL, NVLink multicast off), once per precision:
+    (every check passed, the output's last lines: its tables) each."""
+    results = []
+    for precision in precisions:
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               os.path.join(ROOT, "bench", "distributed.py"), *precision],
+                              env=dict(os.environ, NCCL_NVLS_ENABLE="0"), capture_output=True, text=True)
+        ok = done.returncode == 0 and "distributed: all ok" in done.stdout
+        results.append((ok, done.stdout[-3000:] + ("" if ok else done.stderr[-3000:])))
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-build", action="store_true")
@@ -108,9 +123,10 @@ def main():
     parser.add_argument("--test-shard", metavar="K/N",
                         help="run only the K-th of N shards of the suite (every N-th test; on the lent GPU machines "
                              "the whole suite outlasts one command: run the shards in separate calls)")
-    parser.add_argument("--only", choices=("tests", "tails", "models", "configs"),
-                        help="only the tests (no timing), or time only the tails, only the whole models, or only the "
-                             "configuration grid (default: the tests, then all three)")
+    parser.add_argument("--only", choices=("tests", "tails", "models", "configs", "distributed"),
+                        help="only the tests (no timing), or time only the tails, only the whole models, only the "
+                             "configuration grid, or only data-parallel training on two GPUs (default: the tests, "
+                             "then the others)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
     parser.add_argument("--max-autotune", action="store_true",
                         help="whole models: also time torch.compile(mode=\"max-autotune\") (slow to compile)")
@@ -137,13 +153,19 @@ def main():
     from timing import device_slug
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tails = None if args.only in ("models", "configs") else time_tails(device, args.batch, not args.no_compile, tests)
+    tails = (None if args.only in ("models", "configs", "distributed")
+             else time_tails(device, args.batch, not args.no_compile, tests))
     models_argv = (["--device", device] + (["--no-compile"] if args.no_compile else [])
                    + (["--max-autotune"] if args.max_autotune else []))
     precisions = [[]] + ([] if args.no_autocast else [["--autocast", "bfloat16"]])
-    whole_models = [] if args.only in ("tails", "configs") else [models.run(models_argv + p) for p in precisions]
+    whole_models = ([] if args.only in ("tails", "configs", "distributed")
+                    else [models.run(models_argv + p) for p in precisions])
     grids = ([configs.run(configs.parse_args(["--device", device] + p)) for p in precisions]
              if args.only in (None, "configs") else [])
+    two_gpus = device.startswith("cuda") and torch.cuda.device_count() >= 2
+    if args.only == "distributed" and not two_gpus:
+        print(f"distributed: needs two GPUs, {torch.cuda.device_count()} visible: not run")
+    distributed = run_distributed(precisions) if args.only in (None, "distributed") and two_gpus else []
     out_dirs = [models.RESULTS] + ([os.environ["OUT"]] if os.environ.get("OUT") else [])
     for out_dir in out_dirs:
         if tails:
@@ -161,7 +183,10 @@ def main():
         models.print_table(result)
     for result in grids:
         configs.print_table(result)
-    if "failed" in tests or "error" in tests or not all(result["ok"] for result in whole_models + grids):
+    for _, output in distributed:
+        print(output)
+    if ("failed" in tests or "error" in tests or not all(result["ok"] for result in whole_models + grids)
+            or not all(ok for ok, _ in distributed)):
         sys.exit(1)
 
 
