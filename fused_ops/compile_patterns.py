@@ -145,7 +145,8 @@ def _replace_max_pool_mean(match: pm.Match, *args, **kwargs) -> None:
     pool = _max_pool(pool_node)
     y, divisor = pool_node.args[0], 1.0
     number = y.args[1] if y.target is aten.div.Tensor and len(y.args) == 2 else None
-    if len(y.users) == 1 and isinstance(number, (int, float)) and not isinstance(number, bool) and number != 0:
+    if (len(y.users) == 1 and isinstance(number, (int, float)) and not isinstance(number, bool) and number != 0
+            and _value(y.args[0]).dtype == _value(y).dtype):  # (not an integer tensor's true division)
         y, divisor = y.args[0], float(number)
 
     def replacement(y):

@@ -94,20 +94,24 @@ def test_training_graphs_stay(patterns):
 
 class NotOurs(nn.Module):
     """Near misses: a sum with a dtype (the fused ops' result would drop it), one max-pool before
-    B's channel sum, a max-pool after another op."""
+    B's channel sum, a max-pool after another op; and A's tail after an integer tensor's division
+    (fused on the quotient: the division stays)."""
 
     def forward(self, y, v):
         c = torch.sigmoid(F.avg_pool2d(y, 2)).sum((1, 2, 3), dtype=torch.float64)
         b = F.max_pool3d(v, 2).sum(1, keepdim=True)
         b2 = F.max_pool3d(F.avg_pool3d(v, 2), 2).sum(1, keepdim=True)
-        return c, b, b2
+        a = F.adaptive_avg_pool3d(F.max_pool3d((v * 8).int() / 2, 2), 1)  # (the division stays)
+        return c, b, b2, a
 
 
 def test_near_misses_stay(patterns):
     y, v = torch.rand(2, 3, 8, 8), torch.rand(2, 3, 8, 8, 8)
     with torch.no_grad():
         outputs, code = run_and_get_code(torch.compile(NotOurs()), y, v)
-    assert "fused_ops" not in "\n".join(code)
+    code = "\n".join(code)
+    assert "fused_ops.max_pool3d_mean" in code  # (A's tail, on the quotient)
+    assert "avg_pool2d_sigmoid_sum" not in code and "max_pool3d_cascade_sum" not in code
     for out, ref in zip(outputs, NotOurs()(y, v), strict=True):
         assert out.dtype == ref.dtype
         torch.testing.assert_close(out, ref)
