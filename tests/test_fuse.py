@@ -45,10 +45,12 @@ def inputs(device, dtype=torch.float64):
 
 
 def check_step(model, original, outputs, args, train):
-    """The fused model's outputs (given) equal original(*args)'s in float64, and where train, after
-    a backward of a weighted sum of each, `model`'s parameters' gradients (the fused model's) equal
-    original's."""
+    """The fused model's outputs (given) equal original(*args)'s in float64, and so do `model`'s
+    buffers (the running statistics a training step updates); where train, after a backward of a
+    weighted sum of each, `model`'s parameters' gradients (the fused model's) equal original's."""
     expected = original(*args)
+    for (name, buffer), ref in zip(model.named_buffers(), original.buffers(), strict=True):
+        torch.testing.assert_close(buffer, ref, rtol=1e-12, atol=1e-14, msg=name)
     for out, ref in zip(outputs, expected):
         assert out.shape == ref.shape and out.dtype == ref.dtype
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
@@ -72,8 +74,6 @@ def test_fuses_the_four_chains_with_the_originals_results(train, device):
     for step in range(2):
         args = inputs(device)
         check_step(model, original, fused(*args), args, train)
-    for (name, buffer), ref in zip(model.named_buffers(), original.buffers()):
-        torch.testing.assert_close(buffer, ref, rtol=1e-10, atol=1e-12, msg=name)  # (the running statistics)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -266,9 +266,6 @@ def test_tails_alone_are_fused_with_the_originals_results(train, device):
     assert {"fused_ops::max_pool3d_mean", "fused_ops::max_pool3d_cascade_sum",
             "fused_ops::avg_pool2d_sigmoid_sum", "fused_ops::batch_norm_gap"} <= ran
     check_step(model, original, outputs, (x, image), train)
-    # the batch norm's running statistics: updated in training as the module updates them
-    for (name, buffer), expected in zip(model.named_buffers(), original.buffers()):
-        torch.testing.assert_close(buffer, expected, rtol=1e-12, atol=1e-14, msg=name)
 
 
 def test_a_cascade_tail_on_unbatched_input_runs_the_traced_ops():
