@@ -24,6 +24,7 @@ nn.SyncBatchNorm runs on CUDA only): a dry run of the script.
 """
 import argparse
 import copy
+import gc
 import os
 import sys
 
@@ -201,6 +202,10 @@ def main() -> int:
             for name, ms in timings.items():
                 print(f"  {name:<40}{ms:10.3f}")
         print("distributed: all ok" if all_ok else "distributed: FAILED")
+    # The DDP wrappers hold the process group in their reducers, inside reference cycles: freed at
+    # interpreter exit, gloo's worker threads aborted the process now and then. Free them now.
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
     return 0 if all_ok else 1
 

@@ -11,6 +11,7 @@ is the one process's loss (out * R).sum(), so each rank's input gradient is
 that loss's on its slice, and DDP's parameter gradients, the ranks' mean, are
 that loss's divided by the world size."""
 import datetime
+import gc
 import os
 import socket
 import subprocess
@@ -116,6 +117,9 @@ def run_rank(rank, port, out_dir):
     start = sum(CASES["D"][3][:rank])
     stop = start + CASES["D"][3][rank]
     results["group of one"] = [run_steps(m, m, "D", start, stop) for m in (converted, plain)]
+    del model
+    gc.collect()  # (the DDP wrappers' reducers hold the group: freed at exit, gloo aborted at times)
+    dist.barrier()
     dist.destroy_process_group()
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
