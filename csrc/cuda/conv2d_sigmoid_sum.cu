@@ -128,8 +128,8 @@ struct Tile {
 
 struct Params {
   const float* x;
-  const float* weight;  // (O, C, KH, KW)
-  const float* bias;    // (O,) or null
+  const void* weight;  // (O, C, KH, KW) in its dtype (Mma::Input)
+  const void* bias;    // (O,) in the weight's dtype, or null
   const uint32_t* fragments;  // the weight's B fragments: (channel_blocks, kWeightWords)
   float* partial;       // (N, tasks_per_image * kWarps)
   float* factor;        // sigmoid'(y) in its layout (conv2d_sigmoid_sum.h), or null where not saved
@@ -255,7 +255,9 @@ __global__ void weight_fragments_kernel(const Params p, uint32_t* fragments) {
   const int64_t total = int64_t{p.channel_blocks} * T::kWeightWords;
   auto weight = [&](int block, int k, int n) {
     const int c = block * kStageChannels + k / T::kTaps, tap = k % T::kTaps;
-    return k < T::kStageK && c < p.C && n < p.O ? p.weight[((int64_t{n} * p.C + c) * T::kTaps) + tap] : 0.f;
+    const auto* w = static_cast<const typename Mma::Input*>(p.weight);
+    return k < T::kStageK && c < p.C && n < p.O ? widened(w[((int64_t{n} * p.C + c) * T::kTaps) + tap])
+                                                 : 0.f;
   };
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int e = i % 4, lane = (i / 4) % 32;
@@ -328,7 +330,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int o = 8 * j + 2 * t + e;
-      bias[j][e] = (p.bias != nullptr && o < p.O) ? p.bias[o] : 0.f;
+      bias[j][e] = (p.bias != nullptr && o < p.O) ? widened(static_cast<const typename Mma::Input*>(p.bias)[o]) : 0.f;
     }
   }
 
@@ -487,8 +489,8 @@ bool with_fused_operation(const at::Tensor& x, const at::Tensor& weight, const C
 // stages as fit, up to kMaxStages, at least two), or false where two stages do
 // not fit. The copy engine loads the stages where the device runs the kernel's
 // sm_90 code and x's rows are 16-byte aligned (the tensor map's strides are
-// multiples of 16 bytes: W % 4 == 0). The weight and bias come as float32
-// (their values exact: a 16-bit weight is widened).
+// multiples of 16 bytes: W % 4 == 0). The weight and bias come in the
+// weight's dtype (Mma::Input), widened as the kernels read them.
 template <typename Mma>
 bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   const Conv2dGeometry& g, at::Tensor& partial, float* factor, int row_groups, int col_tiles,
@@ -516,8 +518,8 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
     p.stages = fit.stages;
     if (p.stages < 2) return;
     p.x = x.const_data_ptr<float>();
-    p.weight = weight.const_data_ptr<float>();
-    p.bias = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+    p.weight = weight.const_data_ptr();
+    p.bias = bias.has_value() ? bias->const_data_ptr() : nullptr;
     p.partial = partial.mutable_data_ptr<float>();
     p.factor = factor;
     p.factor_tiles = static_cast<int>((OW + kFactorColumns - 1) / kFactorColumns);
@@ -570,9 +572,8 @@ std::tuple<at::Tensor, at::Tensor> conv2d_sigmoid_sum_cuda(const at::Tensor& x, 
     at::Tensor factor = save_grad_factor
                             ? at::empty(grad_factor_shape(x.size(0), weight.size(0), oh, ow), x.options())
                             : x.new_empty({0});
-    const std::optional<at::Tensor> bias_f =
-        bias.has_value() ? std::optional(bias->to(at::kFloat).contiguous()) : std::nullopt;
-    if (launch_fused<decltype(mma)>(x.contiguous(), weight.to(at::kFloat).contiguous(), bias_f, g, partial,
+    const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional(bias->contiguous()) : std::nullopt;
+    if (launch_fused<decltype(mma)>(x.contiguous(), weight.contiguous(), bias_c, g, partial,
                                     save_grad_factor ? factor.mutable_data_ptr<float>() : nullptr, row_groups,
                                     col_tiles, OH, OW)) {
       result.emplace(at::sum(partial, {1}, false, out_dtype), factor);

@@ -70,7 +70,7 @@ struct Operation {
 struct Params {
   TaskGrid grid;
   const uint32_t* fragments;  // the weight's A fragments: (channel_blocks, kFragmentWords)
-  const float* bias;          // (O,) or null
+  const void* bias;           // (O,) in the weight's dtype (Mma::Input), or null
   float* partial;             // (tasks * kWarps, kChannels)
   uint8_t* picks;             // (N, O, PD, PH, PW), or null where not saved
   float reciprocal;           // 1 / divisor, as PyTorch's CUDA division multiplies
@@ -84,11 +84,12 @@ struct Params {
 // 16-bit step s is taps 2s (e < 2) and 2s + 1, k = channels 2t, 2t + 1. Zero
 // past O, C and the 27 taps.
 template <typename Mma>
-__global__ void weight_fragments_kernel(const float* weight, int O, int C, int channel_blocks, uint32_t* fragments) {
+__global__ void weight_fragments_kernel(const typename Mma::Input* weight, int O, int C, int channel_blocks,
+                                        uint32_t* fragments) {
   using Op = Operation<Mma>;
   const int64_t total = int64_t{channel_blocks} * Op::kFragmentWords;
   auto w = [&](int o, int c, int tap) {
-    return o < O && c < C && tap < kTaps ? weight[(int64_t{o} * C + c) * kTaps + tap] : 0.f;
+    return o < O && c < C && tap < kTaps ? widened(weight[(int64_t{o} * C + c) * kTaps + tap]) : 0.f;
   };
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int e = static_cast<int>(i % 4), lane = static_cast<int>(i / 4 % 32);
@@ -172,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int o = g + 8 * h;
-    bias[h] = p.bias != nullptr && o < p.O ? p.bias[o] : 0.f;
+    bias[h] = p.bias != nullptr && o < p.O ? widened(static_cast<const T*>(p.bias)[o]) : 0.f;
   }
 
   // tile j = (dd, hh, wq): output plane dd, row 2 rp + hh, columns 16 quarter + 8 wq + (0..7)
@@ -297,11 +298,12 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const int64_t fragment_words = int64_t{grid.channel_blocks} * Op::kFragmentWords;
   const at::Tensor fragments = at::empty({fragment_words}, x.options().dtype(at::kInt));
   weight_fragments_kernel<Mma><<<static_cast<unsigned>((fragment_words + 255) / 256), 256, 0, stream>>>(
-      weight.const_data_ptr<float>(), p.O, static_cast<int>(weight.size(1)), grid.channel_blocks,
+      static_cast<const typename Mma::Input*>(weight.const_data_ptr()), p.O, static_cast<int>(weight.size(1)),
+      grid.channel_blocks,
       reinterpret_cast<uint32_t*>(fragments.mutable_data_ptr<int32_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   p.fragments = reinterpret_cast<const uint32_t*>(fragments.const_data_ptr<int32_t>());
-  p.bias = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  p.bias = bias.has_value() ? bias->const_data_ptr() : nullptr;
   p.partial = partial.mutable_data_ptr<float>();
   p.picks = picks;
 
@@ -329,9 +331,8 @@ std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor&
     at::Tensor picks = save_indices ? at::empty({x.size(0), weight.size(0), g.pooled[0], g.pooled[1], g.pooled[2]},
                                                 x.options().dtype(at::kByte))
                                     : x.new_empty({0}, at::kByte);
-    const std::optional<at::Tensor> bias_f =
-        bias.has_value() ? std::optional(bias->to(at::kFloat).contiguous()) : std::nullopt;
-    if (launch_fused<decltype(mma)>(xc, weight.to(at::kFloat).contiguous(), bias_f, grid, divisor, partial,
+    const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional(bias->contiguous()) : std::nullopt;
+    if (launch_fused<decltype(mma)>(xc, weight.contiguous(), bias_c, grid, divisor, partial,
                                     save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr)) {
       at::Tensor mean = at::empty({x.size(0), weight.size(0)}, x.options());
       sum_columns_kernel<float><<<dim3(1, static_cast<unsigned>(x.size(0))), 32 * kColumnSlices, 0,

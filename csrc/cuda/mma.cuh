@@ -88,13 +88,26 @@ bool with_weight_operation(c10::ScalarType dtype, F&& f) {
   }
 }
 
+// v (float, bfloat16 or float16) as a float: exact.
+template <typename T>
+__device__ __forceinline__ float widened(T v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(v);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(v);
+  } else {
+    static_assert(std::is_same_v<T, float>);
+    return v;
+  }
+}
+
 // v rounded to T (float, or bfloat16 / float16 to nearest even, as .to() rounds), as a float.
 template <typename T>
 __device__ __forceinline__ float rounded_to(float v) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __bfloat162float(__float2bfloat16_rn(v));
+    return widened(__float2bfloat16_rn(v));
   } else if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(__float2half_rn(v));
+    return widened(__float2half_rn(v));
   } else {
     static_assert(std::is_same_v<T, float>);
     return v;
