@@ -54,7 +54,9 @@ def run_tests(log_dir: str, shard: str | None = None) -> str:
     """Runs the suite (or one shard of it: shard_tests); the whole log goes to log_dir/tests.log.
     Returns pytest's closing line."""
     selection = shard_tests(shard) if shard else [os.path.join(ROOT, "tests")]
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
+    # (--durations: where the GPU suite's time goes, in the log)
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-rfE", "--durations=40",
+                             "-p", "no:cacheprovider",
                              "--rootdir", ROOT, *selection], cwd="/", capture_output=True, text=True)
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(log_dir, "tests.log"), "w") as f:
