@@ -1,9 +1,9 @@
 """fused_ops.fuse on models written without fused_ops in mind: each architecture's chain in a
 module of its own (other names, functional spellings), traced and fused, against the same model
 eager and against the drop-in module around fused_ops.reference's original, eval forward and
-training step, in one run (interleaved rounds; CUDA events on a GPU). In eval also the user's
-model under torch.compile, without and with the compile patterns (fused_ops.compile_patterns'
-pass as that compilation's Inductor option).
+training step, in one run (interleaved rounds; CUDA events on a GPU); and the user's model
+under torch.compile, without and with the compile patterns (fused_ops.compile_patterns' pass as
+that compilation's Inductor option).
 
     python bench/bench_fuse.py [--device cuda] [--size spec|tiny] [--rounds 5]
 """
@@ -95,22 +95,22 @@ def main():
                         model(x).float().sum().backward()
                 return run
 
-            calls = {"user": call(user), "fused": call(fused), "drop-in": call(drop_in)}
-            if step == "eval":  # (the patterns replace ops in inference graphs only)
-                calls["compile"] = call(torch.compile(copy.deepcopy(user)))
-                # (its own Inductor options: a backend of its own, not the plain compile's cached graph)
-                calls["compile+patterns"] = call(torch.compile(
-                    copy.deepcopy(user), options={"post_grad_custom_pre_pass": compile_patterns._PASS}))
-                if architecture.letter != "D":  # (D's tail has no pattern yet)
-                    with torch.profiler.profile() as profile:
-                        calls["compile+patterns"]()
-                    assert any(e.name.startswith("fused_ops::") for e in profile.events()), architecture.letter
+            calls = {"user": call(user), "fused": call(fused), "drop-in": call(drop_in),
+                     "compile": call(torch.compile(copy.deepcopy(user).train(step == "train")))}
+            # (its own Inductor options: a backend of its own, not the plain compile's cached graph)
+            patterned = copy.deepcopy(user).train(step == "train")
+            calls["compile+patterns"] = call(torch.compile(
+                patterned, options={"pre_grad_custom_pass": compile_patterns._PASS}))
+            if not (architecture.letter == "D" and step == "eval"):  # (D's eval map: no fused op)
+                with torch.profiler.profile() as profile:
+                    calls["compile+patterns"]()
+                assert any(e.name.startswith("fused_ops::") for e in profile.events()), architecture.letter
             times = interleaved_medians(calls, device, {name: 10 for name in calls}, args.rounds,
                                         lambda name: contextlib.nullcontext())
             ms = {name: statistics.median(rounds) for name, rounds in times.items()}
-            compiled = (f"{ms['compile']:>12.3f}{ms['compile+patterns']:>21.3f}" if "compile" in ms else "")
             print(f"{architecture.letter:<6}{step:<7}{ms['user']:>14.3f}{ms['fused']:>10.3f}{ms['drop-in']:>12.3f}"
-                  f"{ms['user'] / ms['fused']:>9.2f}x{ms['fused'] / ms['drop-in']:>16.2f}x{compiled}")
+                  f"{ms['user'] / ms['fused']:>9.2f}x{ms['fused'] / ms['drop-in']:>16.2f}x"
+                  f"{ms['compile']:>12.3f}{ms['compile+patterns']:>21.3f}")
 
 
 if __name__ == "__main__":

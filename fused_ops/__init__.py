@@ -10,15 +10,15 @@ from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, box_fold2d, conv2d_sig
                   depth_stacked_channels_last, max_pool3d_cascade_sum,
                   max_pool3d_mean, parity_max_pool3d_cascade_sum, parity_max_pool3d_mean)
 
-__all__ = ["enable_compile_patterns", "disable_compile_patterns", "avg_pool2d_sigmoid_sum", "batch_norm_gap", "box_fold2d", "conv2d_sigmoid_sum", "conv3d_max_pool3d_mean",
-           "depth_stacked_channels_last", "max_pool3d_cascade_sum",
-           "max_pool3d_mean", "parity_max_pool3d_cascade_sum", "parity_max_pool3d_mean", "nn", "reference",
-           "rewrites", "fuse", "FuseReport", "has_cuda_kernels"]
+__all__ = ["enable_compile_patterns", "disable_compile_patterns", "avg_pool2d_sigmoid_sum", "batch_norm_gap",
+           "box_fold2d", "conv2d_sigmoid_sum", "conv3d_max_pool3d_mean", "depth_stacked_channels_last",
+           "max_pool3d_cascade_sum", "max_pool3d_mean", "parity_max_pool3d_cascade_sum", "parity_max_pool3d_mean",
+           "nn", "reference", "rewrites", "fuse", "FuseReport", "has_cuda_kernels"]
 
 
 def enable_compile_patterns() -> None:
-    """torch.compile (Inductor) replaces the fused tails it finds in inference graphs by the fused
-    ops from now on (``fused_ops.compile_patterns``)."""
+    """torch.compile (Inductor) runs the architectures' chains and tails it finds, in training and
+    in inference, by the fused ops from now on (``fused_ops.compile_patterns``)."""
     from .compile_patterns import enable_compile_patterns as enable  # (imports Inductor: on first use)
     enable()
 

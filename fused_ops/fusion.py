@@ -2,19 +2,26 @@
 drop-in modules' formulations.
 
 The model is traced by ``torch.fx.symbolic_trace``; each chain that starts at a convolution
-module and goes on, one op after another, through one of the four tails below is replaced by
-one call of the matching ``fused_ops.nn`` module, built around the model's own convolution,
-pools, batch norm and parameters (shared, not copied: the ``state_dict`` keeps its keys,
-optimizers keep their parameters). The fused module is not a submodule of the result (its
-members are the model's); it takes the model's train / eval mode at each call. Everything else
-is left as it was traced. A chain is taken only where each op's result feeds the next op
-alone; where one is used elsewhere too, or the next op is not the chain's, the report says so.
+and goes on, one op after another, through one of the four tails below is replaced by one call
+of the matching ``fused_ops.nn`` module, built around the model's own convolution, pools, batch
+norm and parameters (shared, not copied: the ``state_dict`` keeps its keys, optimizers keep
+their parameters). The fused module is not a submodule of the result (its members are the
+model's); it takes the model's train / eval mode at each call. Everything else is left as it
+was traced. A chain is taken only where each op's result feeds the next op alone; where one is
+used elsewhere too, or the next op is not the chain's, the report says so.
+
+A convolution may be a module or its functional call (``F.conv3d(x, w, b)``), and so may a
+batch norm where the graph knows its input's shape (``F.batch_norm`` in the graphs
+torch.compile captures): a functional one is rebuilt as a module on the meta device whose
+tensors are bound to the call's (the model's parameters, set in it; or, in torch.compile's
+graphs, where parameters and buffers are the graph's inputs, bound at each call by
+``torch.func.functional_call``: ``fused_ops.compile_patterns`` runs this matching there).
 
 The chains (module and functional spellings alike; d, s: Python numbers; b: a parameter):
 
 - A: ``Conv3d`` → ``/ d`` (``torch.div``, ``.div``) → ``MaxPool3d`` / ``F.max_pool3d`` → a
   global average (``AdaptiveAvgPool3d(1)``, ``F.adaptive_avg_pool3d(·, 1)``,
-  ``.mean((2, 3, 4), keepdim=True)``) → ``+ b`` → ``torch.sum(·, dim=k)``;
+  ``.mean((2, 3, 4), keepdim=True)``) → ``+ b`` (a parameter) → ``torch.sum(·, dim=k)``;
 - B: ``ConvTranspose3d`` → max-pool → max-pool → ``.sum(1, keepdim=True)``;
 - C: ``Conv2d`` → ``AvgPool2d`` / ``F.avg_pool2d`` → sigmoid → ``.sum((1, 2, 3))``;
 - D: ``ConvTranspose3d`` → ``* s`` → ``BatchNorm3d`` → ``AdaptiveAvgPool3d(1)`` /
@@ -25,9 +32,8 @@ too), the tails alone, each replaced by its fused op: ``AvgPool2d → sigmoid �
 (``avg_pool2d_sigmoid_sum``); ``[/ d →] max-pool → global average`` (``max_pool3d_mean``);
 ``max-pool → max-pool → .sum(1, keepdim=True)`` (``max_pool3d_cascade_sum``); ``* s →
 BatchNorm3d → AdaptiveAvgPool3d(1)`` (``batch_norm_gap``, the running statistics updated as the
-module updates them). A tail's call runs
-the traced ops instead where the fused op does not take the pools (dilation; ceil_mode for the
-cascade) or the input's rank (an unbatched input).
+module updates them). A tail's call runs the traced ops instead where the fused op does not take
+the pools (dilation; ceil_mode for the cascade) or the input's rank (an unbatched input) or dtype.
 """
 from __future__ import annotations
 
@@ -72,19 +78,33 @@ class FuseReport:
         return "\n".join(lines)
 
 
-class _FusedChain:
-    """The call that replaces a chain: the fused module on the chain's input, in the traced
-    model's train / eval mode. (A callable, not a submodule: the module's members are the
-    model's own, and a submodule would repeat them in the state_dict.)"""
+class _FusedCall:
+    """The call that replaces a chain or a tail: `module` (the chain's drop-in module, or a
+    _TailModule) on its input, in the owner's train / eval mode where there is an owner (the
+    traced model), with the tensors the graph gives at each call (`tensor_names`: the module's
+    parameters and buffers they stand for, in the call's order after the input) in place of the
+    module's own (torch.func.functional_call). (A callable, not a submodule: the module's members
+    are the model's own, and a submodule would repeat them in the state_dict.)"""
 
-    def __init__(self, module: nn.Module, owner: nn.Module, name: str):
-        self.module, self.owner = module, owner
+    def __init__(self, module: nn.Module, owner: nn.Module | None, name: str, tensor_names: list[str]):
+        self.module, self.owner, self.tensor_names = module, owner, tensor_names
         self.__name__ = self.__qualname__ = name
 
-    def __call__(self, x):
-        if self.module.training != self.owner.training:
+    def __call__(self, x, *tensors):
+        if self.owner is not None and self.module.training != self.owner.training:
             self.module.train(self.owner.training)
-        return self.module(x)
+        if not self.tensor_names:
+            return self.module(x)
+        return torch.func.functional_call(self.module, dict(zip(self.tensor_names, tensors)), (x,))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bound:
+    """A member rebuilt from a functional call (a module on the meta device, a meta parameter)
+    and the nodes that give its tensors at each call: {its parameter's or buffer's name ("" for
+    the member itself): node}."""
+    member: Any
+    tensors: dict[str, fx.Node]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,10 +138,57 @@ def _module(node: fx.Node, model: fx.GraphModule, kind: type) -> nn.Module | Non
     return module if type(module) is kind else None
 
 
+def _tensor_value(node, model: fx.GraphModule) -> torch.Tensor | None:
+    """The tensor a node gives, where known before running the graph: a traced attribute's, or
+    the example value torch.compile's graphs carry (a fake tensor)."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "get_attr":
+        value = model
+        for atom in node.target.split("."):
+            value = getattr(value, atom, None)
+    else:
+        value = node.meta.get("example_value", node.meta.get("val"))
+    return value if isinstance(value, torch.Tensor) else None
+
+
+# a convolution module's functional spelling: (the function, its arguments after the input)
+_FUNCTIONAL_CONVOLUTIONS = {
+    nn.Conv2d: (F.conv2d, ("weight", "bias", "stride", "padding", "dilation", "groups")),
+    nn.Conv3d: (F.conv3d, ("weight", "bias", "stride", "padding", "dilation", "groups")),
+    nn.ConvTranspose3d: (F.conv_transpose3d, ("weight", "bias", "stride", "padding", "output_padding", "groups",
+                                              "dilation")),
+}
+
+
 def _convolution(kind: type) -> Callable:
+    """The convolution module of `kind`, or its functional spelling (torch.compile's graphs
+    have no modules) rebuilt as one on the meta device, its weight and bias bound to the call's."""
+    function, names = _FUNCTIONAL_CONVOLUTIONS[kind]
+
     def match(node, previous, model):
         module = _module(node, model, kind)
-        return module if module is not None and len(node.args) == 1 and not node.kwargs else None
+        if module is not None:
+            return module if len(node.args) == 1 and not node.kwargs else None
+        if not (node.op == "call_function" and node.target is function and node.args[:1] == (previous,)):
+            return None
+        a = _arguments(node, names, {"bias": None, "stride": 1, "padding": 0, "output_padding": 0, "dilation": 1,
+                                     "groups": 1})
+        weight = a and _tensor_value(a.get("weight"), model)
+        if weight is None or (a["bias"] is not None and _tensor_value(a["bias"], model) is None):
+            return None
+        groups = a["groups"]
+        channels = (weight.shape[0], weight.shape[1] * groups)  # (O, I); a transposed one's: (I, O)
+        if kind is nn.ConvTranspose3d:
+            channels, extra = channels[::-1], {"output_padding": a["output_padding"]}
+        else:
+            extra = {}
+        try:
+            module = kind(channels[1], channels[0], tuple(weight.shape[2:]), stride=a["stride"], padding=a["padding"],
+                          dilation=a["dilation"], groups=groups, bias=a["bias"] is not None, device="meta", **extra)
+        except (TypeError, ValueError):  # (arguments the module refuses: PyTorch's call would too)
+            return None
+        return _Bound(module, {"weight": a["weight"], **({"bias": a["bias"]} if a["bias"] is not None else {})})
     return match
 
 
@@ -137,10 +204,12 @@ def _number_operand(node: fx.Node, previous: fx.Node, functions: tuple, methods:
 
 
 def _division(node, previous, model):
-    """/ d by a non-zero number (the fused ops refuse a zero divisor, PyTorch's division gives inf)."""
+    """/ d by a non-zero number (the fused ops refuse a zero divisor, PyTorch's division gives inf)
+    of a floating tensor where its dtype is known (an integer tensor's true division stays)."""
     divisor = _number_operand(node, previous, (operator.truediv, torch.div, torch.true_divide),
                               ("div", "true_divide", "__truediv__"), commutative=False)
-    return divisor if divisor != 0 else None
+    value = _tensor_value(previous, model)
+    return divisor if divisor != 0 and (value is None or value.dtype.is_floating_point) else None
 
 
 def _scale(node, previous, model):
@@ -210,21 +279,19 @@ def _global_average(node, previous, model, mean_too=True):
 
 
 def _parameter_added(node, previous, model):
+    """+ b: the model's parameter b, or (in torch.compile's graphs, where parameters are the
+    graph's inputs) a floating tensor the graph gives, bound to a meta parameter of its shape."""
     if not _is_call(node, (operator.add, torch.add), ("add", "__add__")) or len(node.args) != 2 or node.kwargs:
         return None
     others = [arg for arg in node.args if arg is not previous]
-    if len(others) != 1 or not isinstance(others[0], fx.Node) or others[0].op != "get_attr":
+    value = _tensor_value(others[0], model) if len(others) == 1 else None
+    if value is None:
         return None
-    value = model.get_parameter(others[0].target) if _has_parameter(model, others[0].target) else None
-    return value
-
-
-def _has_parameter(model: nn.Module, name: str) -> bool:
-    try:
-        model.get_parameter(name)
-    except AttributeError:
-        return False
-    return True
+    if others[0].op == "get_attr":
+        return value if isinstance(value, nn.Parameter) else None
+    if not value.dtype.is_floating_point:
+        return None
+    return _Bound(nn.Parameter(torch.empty(value.shape, dtype=value.dtype, device="meta")), {"": others[0]})
 
 
 def _sum_arguments(node: fx.Node, previous: fx.Node) -> dict | None:
@@ -264,8 +331,31 @@ def _sigmoid(node, previous, model):
 
 
 def _batch_norm3d(node, previous, model):
+    """nn.BatchNorm3d, or F.batch_norm of a 5-D input with a momentum (torch.compile's graphs:
+    the module's call, its num_batches_tracked counted by the graph before it) rebuilt as one on
+    the meta device without num_batches_tracked, its tensors bound to the call's."""
     module = _module(node, model, nn.BatchNorm3d)
-    return module if module is not None and node.args == (previous,) and not node.kwargs else None
+    if module is not None:
+        return module if node.args == (previous,) and not node.kwargs else None
+    if not (node.op == "call_function" and node.target is F.batch_norm and node.args[:1] == (previous,)):
+        return None
+    a = _arguments(node, ("running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+                   {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5})
+    if a is None or not (_number(a["momentum"]) and _number(a["eps"]) and isinstance(a["training"], bool)):
+        return None
+    tensors = {name: a.get(name) for name in ("running_mean", "running_var", "weight", "bias")}
+    values = {name: _tensor_value(node, model) for name, node in tensors.items()}
+    y = _tensor_value(previous, model)
+    if (y is None or y.dim() != 5 or any(tensors[n] is not None and values[n] is None for n in tensors)
+            or (tensors["weight"] is None) != (tensors["bias"] is None)
+            or (tensors["running_mean"] is None) != (tensors["running_var"] is None)
+            or (tensors["running_mean"] is None and not a["training"])):
+        return None
+    module = nn.BatchNorm3d(y.shape[1], eps=a["eps"], momentum=a["momentum"], affine=tensors["weight"] is not None,
+                            track_running_stats=tensors["running_mean"] is not None, device="meta")
+    module.num_batches_tracked = None  # (counted by the graph)
+    module.train(a["training"])
+    return _Bound(module, {name: node for name, node in tensors.items() if node is not None})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +382,7 @@ CHAINS = (
 
 # The tails alone (where no whole chain holds), each replaced by a call of its fused op: builders
 # of that call from the members the ops give. Each runs the traced ops instead where the fused op
-# does not take the pools or the input's rank, and returns the traced ops' dtype under autocast.
+# does not take the pools or the input's rank or dtype, and returns the traced ops' dtype under autocast.
 
 
 def _in_tail_dtype(out: torch.Tensor, y: torch.Tensor, ops: tuple[str, ...]) -> torch.Tensor:
@@ -301,7 +391,7 @@ def _in_tail_dtype(out: torch.Tensor, y: torch.Tensor, ops: tuple[str, ...]) -> 
 
 def _average_sigmoid_sum(avg_pool):
     def call(y):
-        if y.dim() != 4:
+        if y.dim() != 4 or not y.is_floating_point():
             return torch.sum(torch.sigmoid(avg_pool(y)), dim=(1, 2, 3))
         out = avg_pool2d_sigmoid_sum(y, avg_pool.kernel_size, avg_pool.stride, avg_pool.padding, avg_pool.ceil_mode,
                                      avg_pool.count_include_pad, avg_pool.divisor_override)
@@ -311,7 +401,7 @@ def _average_sigmoid_sum(avg_pool):
 
 def _max_pool_mean(max_pool, global_avg_pool, divisor=None):
     def call(y):
-        if y.dim() != 5 or not _fusable_max_pool(max_pool, ceil_mode_ok=True):
+        if y.dim() != 5 or not y.is_floating_point() or not _fusable_max_pool(max_pool, ceil_mode_ok=True):
             return global_avg_pool(max_pool(y if divisor is None else y / divisor))
         mean = max_pool3d_mean(y, max_pool.kernel_size, max_pool.stride, max_pool.padding, max_pool.ceil_mode,
                                1.0 if divisor is None else divisor)
@@ -321,7 +411,8 @@ def _max_pool_mean(max_pool, global_avg_pool, divisor=None):
 
 def _max_pool_cascade_sum(max_pool1, max_pool2):
     def call(y):
-        if y.dim() != 5 or not all(_fusable_max_pool(pool, ceil_mode_ok=False) for pool in (max_pool1, max_pool2)):
+        if (y.dim() != 5 or not y.is_floating_point()
+                or not all(_fusable_max_pool(pool, ceil_mode_ok=False) for pool in (max_pool1, max_pool2))):
             return torch.sum(max_pool2(max_pool1(y)), dim=1, keepdim=True)
         out = max_pool3d_cascade_sum(y, max_pool1.kernel_size, max_pool2.kernel_size, stride1=max_pool1.stride,
                                      padding1=max_pool1.padding, stride2=max_pool2.stride, padding2=max_pool2.padding)
@@ -357,14 +448,17 @@ TAILS = (
 )
 
 
-class _TailCall:
-    """The call that replaces a tail (a callable with a name, as torch.fx's code wants)."""
+class _TailModule(nn.Module):
+    """A tail's call (its _Tail's build over its members) as a module whose submodules are the
+    members that are modules, so that a _FusedCall binds the graph's tensors into them."""
 
-    def __init__(self, call: Callable, name: str):
-        self.call = call
-        self.__name__ = self.__qualname__ = name
+    def __init__(self, tail: "_Tail", members: dict):
+        super().__init__()
+        for name, member in members.items():
+            setattr(self, name, member)
+        self.call = tail.build(**members)
 
-    def __call__(self, y):
+    def forward(self, y):
         return self.call(y)
 
 
@@ -395,10 +489,10 @@ def _match(chain, start: fx.Node, model: fx.GraphModule) -> tuple[list[fx.Node],
     return nodes, members
 
 
-def _replace(graph: fx.Graph, nodes: list[fx.Node], call: Callable, data: fx.Node) -> None:
-    """The matched nodes replaced by call(data); get_attr nodes left unused by them removed."""
+def _replace(graph: fx.Graph, nodes: list[fx.Node], call: Callable, args: tuple) -> None:
+    """The matched nodes replaced by call(*args); get_attr nodes left unused by them removed."""
     with graph.inserting_before(nodes[-1]):
-        replacement = graph.call_function(call, (data,))
+        replacement = graph.call_function(call, args)
     nodes[-1].replace_all_uses_with(replacement)
     attributes = [arg for node in nodes for arg in node.args if isinstance(arg, fx.Node) and arg.op == "get_attr"]
     for node in reversed(nodes):
@@ -411,9 +505,9 @@ def _replace(graph: fx.Graph, nodes: list[fx.Node], call: Callable, data: fx.Nod
 def _fuse_exported(model: nn.Module, example_inputs: tuple, result: FuseReport) -> nn.Module:
     """The fallback for a model symbolic tracing cannot trace: ``torch.export`` at example_inputs
     (non-strict), decomposed to core ATen, its module with the tails that
-    ``fused_ops.compile_patterns`` finds replaced by the fused ops (each op's save flag set at run
+    ``fused_ops.export_patterns`` finds replaced by the fused ops (each op's save flag set at run
     time: the module trains); or `model` itself where export fails too (the report says why)."""
-    from .compile_patterns import apply_to_eager_graph  # (imports Inductor: only here)
+    from .export_patterns import apply_to_eager_graph  # (imports Inductor: only here)
     try:
         module = torch.export.export(model, tuple(example_inputs), strict=False).run_decompositions().module()
         fused = apply_to_eager_graph(module.graph)
@@ -436,7 +530,7 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
     A model that symbolic tracing cannot trace (control flow on shapes, say): with
     `example_inputs` (a tuple of the forward's arguments), ``torch.export`` of it at those inputs,
     with C's chain and the tails of A, B and C replaced by the fused ops
-    (``fused_ops.compile_patterns``), parameters shared. Export specializes: the result takes
+    (``fused_ops.export_patterns``), parameters shared. Export specializes: the result takes
     inputs of those shapes only and runs in the mode the model was in (its ``train()`` and
     ``eval()`` raise). Without example_inputs, or where export fails too (data-dependent control
     flow), the model is returned as it is."""
@@ -451,9 +545,41 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
             model = _fuse_exported(model, example_inputs, result)
         return (model, result) if report else model
     traced.train(model.training)
+    fuse_graph(traced, result, follow_mode=True)
+    traced.recompile()
+    return (traced, result) if report else traced
+
+
+def _bind(members: dict, model: fx.GraphModule) -> tuple[dict, dict[str, fx.Node]]:
+    """The members with each _Bound one's member in its place, and the tensors left to bind at
+    each call ({the name under the fused module: node}); a traced attribute is set in the member
+    itself (shared, not bound per call) where its slot takes it: a parameter for a parameter, a
+    tensor for a buffer."""
+    plain, tensors = {}, {}
+    for name, value in members.items():
+        if not isinstance(value, _Bound):
+            plain[name] = value
+            continue
+        plain[name] = value.member
+        for slot, node in value.tensors.items():
+            tensor = _tensor_value(node, model) if node.op == "get_attr" else None
+            if slot and tensor is not None and (isinstance(tensor, nn.Parameter) or slot in value.member._buffers):
+                setattr(value.member, slot, tensor)
+            elif not slot and isinstance(tensor, nn.Parameter):
+                plain[name] = tensor
+            else:
+                tensors[f"{name}.{slot}" if slot else name] = node
+    return plain, tensors
+
+
+def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool) -> None:
+    """The chains, then the tails, found in `traced`'s graph replaced in place (the report in
+    `result`). follow_mode: the fused calls take `traced`'s train / eval mode at each call (a
+    functional batch norm keeps its call's)."""
     graph = traced.graph
     taken: set[fx.Node] = set()  # (the nodes of the chains fused so far: erased)
-    for patterns, starts in ((CHAINS, ("call_module",)), (TAILS, ("call_module", "call_function", "call_method"))):
+    for patterns, starts in ((CHAINS, ("call_module", "call_function")),
+                             (TAILS, ("call_module", "call_function", "call_method"))):
         for start in list(graph.nodes):
             if start in taken or start.op not in starts:
                 continue
@@ -465,15 +591,23 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
                         result.skipped.append((name, start.name, f"stopped after {found[0]} ops: {found[1]}"))
                     continue
                 nodes, members = found
-                label = f"fused_{name.replace('-', '_')}_{len(result.fused)}"
+                value = _tensor_value(_input(start), traced)
+                if value is not None and any(isinstance(size, torch.SymInt) for size in value.shape):
+                    # (a graph compiled for dynamic shapes: the formulations are for static ones)
+                    result.skipped.append((name, start.name, "its input's shape is dynamic"))
+                    break
+                members, tensors = _bind(members, traced)
+                own_mode = any(isinstance(m, _Bound) and isinstance(m.member, nn.BatchNorm3d)
+                               for m in found[1].values())
                 if isinstance(pattern, _Chain):
-                    fused = pattern.module.from_module(types.SimpleNamespace(**members, training=traced.training))
-                    _replace(graph, nodes, _FusedChain(fused, traced, label), _input(start))
+                    training = members["batch_norm"].training if own_mode else traced.training
+                    module = pattern.module.from_module(types.SimpleNamespace(**members, training=training))
                 else:
-                    _replace(graph, nodes, _TailCall(pattern.build(**members), label), _input(start))
+                    module = _TailModule(pattern, members)
+                owner = traced if follow_mode and not own_mode else None
+                call = _FusedCall(module, owner, f"fused_{name.replace('-', '_')}_{len(result.fused)}", list(tensors))
+                _replace(graph, nodes, call, (_input(start), *tensors.values()))
                 taken.update(nodes)
                 result.fused.append((name, [node.name for node in nodes]))
                 break
     graph.lint()
-    traced.recompile()
-    return (traced, result) if report else traced

@@ -1,7 +1,9 @@
-"""fused_ops.enable_compile_patterns: inside torch.compile (Inductor), the fused tails of a model
-written without fused_ops in mind replaced by the fused ops in inference graphs (the generated
-code calls them), with the compiled model's results; what must stay (an intermediate used twice,
-a training graph) stays."""
+"""fused_ops.enable_compile_patterns: inside torch.compile, the chains and tails of models written
+without fused_ops in mind run by the fused ops, in training and in inference, with the original's
+outputs, gradients and running statistics; what must stay (an intermediate used twice, near
+misses) stays."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,86 +12,129 @@ from torch._inductor.utils import run_and_get_code
 
 import fused_ops
 from conftest import DEVICES
-
-
-class Heads(nn.Module):
-    """C's chain, C's tail after another producer, A's tail with a division, B's cascade tail."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3)
-        self.other = nn.Conv2d(3, 5, 3, stride=2)
-        self.conv3d = nn.Conv3d(3, 6, 3)
-
-    def forward(self, image, volume):
-        c = torch.sigmoid(F.avg_pool2d(self.conv(image), 4)).sum(dim=(1, 2, 3))
-        c_tail = torch.sigmoid(F.avg_pool2d(torch.relu(self.other(image)), 3, stride=2, padding=1)).sum((1, 2, 3))
-        h = self.conv3d(volume)
-        a = F.adaptive_avg_pool3d(F.max_pool3d(h / -1.5, 2), 1)
-        b = F.max_pool3d(F.max_pool3d(torch.relu(h), 2), 2, stride=1).sum(1, keepdim=True)
-        return c, c_tail, a, b
+from fused_ops import fusion
+from fusable_models import Network, Tails, check_step, inputs, tails_inputs
 
 
 @pytest.fixture
-def patterns():
+def reports(monkeypatch):
+    """The patterns on; the FuseReport of each graph the pass saw (in the order compiled: Inductor's
+    caches off, whose hits skip the pass)."""
+    monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
+    seen = []
+    real = fusion.fuse_graph
+
+    def recording(traced, result, follow_mode):
+        real(traced, result, follow_mode)
+        seen.append(result)
+
+    monkeypatch.setattr(fusion, "fuse_graph", recording)
     fused_ops.enable_compile_patterns()
-    yield
+    yield seen
     fused_ops.disable_compile_patterns()
 
 
-def inputs(device):
-    g = torch.Generator().manual_seed(0)
-    return (torch.rand(2, 3, 23, 27, generator=g).to(device), torch.rand(2, 3, 9, 11, 12, generator=g).to(device))
+def fused_names(reports) -> list[str]:
+    return sorted(name for report in reports for name, _ in report.fused)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_inference_graphs_call_the_fused_ops(patterns, device):
-    """(Full float32 convolutions: the fused kernels' TF32 is the fused ops' own tests' business.)"""
-    torch.manual_seed(0)
-    model = Heads().to(device).eval()
-    args = inputs(device)
-    with torch.no_grad(), torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-        expected = model(*args)
-        outputs, code = run_and_get_code(torch.compile(model), *args)
-    code = "\n".join(code)
-    for op in ("box_fold2d", "conv2d_sigmoid_sum", "avg_pool2d_sigmoid_sum", "max_pool3d_mean",
-               "max_pool3d_cascade_sum"):
-        assert f"fused_ops.{op}" in code, op
-    for out, ref in zip(outputs, expected, strict=True):
-        assert out.shape == ref.shape and out.dtype == ref.dtype
-        torch.testing.assert_close(out, ref, rtol=2e-5, atol=1e-5)
-
-
-def test_an_intermediate_used_twice_stays(patterns):
-    class Twice(nn.Module):
-        def forward(self, y):
-            pooled = F.avg_pool2d(y, 2)
-            return torch.sigmoid(pooled).sum((1, 2, 3)), pooled.amax()
-
-    y = torch.rand(2, 3, 8, 8)
-    with torch.no_grad():
-        outputs, code = run_and_get_code(torch.compile(Twice()), y)
-    assert "fused_ops" not in "\n".join(code)
-    torch.testing.assert_close(outputs, Twice()(y))
-
-
-def test_training_graphs_stay(patterns):
-    """A training graph saves the forward's intermediates for the backward: nothing matches, and
-    the gradients are the eager model's."""
-    torch.manual_seed(1)
-    model = Heads()
-    image, volume = inputs("cpu")
+def compiled_steps(model, original, args_of, train, steps=2):
+    """Steps of torch.compile(model) checked against the original eager (fusable_models.check_step);
+    the generated code of the first."""
     compiled = torch.compile(model)
+    code = None
+    for step in range(steps):
+        args = args_of()
+        with torch.set_grad_enabled(train):
+            if code is None:
+                outputs, code = run_and_get_code(compiled, *args)
+            else:
+                outputs = compiled(*args)
+            check_step(model, original, outputs, args, train)
+    return "\n".join(code)
 
-    def step():
-        loss = sum(o.sum() for o in compiled(image, volume))
-        return torch.autograd.grad(loss, list(model.parameters()))
 
-    grads, code = run_and_get_code(step)
-    assert "fused_ops" not in "\n".join(code)
-    expected = torch.autograd.grad(sum(o.sum() for o in model(image, volume)), list(model.parameters()))
-    for grad, ref in zip(grads, expected, strict=True):
-        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_four_chains_compile_to_the_fused_formulations(reports, train, device):
+    """Network's chains (convolutions and pools as the graph's functional calls, parameters and
+    buffers its inputs): each by its drop-in's formulation; float64 outputs, gradients and running
+    statistics equal the original's."""
+    torch.manual_seed(0)
+    original = Network().double().to(device).train(train)
+    model = copy.deepcopy(original)
+    code = compiled_steps(model, original, lambda: inputs(device), train)
+    assert fused_names(reports) == ["A", "B", "C", "D"], reports
+    if device == "cuda":  # (the rules' formulations there: A's and C's convolution and tail in one op)
+        for op in ("conv3d_max_pool3d_mean", "conv2d_sigmoid_sum"):
+            assert f"fused_ops.{op}" in code, op
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_tails_compile_to_the_fused_ops(reports, train, device):
+    torch.manual_seed(5)
+    original = Tails().double().to(device).train(train)
+    model = copy.deepcopy(original)
+    code = compiled_steps(model, original, lambda: tails_inputs(device), train)
+    assert fused_names(reports) == ["A-tail", "A-tail", "B-tail", "C-tail", "D-tail"], reports
+    for op in ("max_pool3d_mean", "max_pool3d_cascade_sum", "avg_pool2d_sigmoid_sum", "batch_norm_gap"):
+        assert f"fused_ops.{op}" in code, op
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_autocast_gives_the_originals_dtypes(reports, train):
+    """Under CPU bfloat16 autocast the compiled chains return the dtype the original's do, within
+    bfloat16's rounding of its values."""
+    torch.manual_seed(7)
+    original = Network().train(train)
+    model = copy.deepcopy(original)
+    args = inputs("cpu", torch.float32)
+    with torch.set_grad_enabled(train), torch.autocast("cpu", torch.bfloat16):
+        outputs, expected = torch.compile(model)(*args), original(*args)
+    assert fused_names(reports) == ["A", "B", "C", "D"], reports
+    for out, ref in zip(outputs, expected, strict=True):
+        assert out.dtype == ref.dtype and out.shape == ref.shape
+        torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2 * ref.float().abs().max().item())
+
+
+class ChainC(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        return torch.sigmoid(F.avg_pool2d(self.conv(x), 2)).sum((1, 2, 3))
+
+
+def test_dynamic_shapes_stay_unfused(reports):
+    """A graph compiled for dynamic shapes keeps its ops (the formulations are compiled for static
+    shapes: C's rewrite broke Inductor's lowering there), with the original's results and gradients."""
+    torch.manual_seed(3)
+    model = ChainC()
+    compiled = torch.compile(model, dynamic=True)
+    for batch, height in ((2, 13), (3, 16)):
+        x = torch.rand(batch, 3, height, 14, requires_grad=True)
+        out = compiled(x)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        ref = model(x)
+        torch.testing.assert_close(out, ref)
+        torch.testing.assert_close(grad, torch.autograd.grad(ref.sum(), x)[0])
+    assert fused_names(reports) == [] and any(
+        "dynamic" in why for report in reports for _, _, why in report.skipped), reports
+
+
+class Twice(nn.Module):
+    def forward(self, y):
+        pooled = F.avg_pool2d(y, 2)
+        return torch.sigmoid(pooled).sum((1, 2, 3)), pooled.amax()
+
+
+def test_an_intermediate_used_twice_stays(reports):
+    y = torch.rand(2, 3, 8, 8)
+    outputs, code = run_and_get_code(torch.compile(Twice()), y)
+    assert fused_names(reports) == [] and "fused_ops" not in "\n".join(code)
+    torch.testing.assert_close(outputs, Twice()(y))
 
 
 class NotOurs(nn.Module):
@@ -105,10 +150,10 @@ class NotOurs(nn.Module):
         return c, b, b2, a
 
 
-def test_near_misses_stay(patterns):
+def test_near_misses_stay(reports):
     y, v = torch.rand(2, 3, 8, 8), torch.rand(2, 3, 8, 8, 8)
-    with torch.no_grad():
-        outputs, code = run_and_get_code(torch.compile(NotOurs()), y, v)
+    outputs, code = run_and_get_code(torch.compile(NotOurs()), y, v)
+    assert fused_names(reports) == ["A-tail"], reports
     code = "\n".join(code)
     assert "fused_ops.max_pool3d_mean" in code  # (A's tail, on the quotient)
     assert "avg_pool2d_sigmoid_sum" not in code and "max_pool3d_cascade_sum" not in code
@@ -128,12 +173,12 @@ def test_enable_refuses_to_replace_another_pass():
         def uuid(self):
             return b"other"
 
-    config.post_grad_custom_pre_pass = Other()
+    config.pre_grad_custom_pass = Other()
     try:
         with pytest.raises(RuntimeError, match="already set"):
             fused_ops.enable_compile_patterns()
     finally:
-        config.post_grad_custom_pre_pass = None
+        config.pre_grad_custom_pass = None
     fused_ops.enable_compile_patterns()
     fused_ops.disable_compile_patterns()
-    assert config.post_grad_custom_pre_pass is None
+    assert config.pre_grad_custom_pass is None

@@ -12,53 +12,7 @@ from torch import nn
 
 import fused_ops
 from conftest import DEVICES
-
-
-class Network(nn.Module):
-    """The four chains after a shared stem, each spelled another way than fused_ops.reference."""
-
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Conv3d(3, 8, 1)
-        self.a_conv = nn.Conv3d(8, 16, 3)
-        self.a_offset = nn.Parameter(torch.randn(16, 1, 1, 1))
-        self.up = nn.ConvTranspose3d(8, 4, 5, stride=2, padding=2)
-        self.pools = nn.Sequential(nn.MaxPool3d(2), nn.MaxPool3d(3))
-        self.head2d = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AvgPool2d(2), nn.Sigmoid())
-        self.d_up = nn.ConvTranspose3d(8, 6, 3)
-        self.d_norm = nn.BatchNorm3d(6)
-
-    def forward(self, x, image):
-        h = torch.relu(self.stem(x))
-        a = F.max_pool3d(torch.div(self.a_conv(h), -1.5), 2).mean((2, 3, 4), keepdim=True)
-        a = (a + self.a_offset).sum(dim=1)
-        b = self.pools(self.up(h)).sum(1, keepdim=True)
-        c = self.head2d(image).sum(dim=(1, 2, 3))
-        d = F.adaptive_avg_pool3d(self.d_norm(self.d_up(h) * 2.0), 1)
-        return a, b, c, d
-
-
-def inputs(device, dtype=torch.float64):
-    g = torch.Generator().manual_seed(0)
-    return (torch.rand(2, 3, 8, 10, 12, generator=g, dtype=dtype).to(device),
-            torch.rand(2, 3, 13, 14, generator=g, dtype=dtype).to(device))
-
-
-def check_step(model, original, outputs, args, train):
-    """The fused model's outputs (given) equal original(*args)'s in float64, and so do `model`'s
-    buffers (the running statistics a training step updates); where train, after a backward of a
-    weighted sum of each, `model`'s parameters' gradients (the fused model's) equal original's."""
-    expected = original(*args)
-    for (name, buffer), ref in zip(model.named_buffers(), original.buffers(), strict=True):
-        torch.testing.assert_close(buffer, ref, rtol=1e-12, atol=1e-14, msg=name)
-    for out, ref in zip(outputs, expected):
-        assert out.shape == ref.shape and out.dtype == ref.dtype
-        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    if train:
-        sum(o.sum() * (i + 1) for i, o in enumerate(outputs)).backward()
-        sum(e.sum() * (i + 1) for i, e in enumerate(expected)).backward()
-        for (name, p), q in zip(model.named_parameters(), original.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-12, msg=name)
+from fusable_models import Network, Tails, check_step, inputs, tails_inputs
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
@@ -69,6 +23,46 @@ def test_fuses_the_four_chains_with_the_originals_results(train, device):
     model = copy.deepcopy(original)
     fused, report = fused_ops.fuse(model, report=True)
     assert report.traced and [letter for letter, _ in report.fused] == ["A", "B", "C", "D"] and not report.skipped
+    assert sorted(fused.state_dict()) == sorted(original.state_dict())
+    assert all(fused.get_parameter(name) is p for name, p in model.named_parameters())  # (shared, not copied)
+    for step in range(2):
+        args = inputs(device)
+        check_step(model, original, fused(*args), args, train)
+
+
+class Functional(nn.Module):
+    """The four chains with functional convolutions over the model's own parameters (A's and D's
+    with a bias, B's and C's without)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a_weight = nn.Parameter(torch.randn(4, 3, 3, 3, 3) / 9)
+        self.a_bias = nn.Parameter(torch.randn(4))
+        self.a_offset = nn.Parameter(torch.randn(4, 1, 1, 1))
+        self.b_weight = nn.Parameter(torch.randn(3, 2, 5, 5, 5) / 9)
+        self.c_weight = nn.Parameter(torch.randn(5, 3, 3, 3) / 5)
+        self.d_weight = nn.Parameter(torch.randn(3, 6, 3, 3, 3) / 9)
+        self.d_bias = nn.Parameter(torch.randn(6))
+        self.norm = nn.BatchNorm3d(6)
+
+    def forward(self, x, image):
+        a = F.adaptive_avg_pool3d(F.max_pool3d(F.conv3d(x, self.a_weight, self.a_bias) / 2.0, 2), 1)
+        a = (a + self.a_offset).sum(1)
+        b = F.conv_transpose3d(x, self.b_weight, stride=2, padding=2)
+        b = F.max_pool3d(F.max_pool3d(b, 2), 3).sum(1, keepdim=True)
+        c = torch.sigmoid(F.avg_pool2d(F.conv2d(image, self.c_weight), 2)).sum((1, 2, 3))
+        d = F.adaptive_avg_pool3d(self.norm(F.conv_transpose3d(x, self.d_weight, self.d_bias) * 2.0), 1)
+        return a, b, c, d
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_functional_convolutions_fuse_over_the_models_parameters(train, device):
+    torch.manual_seed(9)
+    original = Functional().double().to(device).train(train)
+    model = copy.deepcopy(original)
+    fused, report = fused_ops.fuse(model, report=True)
+    assert [letter for letter, _ in report.fused] == ["A", "B", "C", "D"] and not report.skipped, report
     assert sorted(fused.state_dict()) == sorted(original.state_dict())
     assert all(fused.get_parameter(name) is p for name, p in model.named_parameters())  # (shared, not copied)
     for step in range(2):
@@ -227,28 +221,6 @@ def test_the_reference_architectures_fuse_to_their_drop_ins():
         torch.testing.assert_close(fused(x), original(x), rtol=1e-10, atol=1e-12)
 
 
-class Tails(nn.Module):
-    """The tails without their chains' convolutions: after other producers, after a convolution
-    whose result is used again, with a dilated pool (the traced ops run) and a 2-D input."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv3d(3, 6, 3)
-        self.strided = nn.Conv2d(3, 5, 3, stride=2)
-        self.pool = nn.MaxPool3d(2)
-        self.dilated = nn.MaxPool3d(2, dilation=2)
-        self.norm = nn.BatchNorm3d(6, momentum=0.3)
-
-    def forward(self, x, image):
-        h = self.conv(x)
-        d = F.adaptive_avg_pool3d(self.norm(1.5 * torch.relu(h)), 1)             # D-tail, the number first
-        a = F.adaptive_avg_pool3d(self.pool(h / 2.0), 1)                           # A-tail, h used again
-        a2 = self.dilated(torch.relu(h)).mean((2, 3, 4), keepdim=True)           # A-tail, dilated: traced ops
-        b = F.max_pool3d(F.max_pool3d(torch.relu(h), 2), 2, stride=1).sum(1, keepdim=True)  # B-tail
-        c = torch.sigmoid(F.avg_pool2d(torch.relu(self.strided(image)), 3, stride=2, padding=1)).sum(dim=(1, 2, 3))
-        return a, a2, b, c, d, h.sum()
-
-
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_tails_alone_are_fused_with_the_originals_results(train, device):
@@ -257,9 +229,7 @@ def test_tails_alone_are_fused_with_the_originals_results(train, device):
     model = copy.deepcopy(original)
     fused, report = fused_ops.fuse(model, report=True)
     assert sorted(name for name, _ in report.fused) == ["A-tail", "A-tail", "B-tail", "C-tail", "D-tail"], report
-    g = torch.Generator().manual_seed(6)
-    x = torch.rand(2, 3, 9, 11, 12, generator=g, dtype=torch.float64).to(device)
-    image = torch.rand(2, 3, 15, 17, generator=g, dtype=torch.float64).to(device)
+    x, image = tails_inputs(device)
     with torch.profiler.profile() as profile:
         outputs = fused(x, image)
     ran = {event.name for event in profile.events()}
@@ -288,8 +258,7 @@ def test_autocast_returns_the_originals_dtypes(network):
     torch.manual_seed(7)
     original = network().eval()
     fused = fused_ops.fuse(copy.deepcopy(original))
-    args = inputs("cpu", torch.float32) if network is Network else (
-        torch.rand(2, 3, 9, 11, 12), torch.rand(2, 3, 15, 17))
+    args = (inputs if network is Network else tails_inputs)("cpu", torch.float32)
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
         outputs, expected = fused(*args), original(*args)
     for out, ref in zip(outputs, expected):
