@@ -21,30 +21,40 @@ formulations are compiled for static shapes (``dynamic=False`` specializes each 
 """
 from __future__ import annotations
 
+import functools
+import glob
 import hashlib
+import os
 
 import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import fusion, rewrites
-from . import nn as fused_nn
+from . import autotune, fusion
+
+
+@functools.cache
+def _package_digest() -> bytes:
+    """The contents of the package's Python files and of its compiled extension: what the
+    matching, the formulations, the fakes and the ops' schemas the replacements trace are."""
+    digest = hashlib.sha256()
+    folder = os.path.dirname(os.path.abspath(__file__))
+    for path in sorted(glob.glob(os.path.join(folder, "*.py")) + glob.glob(os.path.join(folder, "_C*"))):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + f.read())
+    return digest.digest()
 
 
 class _FusedOpsPass(CustomGraphPass):
-    """fusion's matching over a graph, as Inductor's pre-grad custom pass (its uuid: the contents
-    of the files the matching and the replacements' formulations read, for Inductor's cache of
-    compiled graphs)."""
+    """fusion's matching over a graph, as Inductor's pre-grad custom pass. Its uuid, Inductor's
+    record of it in its caches of compiled graphs: the package's contents and the formulation
+    fused_ops.autotune.force imposes (compiled calls honour it)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         fusion.fuse_graph(graph.owning_module, fusion.FuseReport(), follow_mode=False)
 
     def uuid(self) -> bytes:
-        digest = hashlib.sha256()
-        for module in (__file__, fusion.__file__, rewrites.__file__, fused_nn.__file__):
-            with open(module, "rb") as f:
-                digest.update(f.read())
-        return digest.digest()
+        return hashlib.sha256(_package_digest() + repr(autotune._FORCED).encode()).digest()
 
 
 _PASS = _FusedOpsPass()

@@ -117,13 +117,25 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _arguments(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any]) -> dict[str, Any] | None:
+def _static(value) -> bool:
+    """Whether an argument holds no value the graph computes (a node, a symbolic number: a
+    size torch.compile made dynamic): a constant the fused call may take as it is."""
+    found = []
+    fx.node.map_aggregate(value, lambda v: found.append(v)
+                          if isinstance(v, (fx.Node, torch.SymInt, torch.SymFloat, torch.SymBool)) else None)
+    return not found
+
+
+def _arguments(node: fx.Node, names: tuple[str, ...], defaults: dict[str, Any],
+               tensors: tuple[str, ...] = ()) -> dict[str, Any] | None:
     """The call's arguments after its input, by name (positional ones in `names`' order), with
-    `defaults` for those not given; None where it passes one not in `names`."""
+    `defaults` for those not given; None where it passes one not in `names`, or one the graph
+    computes other than the `tensors` it names."""
     given = dict(zip(names, node.args[1:]))
     if len(node.args) - 1 > len(names) or any(key in given or key not in names for key in node.kwargs):
         return None
-    return {**defaults, **given, **node.kwargs}
+    a = {**defaults, **given, **node.kwargs}
+    return a if all(_static(value) for key, value in a.items() if key not in tensors) else None
 
 
 def _is_call(node: fx.Node, functions: tuple = (), methods: tuple = ()) -> bool:
@@ -173,7 +185,7 @@ def _convolution(kind: type) -> Callable:
         if not (node.op == "call_function" and node.target is function and node.args[:1] == (previous,)):
             return None
         a = _arguments(node, names, {"bias": None, "stride": 1, "padding": 0, "output_padding": 0, "dilation": 1,
-                                     "groups": 1})
+                                     "groups": 1}, tensors=("weight", "bias"))
         weight = a and _tensor_value(a.get("weight"), model)
         if weight is None or (a["bias"] is not None and _tensor_value(a["bias"], model) is None):
             return None
@@ -339,11 +351,12 @@ def _batch_norm3d(node, previous, model):
         return module if node.args == (previous,) and not node.kwargs else None
     if not (node.op == "call_function" and node.target is F.batch_norm and node.args[:1] == (previous,)):
         return None
-    a = _arguments(node, ("running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
-                   {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5})
+    names = ("running_mean", "running_var", "weight", "bias")
+    a = _arguments(node, (*names, "training", "momentum", "eps"),
+                   {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}, tensors=names)
     if a is None or not (_number(a["momentum"]) and _number(a["eps"]) and isinstance(a["training"], bool)):
         return None
-    tensors = {name: a.get(name) for name in ("running_mean", "running_var", "weight", "bias")}
+    tensors = {name: a.get(name) for name in names}
     values = {name: _tensor_value(node, model) for name, node in tensors.items()}
     y = _tensor_value(previous, model)
     if (y is None or y.dim() != 5 or any(tensors[n] is not None and values[n] is None for n in tensors)
@@ -489,6 +502,59 @@ def _match(chain, start: fx.Node, model: fx.GraphModule) -> tuple[list[fx.Node],
     return nodes, members
 
 
+_IN_PLACE_OPERATORS = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                       operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                       operator.irshift, operator.imatmul}
+
+# calls whose result may share its first argument's memory (a write into one is a write into the other)
+_VIEW_METHODS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "expand", "expand_as", "squeeze",
+                 "unsqueeze", "flatten", "unflatten", "narrow", "select", "t", "contiguous", "detach", "__getitem__",
+                 "as_strided", "movedim", "swapaxes", "diagonal", "split", "chunk", "unbind", "type_as", "to"}
+_VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze,
+                   torch.flatten, torch.narrow, torch.select, torch.movedim, torch.swapaxes, torch.split, torch.chunk,
+                   torch.unbind, torch.diagonal, torch.as_strided}
+
+
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The nodes a call may write into (x.add_(...), x += ..., a mutable ATen op's mutated
+    arguments); none for a call that writes nothing."""
+    target = node.target
+    if node.op == "call_method":
+        in_place = (target.endswith("_") and not target.startswith("__")) or target.startswith("__i")
+    elif node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        return [arg for arg, spec in zip(node.args, target._schema.arguments)
+                if isinstance(arg, fx.Node) and spec.alias_info is not None and spec.alias_info.is_write]
+    elif node.op == "call_function":
+        name = getattr(target, "__name__", "")
+        in_place = target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+    else:
+        in_place = False
+    return [node.args[0]] if in_place and node.args and isinstance(node.args[0], fx.Node) else []
+
+
+def _memory(node: fx.Node) -> fx.Node:
+    """The node whose memory `node`'s result may share, through calls that may return a view."""
+    while (node.op == "call_method" and node.target in _VIEW_METHODS
+           or node.op == "call_function" and node.target in _VIEW_FUNCTIONS) and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _effect_between(nodes: list[fx.Node]) -> fx.Node | None:
+    """The first node between a match's first and last (in the graph's order, not its own) with
+    an effect the fused call, placed at the last, would move past: an impure one (torch.compile's
+    autocast and grad-mode switches, ...), or a write into memory the match reads (its input, its
+    parameters, a view of them); None where there is none."""
+    own = set(nodes)
+    read = {_memory(arg) for n in nodes for arg in n.all_input_nodes if arg not in own}
+    node = nodes[0].next
+    while node is not nodes[-1]:
+        if node not in own and (node.is_impure() or any(_memory(w) in read for w in _written(node))):
+            return node
+        node = node.next
+    return None
+
+
 def _replace(graph: fx.Graph, nodes: list[fx.Node], call: Callable, args: tuple) -> None:
     """The matched nodes replaced by call(*args); get_attr nodes left unused by them removed."""
     with graph.inserting_before(nodes[-1]):
@@ -591,6 +657,11 @@ def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool) ->
                         result.skipped.append((name, start.name, f"stopped after {found[0]} ops: {found[1]}"))
                     continue
                 nodes, members = found
+                effect = _effect_between(nodes)
+                if effect is not None:
+                    result.skipped.append((name, start.name, f"{effect.name} between its ops has an effect "
+                                           "(a mode switch, a write into what it reads) the fused call would move past"))
+                    continue
                 value = _tensor_value(_input(start), traced)
                 if value is not None and any(isinstance(size, torch.SymInt) for size in value.shape):
                     # (a graph compiled for dynamic shapes: the formulations are for static ones)

@@ -43,7 +43,7 @@ def check_step(model, original, outputs, args, train):
     expected = original(*args)
     for (name, buffer), ref in zip(model.named_buffers(), original.buffers(), strict=True):
         torch.testing.assert_close(buffer, ref, rtol=1e-12, atol=1e-14, msg=name)
-    for out, ref in zip(outputs, expected):
+    for out, ref in zip(outputs, expected, strict=True):
         assert out.shape == ref.shape and out.dtype == ref.dtype
         torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     if train:

@@ -124,6 +124,109 @@ def test_dynamic_shapes_stay_unfused(reports):
         "dynamic" in why for report in reports for _, _, why in report.skipped), reports
 
 
+class Boundaries(nn.Module):
+    """Chains crossing an autocast region and a grad-mode switch: the fused call, placed at a
+    chain's last op, would move the convolution past them; the tails after them fuse."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv2d = nn.Conv2d(3, 8, 3)
+        self.conv3d = nn.Conv3d(3, 8, 3)
+        self.offset = nn.Parameter(torch.randn(8, 1, 1, 1))
+
+    def forward(self, x, v):
+        with torch.autocast("cpu", torch.bfloat16):
+            y = self.conv2d(x)
+        c = torch.sigmoid(F.avg_pool2d(y, 2)).sum((1, 2, 3))
+        with torch.no_grad():
+            h = self.conv3d(v)
+        a = (F.adaptive_avg_pool3d(F.max_pool3d(h / 2.0, 2), 1) + self.offset).sum(1)
+        return c, a
+
+
+class InPlace(nn.Module):
+    """C's chain with its input written in place between the convolution and the tail (and a
+    buffer it does not read, which leaves it fused)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        z = self.conv(x)
+        x.view(-1).mul_(2.0)
+        c = torch.sigmoid(F.avg_pool2d(z, 2)).sum((1, 2, 3))
+        y = self.conv(x)
+        self.count.add_(1)
+        return c, torch.sigmoid(F.avg_pool2d(y, 2)).sum((1, 2, 3))
+
+
+def test_chains_across_effects_stay_and_their_tails_fuse(reports):
+    torch.manual_seed(4)
+    model = Boundaries()
+    x, v = torch.rand(2, 3, 12, 13), torch.rand(2, 3, 8, 9, 8)
+    compiled = copy.deepcopy(model)
+    outputs, expected = torch.compile(compiled)(x, v), model(x, v)
+    assert fused_names(reports) == ["A-tail", "C-tail"], reports
+    assert sum("an effect" in why for report in reports for _, _, why in report.skipped) == 2, reports
+    for out, ref in zip(outputs, expected, strict=True):
+        assert out.dtype == ref.dtype
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-5, atol=1e-5)
+    sum(o.float().sum() for o in outputs).backward()
+    sum(o.float().sum() for o in expected).backward()
+    assert compiled.conv3d.weight.grad is None and model.conv3d.weight.grad is None
+    for (name, p), q in zip(compiled.named_parameters(), model.parameters(), strict=True):
+        if q.grad is not None:  # (conv2d's in bfloat16)
+            tolerance = 2e-2 if name.startswith("conv2d") else 1e-5
+            torch.testing.assert_close(p.grad, q.grad, rtol=tolerance, atol=tolerance * q.grad.abs().max(), msg=name)
+
+
+def test_a_write_into_a_chains_input_keeps_it(reports):
+    torch.manual_seed(6)
+    model = InPlace().eval()
+    x = torch.rand(2, 3, 12, 13)
+    with torch.no_grad():
+        outputs, expected = torch.compile(copy.deepcopy(model))(x.clone()), model(x.clone())
+    assert fused_names(reports) == ["C", "C-tail"], reports  # (the second chain: the count is not its)
+    for out, ref in zip(outputs, expected, strict=True):
+        torch.testing.assert_close(out, ref)
+
+
+class DynamicPool(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x, v, k: int):
+        return (torch.sigmoid(F.avg_pool2d(self.conv(x), k)).sum((1, 2, 3)),
+                F.adaptive_avg_pool3d(F.max_pool3d(v, k), 1))
+
+
+def test_a_dynamic_pool_size_stays(reports):
+    """A pool size torch.compile made dynamic (a Python int argument taking a second value) is the
+    graph's own value: the ops stay, with eager's results."""
+    torch.manual_seed(5)
+    model = DynamicPool()
+    compiled = torch.compile(model)
+    x, v = torch.rand(2, 3, 13, 14), torch.rand(2, 3, 7, 8, 9)
+    for k in (2, 3):
+        for out, ref in zip(compiled(x, v, k), model(x, v, k), strict=True):
+            torch.testing.assert_close(out, ref)
+    assert fused_names(reports) == ["A-tail", "C"], reports  # (the first compile's, k a constant)
+
+
+def test_the_pass_uuid_follows_a_forced_formulation():
+    """Inductor's caches key a compiled graph by the pass's uuid: a formulation forced while
+    compiling changes what the pass inserts, so it changes the uuid."""
+    from fused_ops import autotune, compile_patterns
+
+    plain = compile_patterns._PASS.uuid()
+    with autotune.force("original"):
+        assert compile_patterns._PASS.uuid() != plain
+    assert compile_patterns._PASS.uuid() == plain
+
+
 class Twice(nn.Module):
     def forward(self, y):
         pooled = F.avg_pool2d(y, 2)
