@@ -79,6 +79,17 @@ def main():
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv3d_max_pool3d_mean: ok")
+    # B's weight gradient from the cascade's picks: 33 input channels (two lane blocks), odd sizes, a
+    # non-finite x (the NaN pass), float64 and bfloat16 x
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        x = rand(2, 33, 5, 4, 6, dtype=dtype)
+        x[1, 7, 2, 1, 3] = float("inf")
+        picks = torch.randint(0, 8 * 27, (2, 1, 1, 1, 5), generator=g, dtype=torch.uint8).to(DEV)
+        fused_ops.conv_transpose3d_cascade_weight_grad(rand(2, 1, 1, 1, 1), picks, x, 5, 2, 2, 3, [9, 7, 11])
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    print("conv_transpose3d_cascade_weight_grad: ok")
     for dtype in (torch.float32, torch.bfloat16):
         bn = torch.nn.BatchNorm3d(3).to(DEV)
         run(f"batch_norm_gap {dtype}", lambda x, dtype: fused_ops.batch_norm_gap(

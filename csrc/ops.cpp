@@ -95,6 +95,14 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "parity_max_pool3d_cascade_sum_backward(Tensor grad_out, Tensor picks, SymInt[3] stage1_size, "
       "int[3] kernel2, int parity_classes) -> Tensor");
+  // The weight gradient (I, O, *kernel_size) in `dtype` of conv_transpose3d(x, w)
+  // (stride, padding; y's spatial size output_size) followed by
+  // parity_max_pool3d_cascade_sum over y's stride classes (kernel2), from that
+  // op's picks (N, cells, O) and grad_out (N, 1, cells): the picked elements'
+  // taps alone (conv_transpose3d_cascade_weight_grad.h).
+  m.def(
+      "conv_transpose3d_cascade_weight_grad(Tensor grad_out, Tensor picks, Tensor x, int[3] kernel_size, "
+      "int[3] stride, int[3] padding, int[3] kernel2, SymInt[3] output_size, ScalarType dtype) -> Tensor");
 
   // The input of a 2-D convolution computing a 3-D one's depth taps as input
   // channels (fused_ops/rewrites.py): for x (N, I, D, H, W), out (N, size[0],

@@ -12,7 +12,7 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 from . import _autocast, _graphed, autotune, reference, rewrites
 from ._derived import derived
 from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean,
-                  parity_max_pool3d_cascade_sum, parity_max_pool3d_mean)
+                  parity_max_pool3d_mean)
 from .sync_batch_norm import sync_batch_norm_gap, sync_process_group
 
 
@@ -337,9 +337,10 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
     """conv_transpose3d -> max_pool3d -> max_pool3d -> sum over channels
     (keepdim). Formulations (``fused_ops.autotune``): ``rewrite`` where the first pool's
     windows are the transposed convolution's stride classes and the second pool's tile its
-    output (``fused_ops.rewrites.conv_transpose3d_max_pool_windows``): a convolution computes
-    the first pool's windows side by side and ``fused_ops.parity_max_pool3d_cascade_sum``
-    pools and sums them; ``fused``: the two pools and the sum fused into one kernel over the
+    output (``fused_ops.rewrites.conv_transpose3d_max_pool_cascade_sum``): a convolution
+    computes the first pool's windows side by side and ``fused_ops.parity_max_pool3d_cascade_sum``
+    pools and sums them (in a training step on data, the weight's gradient from its picks
+    alone); ``fused``: the two pools and the sum fused into one kernel over the
     transposed convolution's output (``fused_ops.max_pool3d_cascade_sum``); ``original``; and
     the last two with the convolution channels last. The constructor is the original's (the
     same members, parameters drawn in the same order)."""
@@ -371,11 +372,10 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         first, second = self.max_pool1, self.max_pool2
         if name == "rewrite":
-            rewritten = rewrites.conv_transpose3d_max_pool_windows(x, self.conv_transpose, first, second)
+            rewritten = rewrites.conv_transpose3d_max_pool_cascade_sum(x, self.conv_transpose, first, second)
             if rewritten is None:
                 return None
-            windows, channel_bias = rewritten
-            out = parity_max_pool3d_cascade_sum(windows, second.kernel_size)
+            out, channel_bias = rewritten
             if channel_bias is not None:  # each channel's maximum carries its bias into the sum
                 out = out + channel_bias.sum()
             return _as_original(out, x, self._TAIL_OPS)

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from . import _autocast
 from ._derived import derived
 from .ops import (_accumulation_dtype, _expand, _pool_triples, _pooled_size, box_fold2d, conv2d_sigmoid_sum,
-                  conv3d_max_pool3d_mean, depth_stacked_channels_last)
+                  conv3d_max_pool3d_mean, conv_transpose3d_cascade_weight_grad, depth_stacked_channels_last)
 
 
 def _triple(v) -> tuple[int, int, int]:
@@ -277,6 +277,73 @@ def _folds_exactly(divisor: float) -> bool:
     return abs(mantissa) == 0.5 and abs(exponent) <= 32
 
 
+def _transposed_windows_geometry(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d, pool2: nn.MaxPool3d):
+    """The parity-class axes, the stage-1 positions pool2 reads and the output's size of
+    ``pool1(conv(x))`` computed side by side, or None where that rewrite does not hold
+    (conv_transpose3d_max_pool_windows)."""
+    stride = _triple(conv.stride)
+    if not (_is_plain_conv(conv, x) and _is_window_pool(pool1) and _is_window_pool(pool2)
+            and _triple(pool1.kernel_size) == stride and not pool1.ceil_mode and not pool2.ceil_mode):
+        return None
+    kernel, padding, extra = _triple(conv.kernel_size), _triple(conv.padding), _triple(conv.output_padding)
+    kernel2 = _triple(pool2.kernel_size)
+    out_size = tuple([(x.shape[2 + d] - 1) * stride[d] - 2 * padding[d] + kernel[d] + extra[d] for d in range(3)])
+    positions = tuple([o // s // k2 * k2 for o, s, k2 in zip(out_size, stride, kernel2)])
+    if min(positions) < 1 or math.prod(stride) * math.prod(kernel2) > 256:
+        return None
+    return tuple([_transposed_axis(kernel[d], stride[d], padding[d]) for d in range(3)]), positions, out_size
+
+
+class _ConvTransposeCascadeSum(torch.autograd.Function):
+    """The cascade sum of B's windows (conv_transpose3d_max_pool_cascade_sum) where autograd
+    records the weight's gradient and not x's: the windows computed without recording, the
+    cascade saving its picks, and the weight's gradient from the picks alone
+    (``conv_transpose3d_cascade_weight_grad``: the dense weight gradient's work over the picked
+    elements, one in P^3 k2^3 per channel). A backward that records a graph (create_graph)
+    recomputes the windows and differentiates them as the dense formulation does."""
+
+    @staticmethod
+    def forward(x, weight, kernel, stride, padding, kernel2, axes, positions, out_size):
+        with torch.no_grad():
+            return _cascade_sum(x, weight, kernel2, axes, positions, save_picks=True)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, kernel, stride, padding, kernel2, axes, positions, out_size = inputs
+        ctx.save_for_backward(x, weight, output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.geometry = (kernel, stride, padding, kernel2, out_size)
+        ctx.windows = (axes, positions)
+        ctx.autocast = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+
+    @staticmethod
+    def backward(ctx, grad_out, _):
+        x, weight, picks = ctx.saved_tensors
+        if not torch.is_grad_enabled():
+            return (None, conv_transpose3d_cascade_weight_grad(grad_out, picks, x, *ctx.geometry, dtype=weight.dtype),
+                    *[None] * 7)
+        with torch.enable_grad(), torch.autocast(x.device.type, ctx.autocast or torch.float32,
+                                                 enabled=ctx.autocast is not None):
+            weight_ = weight.detach().requires_grad_()
+            out, _ = _cascade_sum(x, weight_, ctx.geometry[3], *ctx.windows, save_picks=True)
+        # (the dense formulation's graph; the cascade's own backward refuses an output gradient that records one)
+        (grad_weight,) = torch.autograd.grad(out, weight_, grad_out, create_graph=True)
+        return None, grad_weight, *[None] * 7
+
+
+def _cascade_sum(x: Tensor, weight: Tensor, kernel2, axes, positions, save_picks: bool) -> tuple[Tensor, Tensor]:
+    """parity_max_pool3d_cascade_sum of the transposed convolution's windows side by side, and
+    its picks where save_picks (autograd records the op's own backward otherwise)."""
+    windows = _transposed_windows(x, weight, axes, positions)
+    return torch.ops.fused_ops.parity_max_pool3d_cascade_sum(
+        windows, list(kernel2), save_picks or (torch.is_grad_enabled() and windows.requires_grad), None)
+
+
+def _transposed_windows(x: Tensor, weight: Tensor, axes, positions) -> Tensor:
+    """The transposed convolution's (weight's) output in parity-class layout at `positions`."""
+    return _parity_conv3d(x, _transposed_parity_kernel(weight, axes, kernel_dtype(x, weight)), None, axes, positions)
+
+
 def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d,
                                       pool2: nn.MaxPool3d) -> tuple[Tensor, Tensor | None] | None:
     """The windows of ``pool1(conv(x))`` side by side, (N, Md, Mh, Mw, O, Q), at the
@@ -284,20 +351,40 @@ def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1
     which passes through both pools' maxima and is the caller's to add after them (as for
     ``conv3d_max_pool_windows``); or None where the rewrite does not hold (pool1's kernel and
     stride not the convolution's stride, a dilated or grouped convolution, a pool2 that
-    overlaps or pads, no output, Q times pool2's volume over 256)."""
-    stride = _triple(conv.stride)
-    if not (_is_plain_conv(conv, x) and _is_window_pool(pool1) and _is_window_pool(pool2)
-            and _triple(pool1.kernel_size) == stride and not pool1.ceil_mode and not pool2.ceil_mode):
+    overlaps or pads, no output, the stride's volume times pool2's over 256)."""
+    found = _transposed_windows_geometry(x, conv, pool1, pool2)
+    if found is None:
         return None
-    kernel, padding, extra = _triple(conv.kernel_size), _triple(conv.padding), _triple(conv.output_padding)
-    kernel2 = _triple(pool2.kernel_size)
-    out_size = [(x.shape[2 + d] - 1) * stride[d] - 2 * padding[d] + kernel[d] + extra[d] for d in range(3)]
-    positions = tuple([o // s // k2 * k2 for o, s, k2 in zip(out_size, stride, kernel2)])
-    if min(positions) < 1 or math.prod(stride) * math.prod(kernel2) > 256:
+    axes, positions, _ = found
+    return _transposed_windows(x, conv.weight, axes, positions), conv.bias
+
+
+# The devices whose conv_transpose3d_cascade_weight_grad kernel B's rewrite takes: CUDA joins once
+# its kernel has passed the GPU tests and the sanitizers (NOTES.md).
+_PICKED_WEIGHT_GRAD_DEVICES = ("cpu",)
+
+
+def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d,
+                                          pool2: nn.MaxPool3d) -> tuple[Tensor, Tensor | None] | None:
+    """``pool2(pool1(conv(x))).sum(1, keepdim=True)`` less the convolution's bias (O) (or None),
+    which passes through both pools' maxima and is the caller's to add (its channel sum) after
+    them: ``parity_max_pool3d_cascade_sum`` of conv_transpose3d_max_pool_windows; where autograd
+    records the weight's gradient and not x's (a training step on data), that gradient from the
+    cascade's picks alone (_ConvTransposeCascadeSum), else autograd through the windows'
+    convolution. In the cascade's dtype (autocast's rules for its op). None where the rewrite does
+    not hold (conv_transpose3d_max_pool_windows)."""
+    found = _transposed_windows_geometry(x, conv, pool1, pool2)
+    if found is None:
         return None
-    axes = tuple([_transposed_axis(kernel[d], stride[d], padding[d]) for d in range(3)])
-    weight, dtype = conv.weight, kernel_dtype(x, conv.weight)
-    return _parity_conv3d(x, _transposed_parity_kernel(weight, axes, dtype), None, axes, positions), conv.bias
+    axes, positions, out_size = found
+    weight, kernel2 = conv.weight, _triple(pool2.kernel_size)
+    if (torch.is_grad_enabled() and weight.requires_grad and not x.requires_grad
+            and x.device.type in _PICKED_WEIGHT_GRAD_DEVICES):
+        out, _ = _ConvTransposeCascadeSum.apply(x, weight, _triple(conv.kernel_size), _triple(conv.stride),
+                                                _triple(conv.padding), kernel2, axes, positions, out_size)
+    else:
+        out, _ = _cascade_sum(x, weight, kernel2, axes, positions, save_picks=False)
+    return out, conv.bias
 
 
 def _transposed_parity_kernel(weight: Tensor, axes, dtype: torch.dtype) -> Tensor:

@@ -19,7 +19,12 @@ from fusable_models import Network, Tails, check_step, inputs, tails_inputs
 @pytest.mark.parametrize("device", DEVICES)
 def test_fuses_the_four_chains_with_the_originals_results(train, device):
     torch.manual_seed(0)
-    original = Network().double().to(device).train(train)
+    check_fuses_the_four_chains(Network().double().to(device).train(train), device, train)
+
+
+def check_fuses_the_four_chains(original, device, train):
+    """fuse(a copy of `original`) fuses its four chains, shares its parameters and keeps its
+    state_dict's keys; two steps of it against the original (check_step)."""
     model = copy.deepcopy(original)
     fused, report = fused_ops.fuse(model, report=True)
     assert report.traced and [letter for letter, _ in report.fused] == ["A", "B", "C", "D"] and not report.skipped
@@ -59,15 +64,7 @@ class Functional(nn.Module):
 @pytest.mark.parametrize("device", DEVICES)
 def test_functional_convolutions_fuse_over_the_models_parameters(train, device):
     torch.manual_seed(9)
-    original = Functional().double().to(device).train(train)
-    model = copy.deepcopy(original)
-    fused, report = fused_ops.fuse(model, report=True)
-    assert [letter for letter, _ in report.fused] == ["A", "B", "C", "D"] and not report.skipped, report
-    assert sorted(fused.state_dict()) == sorted(original.state_dict())
-    assert all(fused.get_parameter(name) is p for name, p in model.named_parameters())  # (shared, not copied)
-    for step in range(2):
-        args = inputs(device)
-        check_step(model, original, fused(*args), args, train)
+    check_fuses_the_four_chains(Functional().double().to(device).train(train), device, train)
 
 
 @pytest.mark.parametrize("device", DEVICES)
