@@ -18,8 +18,11 @@
 // (im2col's padding of y's gradient included). So after the sum,
 // grad_w[i, o, k] is NaN wherever a non-finite x[n, i, p] meets, by tap k, a
 // position Y = P p - pad + k that is not (n, o)'s pick, outside y's
-// `output_size` too (a picked one is in the sum already). Sums in the
-// accumulation type (float64 on the CPU), one order per element: deterministic.
+// `output_size` too (a picked one is in the sum already). A tap of (n, o)
+// reaches at most one x position from each of the `cells` picks, so where more
+// than `cells` of x[n, i, :] are not finite, every grad_w[i, :, :] is NaN.
+// Sums in the accumulation type (float64 on the CPU), one order per element:
+// deterministic.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -77,23 +80,17 @@ struct CascadeWeightGrad {
     }
   }
 
-  // f(o, tap) for each output channel and tap at which PyTorch's dense gradient adds 0 * x[n, i, p]
-  // (p: the scan index over (D, H, W)): the tap's y position outside y, or not (n, o)'s pick.
-  template <typename F>
-  C10_HOST_DEVICE void for_each_zero_product(const uint8_t* picks, int64_t n, int64_t p, F&& f) const {
+  // Whether PyTorch's dense gradient adds 0 * x[n, i, p] (for every i; p: the scan index over
+  // (D, H, W)) into grad_w[i, o, tap]: the tap's y position lies outside y, or is not (n, o)'s pick.
+  C10_HOST_DEVICE bool zero_product(const uint8_t* picks, int64_t n, int64_t p, int64_t o, int64_t tap) const {
     const int64_t at[3] = {p / (in[1] * in[2]), p / in[2] % in[1], p % in[2]};
-    for (int64_t tap = 0; tap < taps(); ++tap) {
-      const int64_t k[3] = {tap / (kernel[1] * kernel[2]), tap / kernel[2] % kernel[1], tap % kernel[2]};
-      int64_t y[3];
-      bool inside = true;
-      for (int d = 0; d < 3; ++d) {
-        y[d] = stride[d] * at[d] - padding[d] + k[d];
-        inside &= y[d] >= 0 && y[d] < out[d];
-      }
-      for (int64_t o = 0; o < out_channels; ++o) {
-        if (!inside || !is_picked(picks, n, o, y)) f(o, tap);
-      }
+    const int64_t k[3] = {tap / (kernel[1] * kernel[2]), tap / kernel[2] % kernel[1], tap % kernel[2]};
+    int64_t y[3];
+    for (int d = 0; d < 3; ++d) {
+      y[d] = stride[d] * at[d] - padding[d] + k[d];
+      if (y[d] < 0 || y[d] >= out[d]) return true;
     }
+    return !is_picked(picks, n, o, y);
   }
 
   // Whether (n, o)'s pick in `picks` (N, cells..., O), contiguous, is y's element `y`.

@@ -320,8 +320,13 @@ class _ConvTransposeCascadeSum(torch.autograd.Function):
     def backward(ctx, grad_out, _):
         x, weight, picks = ctx.saved_tensors
         if not torch.is_grad_enabled():
-            return (None, conv_transpose3d_cascade_weight_grad(grad_out, picks, x, *ctx.geometry, dtype=weight.dtype),
-                    *[None] * 7)
+            # under autocast as the windows' convolution computed: x and y's gradient in its dtype, the
+            # weight's gradient rounded to it before autocast's cast back to the weight's dtype
+            cast = ctx.autocast if ctx.autocast is not None and x.dtype == torch.float32 else None
+            grad_weight = conv_transpose3d_cascade_weight_grad(
+                grad_out if cast is None else grad_out.to(cast), picks, x if cast is None else x.to(cast),
+                *ctx.geometry, dtype=cast or weight.dtype)
+            return None, grad_weight.to(weight.dtype), *[None] * 7
         with torch.enable_grad(), torch.autocast(x.device.type, ctx.autocast or torch.float32,
                                                  enabled=ctx.autocast is not None):
             weight_ = weight.detach().requires_grad_()

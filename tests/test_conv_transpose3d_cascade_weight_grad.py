@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICES, DTYPES, RTOL, assert_close_to_reference
-from fused_ops import autotune, conv_transpose3d_cascade_weight_grad, reference
+from conftest import DEVICES, DTYPES, assert_close_to_reference
+from fused_ops import autotune, conv_transpose3d_cascade_weight_grad, reference, rewrites
 from fused_ops import nn as fnn
 
 OP = torch.ops.fused_ops.conv_transpose3d_cascade_weight_grad.default
@@ -136,6 +136,34 @@ def test_non_finite_x_as_pytorchs_zero_products(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_mostly_non_finite_x(device):
+    """More non-finite x in an item's channel than there are picks make that channel wholly NaN
+    (the pass takes that shortcut: a diverged step stays quick); PyTorch's mask either way."""
+    geometry = GEOMETRIES[0]
+    x, grad_out, picks, out_size = case(*geometry[:8], extra=geometry[8], seed=3, device=device)
+    x[0, 1] = float("nan")
+    x[1, 2, 1:3] = float("inf")
+    grad_w = conv_transpose3d_cascade_weight_grad(grad_out, picks, x, *geometry[4:8], out_size)
+    expected = dense_weight_grad(grad_out, picks, x, *geometry[4:8], out_size)
+    assert torch.isnan(expected[1]).all() and torch.isnan(expected[2]).all() and not torch.isnan(expected[0]).any()
+    torch.testing.assert_close(grad_w, expected, rtol=1e-12, atol=1e-13, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_cells_with_a_non_finite_x(device):
+    """No cells (y's gradient all zero): zeros, NaN where a non-finite x meets the zeros."""
+    x = torch.rand(2, 3, 2, 2, 2, dtype=torch.float64, device=device)
+    x[1, 2, 0, 1, 1] = float("nan")
+    args = ([3, 3, 3], [2, 2, 2], [1, 1, 1], [2, 2, 2], [3, 3, 3], torch.float64)
+    grad_w = OP(torch.zeros(2, 1, 0, 0, 0, dtype=torch.float64, device=device),
+                torch.zeros(2, 0, 0, 0, 4, dtype=torch.uint8, device=device), x, *args)
+    expected = dense_weight_grad(torch.zeros(2, 1, 0, 0, 0, dtype=torch.float64), torch.zeros(2, 0, 0, 0, 4,
+                                 dtype=torch.uint8), x.cpu(), *[tuple(a) for a in args[:5]])
+    assert torch.isnan(expected[2]).all() and not expected[:2].any()
+    torch.testing.assert_close(grad_w.cpu(), expected, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch_and_cells(device):
     x = torch.rand(0, 3, 4, 4, 4, dtype=torch.float64, device=device)
     grad_w = OP(torch.zeros(0, 1, 1, 1, 1, dtype=torch.float64, device=device),
@@ -220,3 +248,28 @@ def test_b_rewrite_create_graph_backward():
         out = fused(x)
     with pytest.raises(NotImplementedError, match=r"second-order gradients .*force\(\"original\"\)"):
         torch.autograd.grad(out.square().sum(), fused.conv_transpose.weight, create_graph=True)
+
+
+def test_b_rewrite_under_autocast_as_the_dense_path():
+    """Under CPU bfloat16 autocast (the module's own rule there is another formulation; the
+    rewrite called directly): the picked weight gradient from x and y's gradient in bfloat16,
+    rounded to it, as the windows' convolution's, within a bfloat16 rounding of it."""
+    original, _ = b_pair(B_CASES[0][0])
+    original.float()
+    conv, pools = original.conv_transpose, (original.max_pool1, original.max_pool2)
+    x = torch.rand(B_CASES[0][1])
+    grads = {}
+    for devices in (("cpu",), ()):
+        rewrites._PICKED_WEIGHT_GRAD_DEVICES, default = devices, rewrites._PICKED_WEIGHT_GRAD_DEVICES
+        try:
+            with torch.autocast("cpu", torch.bfloat16):
+                out, _ = rewrites.conv_transpose3d_max_pool_cascade_sum(x, conv, *pools)
+            with torch.profiler.profile() as profile:
+                grads[devices] = torch.autograd.grad(out.float().sum(), conv.weight)[0]
+            ran = "fused_ops::conv_transpose3d_cascade_weight_grad" in {e.name for e in profile.events()}
+            assert ran == bool(devices)
+        finally:
+            rewrites._PICKED_WEIGHT_GRAD_DEVICES = default
+    picked, dense = grads[("cpu",)], grads[()]
+    assert picked.dtype == dense.dtype == torch.float32
+    torch.testing.assert_close(picked, dense, rtol=1.6e-2, atol=1.6e-2 * dense.abs().max().item())

@@ -1,16 +1,16 @@
 // CPU kernel of conv_transpose3d_cascade_weight_grad (the math:
 // ../conv_transpose3d_cascade_weight_grad.h): the output channels split among
 // the threads, each channel's (taps, I) sums in float64 over x channels last
-// (a pick's taps read rows of I contiguous channels); then the non-finite x.
+// (a pick's taps read rows of I contiguous channels); then the non-finite x
+// (the header's rule).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/TypeCast.h>
 #include <torch/library.h>
 
-#include <array>
+#include <algorithm>
 #include <cmath>
 #include <limits>
-#include <mutex>
 #include <vector>
 
 #include "../conv_transpose3d_cascade_weight_grad.h"
@@ -61,29 +61,43 @@ at::Tensor conv_transpose3d_cascade_weight_grad_cpu(const at::Tensor& grad_out, 
           }
         }
       });
-      // PyTorch's 0 * x at a non-finite x's taps but the picked ones: the non-finite x found in
-      // parallel (rare: kept in a list), then each one's taps and channels
-      std::vector<std::array<int64_t, 3>> nonfinite;  // (n, position, i)
-      std::mutex mutex;
-      at::parallel_for(0, g.batch * g.in_volume(), 1024, [&](int64_t begin, int64_t end) {
-        std::vector<std::array<int64_t, 3>> found;
-        for (int64_t r = begin; r < end; ++r) {
-          for (int64_t i = 0; i < I; ++i) {
-            if (!std::isfinite(static_cast<double>(xs[r * I + i]))) {
-              found.push_back({r / g.in_volume(), r % g.in_volume(), i});
+      // PyTorch's 0 * x at a non-finite x's taps but the picked ones: per (n, i) the non-finite
+      // positions, counted and kept while at most `cells` (more make the whole channel NaN), the
+      // batch split among the threads; then each output channel's NaN
+      const int64_t cells = g.num_cells(), volume = g.in_volume();
+      std::vector<int64_t> count(g.batch * I, 0);
+      std::vector<std::vector<int64_t>> where(g.batch * I);
+      at::parallel_for(0, g.batch, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n) {
+          for (int64_t p = 0; p < volume; ++p) {
+            const x_t* row = xs + (n * volume + p) * I;
+            for (int64_t i = 0; i < I; ++i) {
+              if (!std::isfinite(static_cast<double>(row[i])) && ++count[n * I + i] <= cells) {
+                where[n * I + i].push_back(p);
+              }
             }
           }
         }
-        if (!found.empty()) {
-          const std::lock_guard<std::mutex> lock(mutex);
-          nonfinite.insert(nonfinite.end(), found.begin(), found.end());
+      });
+      std::vector<char> whole(I, 0);  // channels every (o, tap) of which is NaN
+      for (int64_t ni = 0; ni < g.batch * I; ++ni) whole[ni % I] |= count[ni] > cells;
+      const scalar_t nan = std::numeric_limits<scalar_t>::quiet_NaN();
+      at::parallel_for(0, O, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t o = begin; o < end; ++o) {
+          for (int64_t i = 0; i < I; ++i) {
+            if (whole[i]) std::fill(out + (i * O + o) * taps, out + (i * O + o + 1) * taps, nan);
+          }
+          for (int64_t ni = 0; ni < g.batch * I; ++ni) {
+            const int64_t n = ni / I, i = ni % I;
+            if (whole[i]) continue;
+            for (const int64_t p : where[ni]) {
+              for (int64_t tap = 0; tap < taps; ++tap) {
+                if (g.zero_product(pick, n, p, o, tap)) out[(i * O + o) * taps + tap] = nan;
+              }
+            }
+          }
         }
       });
-      for (const auto& [n, p, i] : nonfinite) {
-        g.for_each_zero_product(pick, n, p, [&, i = i](int64_t o, int64_t tap) {
-          out[(i * O + o) * taps + tap] = std::numeric_limits<scalar_t>::quiet_NaN();
-        });
-      }
     });
   });
   return grad_w;

@@ -7,9 +7,10 @@
 // the warp's (taps, 32) sums in shared memory (x channels last: a tap's read is
 // one 128-byte row; no atomics, no bank conflicts); then the block adds its
 // warps' sums in order into its slice's partial. reduce: each weight element
-// adds the slices' partials in order (deterministic). nonfinite: a thread per
-// x element, NaN where PyTorch's dense gradient adds 0 * x for a non-finite x.
-// Taps beyond the shared memory's room run in further passes.
+// adds the slices' partials in order (deterministic). Then the non-finite x
+// (the header's rule): their count per (n, i), the channels they make wholly
+// NaN, and the taps each of the others reaches off the picks. Taps beyond the
+// shared memory's room run in further passes.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
@@ -83,16 +84,52 @@ __global__ void cascade_weight_grad_reduce_kernel(const CascadeWeightGrad g, con
   }
 }
 
+// The non-finite x (the header's rule): count[n, i] of x[n, i, :] (a thread per element).
+template <typename scalar_t>
+__global__ void cascade_weight_grad_count_kernel(const CascadeWeightGrad g, const scalar_t* __restrict__ x_last,
+                                                 int* __restrict__ count) {
+  const int64_t volume = g.in_volume(), total = g.batch * volume * g.in_channels;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
+    if (!::isfinite(static_cast<at::opmath_type<scalar_t>>(x_last[e]))) {
+      atomicAdd(count + e / (g.in_channels * volume) * g.in_channels + e % g.in_channels, 1);
+    }
+  }
+}
+
+// NaN where PyTorch's dense gradient adds 0 * a non-finite x: every (o, tap) of a channel with
+// more than `cells` of them in one item (a thread per weight element), else the taps each one
+// reaches off the picks (a thread per x element). Every writer of an element writes NaN.
+template <typename out_t>
+__global__ void cascade_weight_grad_whole_channel_kernel(const CascadeWeightGrad g, const int* __restrict__ count,
+                                                         out_t* __restrict__ grad_w) {
+  const int64_t taps = g.taps(), total = g.in_channels * g.out_channels * taps;
+  for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = e / (g.out_channels * taps);
+    for (int64_t n = 0; n < g.batch; ++n) {
+      if (count[n * g.in_channels + i] > g.num_cells()) {
+        grad_w[e] = std::numeric_limits<out_t>::quiet_NaN();
+        break;
+      }
+    }
+  }
+}
+
 template <typename scalar_t, typename out_t>
 __global__ void cascade_weight_grad_nonfinite_kernel(const CascadeWeightGrad g, const uint8_t* __restrict__ picks,
-                                                     const scalar_t* __restrict__ x_last, out_t* __restrict__ grad_w) {
+                                                     const scalar_t* __restrict__ x_last,
+                                                     const int* __restrict__ count, out_t* __restrict__ grad_w) {
   const int64_t volume = g.in_volume(), total = g.batch * volume * g.in_channels, taps = g.taps();
   for (int64_t e = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; e < total; e += int64_t{gridDim.x} * blockDim.x) {
     if (::isfinite(static_cast<at::opmath_type<scalar_t>>(x_last[e]))) continue;
     const int64_t i = e % g.in_channels, p = e / g.in_channels % volume, n = e / (g.in_channels * volume);
-    g.for_each_zero_product(picks, n, p, [&](int64_t o, int64_t tap) {
-      grad_w[(i * g.out_channels + o) * taps + tap] = std::numeric_limits<out_t>::quiet_NaN();  // (every writer: NaN)
-    });
+    if (count[n * g.in_channels + i] > g.num_cells()) continue;  // (the whole channel's)
+    for (int64_t o = 0; o < g.out_channels; ++o) {
+      for (int64_t tap = 0; tap < taps; ++tap) {
+        if (g.zero_product(picks, n, p, o, tap)) {
+          grad_w[(i * g.out_channels + o) * taps + tap] = std::numeric_limits<out_t>::quiet_NaN();
+        }
+      }
+    }
   }
 }
 
@@ -107,7 +144,6 @@ at::Tensor conv_transpose3d_cascade_weight_grad_cuda(const at::Tensor& grad_out,
   const int64_t I = g.in_channels, O = g.out_channels, taps = g.taps();
   at::Tensor grad_w = at::empty({I, O, g.kernel[0], g.kernel[1], g.kernel[2]}, x.options().dtype(dtype));
   if (grad_w.numel() == 0) return grad_w;
-  if (g.batch == 0 || g.num_cells() == 0) return grad_w.zero_();
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor picks = picks_.contiguous();
   const at::Tensor x_last = x.contiguous(at::MemoryFormat::ChannelsLast3d);  // (N, D, H, W, I) in memory
@@ -115,37 +151,52 @@ at::Tensor conv_transpose3d_cascade_weight_grad_cuda(const at::Tensor& grad_out,
     using acc_t = at::opmath_type<scalar_t>;
     using x_t = scalar_t;
     const at::Tensor values = grad_out.to(c10::CppTypeToScalarType<acc_t>::value).contiguous();
-    // slices of the batch: blocks for two waves of the multiprocessors at least
-    const int64_t channel_blocks = (I + kLanes - 1) / kLanes;
     const int64_t sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
-    const int64_t wanted = std::clamp<int64_t>((2 * sms + O * channel_blocks - 1) / (O * channel_blocks), 1,
-                                               std::min<int64_t>(g.batch, 65535));
-    const int64_t slice_batch = (g.batch + wanted - 1) / wanted, slices = (g.batch + slice_batch - 1) / slice_batch;
-    at::Tensor partials = at::empty({slices, O, taps, I}, values.options());
-    const int64_t room = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, x.get_device());
-    const int64_t tap_chunk = std::min<int64_t>(taps, room / (kThreads * int64_t{sizeof(acc_t)}));
-    const auto kernel = cascade_weight_grad_partials_kernel<x_t, acc_t>;
-    for (int64_t tap_begin = 0; tap_begin < taps; tap_begin += tap_chunk) {
-      const int64_t count = std::min(tap_chunk, taps - tap_begin);
-      const size_t smem = static_cast<size_t>(count * kThreads) * sizeof(acc_t);
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-      kernel<<<dim3(static_cast<unsigned>(O), static_cast<unsigned>(slices), static_cast<unsigned>(channel_blocks)),
-               kThreads, smem, stream>>>(g, values.const_data_ptr<acc_t>(), picks.const_data_ptr<uint8_t>(),
-                                         x_last.const_data_ptr<x_t>(), tap_begin, count, slice_batch,
-                                         partials.mutable_data_ptr<acc_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
     FUSED_OPS_DISPATCH_FLOATING_TYPES(dtype, "conv_transpose3d_cascade_weight_grad_cuda", [&] {
-      const int64_t blocks = std::min<int64_t>((grad_w.numel() + 255) / 256, 4 * sms);
-      cascade_weight_grad_reduce_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-          g, partials.const_data_ptr<acc_t>(), slices, grad_w.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const int64_t x_blocks = std::min<int64_t>((x.numel() + 255) / 256, 8 * sms);
-      if (x_blocks > 0) {
-        cascade_weight_grad_nonfinite_kernel<<<static_cast<unsigned>(x_blocks), 256, 0, stream>>>(
-            g, picks.const_data_ptr<uint8_t>(), x_last.const_data_ptr<x_t>(), grad_w.mutable_data_ptr<scalar_t>());
+      if (g.batch == 0 || g.num_cells() == 0) {
+        grad_w.zero_();
+      } else {
+        // slices of the batch: blocks for two waves of the multiprocessors at least
+        const int64_t channel_blocks = (I + kLanes - 1) / kLanes;
+        TORCH_CHECK(channel_blocks <= 65535, "conv_transpose3d_cascade_weight_grad: at most ", 65535 * kLanes,
+                    " input channels on a GPU, got ", I);
+        const int64_t wanted = std::clamp<int64_t>((2 * sms + O * channel_blocks - 1) / (O * channel_blocks), 1,
+                                                   std::min<int64_t>(g.batch, 65535));
+        const int64_t slice_batch = (g.batch + wanted - 1) / wanted, slices = (g.batch + slice_batch - 1) / slice_batch;
+        at::Tensor partials = at::empty({slices, O, taps, I}, values.options());
+        const int64_t room = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, x.get_device());
+        const int64_t tap_chunk = std::min<int64_t>(taps, room / (kThreads * int64_t{sizeof(acc_t)}));
+        const auto kernel = cascade_weight_grad_partials_kernel<x_t, acc_t>;
+        for (int64_t tap_begin = 0; tap_begin < taps; tap_begin += tap_chunk) {
+          const int64_t count = std::min(tap_chunk, taps - tap_begin);
+          const size_t smem = static_cast<size_t>(count * kThreads) * sizeof(acc_t);
+          C10_CUDA_CHECK(
+              cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+          kernel<<<dim3(static_cast<unsigned>(O), static_cast<unsigned>(slices), static_cast<unsigned>(channel_blocks)),
+                   kThreads, smem, stream>>>(g, values.const_data_ptr<acc_t>(), picks.const_data_ptr<uint8_t>(),
+                                             x_last.const_data_ptr<x_t>(), tap_begin, count, slice_batch,
+                                             partials.mutable_data_ptr<acc_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        const int64_t blocks = std::min<int64_t>((grad_w.numel() + 255) / 256, 4 * sms);
+        cascade_weight_grad_reduce_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+            g, partials.const_data_ptr<acc_t>(), slices, grad_w.mutable_data_ptr<scalar_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
+      if (x.numel() == 0) return;
+      const at::Tensor count = at::zeros({g.batch, I}, x.options().dtype(at::kInt));
+      const int64_t x_blocks = std::min<int64_t>((x.numel() + 255) / 256, 8 * sms);
+      cascade_weight_grad_count_kernel<<<static_cast<unsigned>(x_blocks), 256, 0, stream>>>(
+          g, x_last.const_data_ptr<x_t>(), count.mutable_data_ptr<int>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const int64_t w_blocks = std::min<int64_t>((grad_w.numel() + 255) / 256, 4 * sms);
+      cascade_weight_grad_whole_channel_kernel<<<static_cast<unsigned>(w_blocks), 256, 0, stream>>>(
+          g, count.const_data_ptr<int>(), grad_w.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cascade_weight_grad_nonfinite_kernel<<<static_cast<unsigned>(x_blocks), 256, 0, stream>>>(
+          g, picks.const_data_ptr<uint8_t>(), x_last.const_data_ptr<x_t>(), count.const_data_ptr<int>(),
+          grad_w.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
   return grad_w;
