@@ -667,9 +667,10 @@ def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool) ->
                     # (a graph compiled for dynamic shapes: the formulations are for static ones)
                     result.skipped.append((name, start.name, "its input's shape is dynamic"))
                     break
-                members, tensors = _bind(members, traced)
+                # (a functional batch norm keeps its call's mode)
                 own_mode = any(isinstance(m, _Bound) and isinstance(m.member, nn.BatchNorm3d)
-                               for m in found[1].values())
+                               for m in members.values())
+                members, tensors = _bind(members, traced)
                 if isinstance(pattern, _Chain):
                     training = members["batch_norm"].training if own_mode else traced.training
                     module = pattern.module.from_module(types.SimpleNamespace(**members, training=training))
