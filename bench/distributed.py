@@ -38,6 +38,11 @@ from fused_ops._timing import device_name, median_ms
 from fused_ops.architectures import ARCHITECTURES, SIZES
 
 MODES = (True, True, True, False)  # three training steps, then an eval forward
+# Timed calls make collectives (DDP's gradient all-reduce, the synchronized batch norm's
+# exchange): each rank must make as many, so the warm-up is a number of calls, not a time
+# (median_ms's default warms up for 50 ms: ranks made different numbers of calls and waited
+# on each other for ever).
+SAME_CALLS_ON_EVERY_RANK = {"warmup_ms": 0.0, "warmup_calls": 10}
 
 
 def seeded_rand(shape, seed: int, device) -> torch.Tensor:
@@ -120,8 +125,8 @@ def exchange_ms(channels: int, device, world: int) -> tuple[float, float]:
     local = torch.rand(4, channels, device=device)
     gathered = [torch.empty_like(local) for _ in range(world)]
     sums = torch.rand(2, channels, device=device)
-    return (median_ms(lambda: dist.all_gather(gathered, local), device),
-            median_ms(lambda: dist.all_reduce(sums), device))
+    return (median_ms(lambda: dist.all_gather(gathered, local), device, **SAME_CALLS_ON_EVERY_RANK),
+            median_ms(lambda: dist.all_reduce(sums), device, **SAME_CALLS_ON_EVERY_RANK))
 
 
 def time_d(arch, args, device, world: int) -> dict:
@@ -149,7 +154,7 @@ def time_d(arch, args, device, world: int) -> dict:
                 out = ddp(x)
             out.float().backward(grad)
 
-        times[name] = median_ms(train_step, device, reps=20)
+        times[name] = median_ms(train_step, device, reps=20, **SAME_CALLS_ON_EVERY_RANK)
     gather, reduce = exchange_ms(original.batch_norm.num_features, device, world)
     times["statistics all_gather (4, C)"] = gather
     times["gradient sums all_reduce (2, C)"] = reduce

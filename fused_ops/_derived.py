@@ -20,10 +20,17 @@ T = TypeVar("T")
 _KEPT: dict[int, tuple[weakref.ref, dict]] = {}  # id(owner) -> (its weak reference, kind -> (stamp, value))
 
 
+def traced(t: Tensor) -> bool:
+    """Whether t stands for a trace's value rather than memory: while Dynamo compiles, or a fake
+    (or functional) tensor of AOT autograd's, export's or an Inductor pass's tracing, which has
+    no data to time, keep or capture."""
+    return torch.compiler.is_compiling() or (type(t) is not Tensor and torch._guards.detect_fake_mode(t) is not None)
+
+
 def _keepable(tensors: tuple[Tensor | None, ...]) -> bool:
-    if torch.compiler.is_compiling():
-        return False
     owner = tensors[0]
+    if traced(owner):
+        return False
     if owner.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     return not torch.is_grad_enabled() or not any([t is not None and t.requires_grad for t in tensors])

@@ -29,7 +29,8 @@ original's own ops (and, between a graph and none, no graph) win.
 Nothing is timed, and each module takes its rule (the first formulation of its list that
 holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
 (``FUSED_OPS_AUTOTUNE=0`` in the environment, or ``set_enabled(False)``), under
-torch.compile and torch.export (the compiler sees the rule's formulation), and while a
+torch.compile, torch.export and any trace of fake tensors (the compile patterns' pass:
+the compiler sees the rule's formulation), and while a
 CUDA graph is being captured and the key was not tuned before (capture after warm-up
 calls, as ``torch.cuda.make_graphed_callables`` does, to capture the tuned one). Every
 formulation computes the original's function: the tests check each one (``force``) against
@@ -103,6 +104,12 @@ def force(name: str):
         _FORCED.pop()
 
 
+def untimed_order(order: Sequence[str]) -> list[str]:
+    """The formulations a call that is not timed tries, in turn: the forced one (force) first
+    where it is one of `order`, then `order` (the rule's)."""
+    return [f for f in _FORCED[-1:] if f in order] + list(order)
+
+
 def _capturing(x: Tensor) -> bool:
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -140,11 +147,10 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
     batch of one a whole call on a GPU takes about 0.1 ms); where it no longer holds (run
     gives None), the call chooses again."""
     if _FORCED:
-        order = formulations(x)
-        name, out = _run_first(run, [f for f in _FORCED[-1:] if f in order] + list(order), x)
+        name, out = _run_first(run, untimed_order(formulations(x)), x)
         _LAST[0] = name
         return name, out
-    if torch.compiler.is_compiling():
+    if _derived.traced(x):
         return _run_first(run, formulations(x), x)
     signature = _signature(module, x)
     memo = module.__dict__.get("_fused_ops_choice")

@@ -82,6 +82,26 @@ def test_the_tails_compile_to_the_fused_ops(reports, train, device):
         assert f"fused_ops.{op}" in code, op
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_autotuner_times_nothing_while_tracing(reports, monkeypatch, device):
+    """With the autotuner on (the tests turn it off), the pass's trace of the fused modules takes
+    their rules' formulations: no fake tensor is timed, kept or captured in a CUDA graph (which
+    failed on a GPU), and the compiled training step still equals the original's."""
+    from fused_ops import autotune
+
+    tuned = []
+    real = autotune._tune
+    monkeypatch.setattr(autotune, "_tune", lambda module, order, run, x, *rest: tuned.append(type(x)) or real(
+        module, order, run, x, *rest))
+    autotune.set_enabled(True)
+    torch.manual_seed(3)
+    original = Network().double().to(device)
+    model = copy.deepcopy(original)
+    compiled_steps(model, original, lambda: inputs(device), train=True, steps=1)
+    assert fused_names(reports) == ["A", "B", "C", "D"], reports
+    assert tuned == [], tuned
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_autocast_gives_the_originals_dtypes(reports, train):
     """Under CPU bfloat16 autocast the compiled chains return the dtype the original's do, within

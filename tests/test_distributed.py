@@ -10,6 +10,7 @@ Losses: rank r's is (out_r * R_r).sum(), R_r its slice of a fixed random weight 
 is the one process's loss (out * R).sum(), so each rank's input gradient is
 that loss's on its slice, and DDP's parameter gradients, the ranks' mean, are
 that loss's divided by the world size."""
+import contextlib
 import datetime
 import gc
 import os
@@ -27,8 +28,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from conftest import assert_close_to_reference, make_input
+from fused_ops import autotune, reference, rewrites
 from fused_ops import nn as fnn
-from fused_ops import reference
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "distributed.py")
 
@@ -55,11 +56,15 @@ CASES = {
     # statistics, unsynchronized as in nn.SyncBatchNorm, so training steps only
     "D no affine, no running statistics": (D, (3, 4, 2, 0.5), {"affine": False, "track_running_stats": False},
                                            (2, 3), (3, 3, 3, 4), (True, True)),
+    # the synchronized path takes the rule's convolution, untimed (the stride-1 rewrite on a
+    # GPU): here forced (FORCED)
+    "D by the stride-1 rewrite": (D, (3, 4, 3, 2.0), None, (2, 2), (3, 3, 4, 3), TRAIN_THEN_EVAL),
     "A": ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, 2.0, 2, (4, 1, 1, 1), 1), None, (2, 1), (3, 9, 10, 11),
           TRAIN_THEN_EVAL),
     "B": ("ConvTranspose3dMaxPoolMaxPoolSum", (3, 4, 5, 2, 2), None, (2, 1), (3, 7, 7, 7), TRAIN_THEN_EVAL),
     "C": ("Conv2dAvgPoolSigmoidSum", (3, 5, 3, 4), None, (2, 1), (3, 19, 23), TRAIN_THEN_EVAL),
 }
+FORCED = {"D by the stride-1 rewrite": "rewrite"}  # case: the formulation forced (fused_ops.autotune.force)
 
 
 def build(namespace, case):
@@ -100,7 +105,14 @@ def run_rank(rank, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=60))
-    results = {}
+    results = {"stride-1 rewrites": 0}
+    stride1 = rewrites.conv_transpose3d_stride1
+
+    def counted(*args):
+        results["stride-1 rewrites"] += 1
+        return stride1(*args)
+
+    rewrites.conv_transpose3d_stride1 = counted
     for case, (name, _, _, batches, _, _) in CASES.items():
         module = build(fnn, case)
         model = DistributedDataParallel(module)
@@ -110,7 +122,8 @@ def run_rank(rank, port, out_dir):
             nn.SyncBatchNorm.convert_sync_batchnorm(module)
             assert isinstance(module.batch_norm, nn.SyncBatchNorm)
         start = sum(batches[:rank])
-        results[case] = run_steps(model, module, case, start, start + batches[rank])
+        with autotune.force(FORCED[case]) if case in FORCED else contextlib.nullcontext():
+            results[case] = run_steps(model, module, case, start, start + batches[rank])
     alone = [dist.new_group([r]) for r in range(WORLD_SIZE)][rank]
     converted, plain = nn.SyncBatchNorm.convert_sync_batchnorm(build(fnn, "D")), build(fnn, "D")
     converted.batch_norm.process_group = alone
@@ -200,6 +213,8 @@ def test_sync_batch_norm_ddp(ranks, case):
     """D converted with convert_sync_batchnorm under DDP: the whole batch's statistics
     in training, its running statistics, one process's gradients."""
     check_case(ranks, case)
+    if case in FORCED:  # (its training steps took the rewrite)
+        assert all(results["stride-1 rewrites"] >= 3 for results in ranks)
 
 
 @requires_gloo

@@ -114,6 +114,27 @@ def test_autotuner_passes_over_a_formulation_that_raises(monkeypatch):
         fused(torch.rand(1, *shape[1:], dtype=torch.float64))
 
 
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_autotuner_times_no_fake_tensor(name, args, shape, device, monkeypatch):
+    """A call on fake tensors (the fake propagation of a compiler pass over a graph that calls the
+    module: fused_ops.compile_patterns) takes the rule, as under torch.compile: a fake tensor has
+    no data to time, keep or capture."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    autotune.clear()
+    autotune.set_enabled(True)
+    tuned = []
+    monkeypatch.setattr(autotune, "_tune", lambda *a: tuned.append(1))
+    original, fused = pair(name, args, device, dtype=torch.float32)
+    expected = original(torch.rand(shape, device=device))
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        x = mode.from_tensor(torch.rand(shape, device=device)).requires_grad_()
+        out = fused(x)
+        out.sum().backward()
+    assert tuned == []
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+
+
 def test_autotuner_off():
     """Off (the tests' default, conftest), nothing is tuned: each module takes its rule."""
     name, args, shape = CONFIGS[0]
