@@ -1,6 +1,6 @@
 """Data-parallel training of the fused drop-ins, one process per GPU (issue 20):
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 bench/distributed.py [--autocast bfloat16]
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 bench/distributed.py [--autocast bfloat16] [--no-tf32]
 
 Each rank runs the fused module of each architecture (D's batch norm converted with
 nn.SyncBatchNorm.convert_sync_batchnorm: fused_ops.sync_batch_norm then normalizes with the
@@ -167,7 +167,11 @@ def main() -> int:
     parser.add_argument("--size", choices=SIZES, help="input sizes (default: spec on a GPU, tiny on a CPU)")
     parser.add_argument("--autocast", choices=cli.AUTOCAST_DTYPES)
     parser.add_argument("--models", default="A,B,C,D")
+    parser.add_argument("--no-tf32", action="store_true",
+                        help="float32 convolutions and matmuls without TF32 (a strict float32 comparison)")
     args = parser.parse_args()
+    if args.no_tf32:
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     args.size = args.size or ("spec" if args.device == "cuda" else "tiny")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # (NVLink multicast can take a shared host's GPUs out of service)
     if args.device == "cuda":

@@ -51,7 +51,7 @@ class _FusedOpsPass(CustomGraphPass):
     fused_ops.autotune.force imposes (compiled calls honour it)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        fusion.fuse_graph(graph.owning_module, fusion.FuseReport(), follow_mode=False)
+        fusion.fuse_graph(graph.owning_module, fusion.FuseReport(), follow_mode=False, inductor=True)
 
     def uuid(self) -> bytes:
         return hashlib.sha256(_package_digest() + repr(autotune._FORCED).encode()).digest()

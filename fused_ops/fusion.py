@@ -540,19 +540,32 @@ def _memory(node: fx.Node) -> fx.Node:
     return node
 
 
+def _read_memory(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The memory a match reads from outside it (its input, its parameters: _memory of each)."""
+    own = set(nodes)
+    return {_memory(arg) for n in nodes for arg in n.all_input_nodes if arg not in own}
+
+
 def _effect_between(nodes: list[fx.Node]) -> fx.Node | None:
     """The first node between a match's first and last (in the graph's order, not its own) with
     an effect the fused call, placed at the last, would move past: an impure one (torch.compile's
     autocast and grad-mode switches, ...), or a write into memory the match reads (its input, its
     parameters, a view of them); None where there is none."""
-    own = set(nodes)
-    read = {_memory(arg) for n in nodes for arg in n.all_input_nodes if arg not in own}
+    own, read = set(nodes), _read_memory(nodes)
     node = nodes[0].next
     while node is not nodes[-1]:
         if node not in own and (node.is_impure() or any(_memory(w) in read for w in _written(node))):
             return node
         node = node.next
     return None
+
+
+def _write_into_read(nodes: list[fx.Node]) -> fx.Node | None:
+    """A node of the graph, outside the match, that writes in place into memory the match reads;
+    None where there is none."""
+    own, read = set(nodes), _read_memory(nodes)
+    return next((node for node in nodes[0].graph.nodes
+                 if node not in own and any(_memory(w) in read for w in _written(node))), None)
 
 
 def _replace(graph: fx.Graph, nodes: list[fx.Node], call: Callable, args: tuple) -> None:
@@ -638,10 +651,11 @@ def _bind(members: dict, model: fx.GraphModule) -> tuple[dict, dict[str, fx.Node
     return plain, tensors
 
 
-def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool) -> None:
+def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool, inductor: bool = False) -> None:
     """The chains, then the tails, found in `traced`'s graph replaced in place (the report in
     `result`). follow_mode: the fused calls take `traced`'s train / eval mode at each call (a
-    functional batch norm keeps its call's)."""
+    functional batch norm keeps its call's). inductor: the graph goes to Inductor (the compile
+    patterns' pass), where a match whose memory the graph writes in place anywhere stays."""
     graph = traced.graph
     taken: set[fx.Node] = set()  # (the nodes of the chains fused so far: erased)
     for patterns, starts in ((CHAINS, ("call_module", "call_function")),
@@ -661,6 +675,13 @@ def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool) ->
                 if effect is not None:
                     result.skipped.append((name, start.name, f"{effect.name} between its ops has an effect "
                                            "(a mode switch, a write into what it reads) the fused call would move past"))
+                    continue
+                written = _write_into_read(nodes) if inductor else None
+                if written is not None:
+                    # (torch 2.11's Inductor, given the rewrites' reads of an input written in place
+                    # through a view, recomputed the write from the input it had already overwritten:
+                    # x * 4 for x * 2. PyTorch's own ops alone do it too; 2.13's does not)
+                    result.skipped.append((name, start.name, f"{written.name} writes in place into what it reads"))
                     continue
                 value = _tensor_value(_input(start), traced)
                 if value is not None and any(isinstance(size, torch.SymInt) for size in value.shape):

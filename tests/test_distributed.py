@@ -268,6 +268,9 @@ def test_distributed_script_on_two_cpu_ranks():
 def test_ddp_and_sync_batch_norm_on_two_gpus(autocast):
     """One process per GPU, NCCL: the four fused modules under DDP (D with SyncBatchNorm) at the
     reduced sizes against one process on the whole batch; the timing of D's step (the script's
-    table) printed."""
-    out = run_script("--size", "reduced", *(["--autocast", autocast] if autocast else []))
+    table) printed. Float32 without TF32: at these sizes TF32's rounding alone moves B's
+    max-pool picks and its weight gradient by about 1e-2 (rounding x and the weight to TF32 in a
+    float64 run: 1.2e-2), beyond the check, where cuDNN's kernels for the original may run in
+    float32 (an H200 run: 8e-3, the original 4e-5); SPEC's sizes with TF32 are the script's own run."""
+    out = run_script("--size", "reduced", *(["--autocast", autocast] if autocast else ["--no-tf32"]))
     assert "SyncBatchNorm" in out
