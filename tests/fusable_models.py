@@ -79,3 +79,21 @@ def tails_inputs(device, dtype=torch.float64):
     g = torch.Generator().manual_seed(6)
     return (torch.rand(2, 3, 9, 11, 12, generator=g, dtype=dtype).to(device),
             torch.rand(2, 3, 15, 17, generator=g, dtype=dtype).to(device))
+
+
+class InPlace(nn.Module):
+    """C's chain with its input written in place between the convolution and the tail, a second
+    chain reading that input after the write, and a buffer neither reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        z = self.conv(x)
+        x.view(-1).mul_(2.0)
+        c = torch.sigmoid(F.avg_pool2d(z, 2)).sum((1, 2, 3))
+        y = self.conv(x)
+        self.count.add_(1)
+        return c, torch.sigmoid(F.avg_pool2d(y, 2)).sum((1, 2, 3))

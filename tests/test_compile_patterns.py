@@ -13,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 import fused_ops
 from conftest import DEVICES
 from fused_ops import fusion
-from fusable_models import Network, Tails, check_step, inputs, tails_inputs
+from fusable_models import InPlace, Network, Tails, check_step, inputs, tails_inputs
 
 
 @pytest.fixture
@@ -163,24 +163,6 @@ class Boundaries(nn.Module):
             h = self.conv3d(v)
         a = (F.adaptive_avg_pool3d(F.max_pool3d(h / 2.0, 2), 1) + self.offset).sum(1)
         return c, a
-
-
-class InPlace(nn.Module):
-    """C's chain with its input written in place between the convolution and the tail, a second
-    chain reading that input after the write, and a buffer neither reads."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = nn.Conv2d(3, 8, 3)
-        self.register_buffer("count", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        z = self.conv(x)
-        x.view(-1).mul_(2.0)
-        c = torch.sigmoid(F.avg_pool2d(z, 2)).sum((1, 2, 3))
-        y = self.conv(x)
-        self.count.add_(1)
-        return c, torch.sigmoid(F.avg_pool2d(y, 2)).sum((1, 2, 3))
 
 
 def test_chains_across_effects_stay_and_their_tails_fuse(reports):
