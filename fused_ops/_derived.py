@@ -24,10 +24,12 @@ _PLAIN = (Tensor, torch.nn.Parameter)  # (types that are never a trace's: detect
 
 
 def traced(t: Tensor) -> bool:
-    """Whether t stands for a trace's value rather than memory: while Dynamo compiles, or a fake
-    (or functional) tensor of AOT autograd's, export's or an Inductor pass's tracing, which has
-    no data to time, keep or capture."""
-    return torch.compiler.is_compiling() or (type(t) not in _PLAIN and torch._guards.detect_fake_mode(t) is not None)
+    """Whether a call with t is a trace's rather than one on memory: while Dynamo compiles, under
+    a fake mode (what the call builds is fake, a real t too), or t a fake (or functional) tensor
+    of AOT autograd's, export's or an Inductor pass's tracing: nothing to time, keep or capture."""
+    return (torch.compiler.is_compiling()
+            or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+            or (type(t) not in _PLAIN and torch._guards.detect_fake_mode(t) is not None))
 
 
 def _keepable(tensors: tuple[Tensor | None, ...]) -> bool:

@@ -516,19 +516,22 @@ _VIEW_FUNCTIONS = {operator.getitem, torch.reshape, torch.transpose, torch.permu
 
 
 def _written(node: fx.Node) -> list[fx.Node]:
-    """The nodes a call may write into (x.add_(...), x += ..., a mutable ATen op's mutated
-    arguments); none for a call that writes nothing."""
+    """The nodes a call may write into (x.add_(...), x += ..., x[i] = v, F.relu(x, inplace=True),
+    a mutable ATen op's mutated arguments); none for a call that writes nothing."""
     target = node.target
     if node.op == "call_method":
-        in_place = (target.endswith("_") and not target.startswith("__")) or target.startswith("__i")
+        in_place = ((target.endswith("_") and not target.startswith("__")) or target.startswith("__i")
+                    or target == "__setitem__")
     elif node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
         return [arg for arg, spec in zip(node.args, target._schema.arguments)
                 if isinstance(arg, fx.Node) and spec.alias_info is not None and spec.alias_info.is_write]
     elif node.op == "call_function":
         name = getattr(target, "__name__", "")
-        in_place = target in _IN_PLACE_OPERATORS or (name.endswith("_") and not name.endswith("__"))
+        in_place = (target in _IN_PLACE_OPERATORS or target is operator.setitem
+                    or (name.endswith("_") and not name.endswith("__")))
     else:
         in_place = False
+    in_place = in_place or node.kwargs.get("inplace") is True
     return [node.args[0]] if in_place and node.args and isinstance(node.args[0], fx.Node) else []
 
 

@@ -133,6 +133,17 @@ def test_autotuner_times_no_fake_tensor(name, args, shape, device, monkeypatch):
         out.sum().backward()
     assert tuned == []
     assert out.shape == expected.shape and out.dtype == expected.dtype
+    # eval without autograd (derived kernels kept where nothing records them), the rules: nothing
+    # fake kept for the next real call
+    autotune.set_enabled(False)
+    original, fused = pair(name, args, device, dtype=torch.float32, train=False)
+    x = torch.rand(shape, device=device)
+    with torch.no_grad():
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fused(mode.from_tensor(x))
+        out = fused(x)
+        assert type(out) is torch.Tensor
+        torch.testing.assert_close(out, original(x), rtol=1e-4, atol=1e-5)
 
 
 def test_autotuner_off():

@@ -4,6 +4,7 @@ by the drop-in modules, with the original's outputs, gradients, running statisti
 state_dict; what it must leave alone (an intermediate result used twice, other ops, an
 untraceable model) left alone and reported."""
 import copy
+import operator
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 
 import fused_ops
 from conftest import DEVICES
+from fused_ops import fusion
 from fusable_models import InPlace, Network, Tails, check_step, inputs, tails_inputs
 
 
@@ -141,6 +143,21 @@ def test_a_write_before_a_chain_leaves_it_fused():
     with torch.no_grad():
         for out, ref in zip(fused(x.clone()), original(x.clone()), strict=True):
             torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_the_writes_a_match_watches_for():
+    """fusion._written: the in-place spellings (x.add_, x += ..., x[i] = v, inplace=True) write
+    their first argument; out-of-place calls write nothing."""
+    graph = torch.fx.Graph()  # (symbolic tracing refuses x[i] = v)
+    x, y = graph.placeholder("x"), graph.placeholder("y")
+    nodes = {"add_": graph.call_method("add_", (x, 1)), "iadd": graph.call_function(operator.iadd, (y, 1)),
+             "setitem": graph.call_function(operator.setitem, (x, 0, 2.0)),
+             "__setitem__": graph.call_method("__setitem__", (y, 0, 2.0)),
+             "relu": graph.call_function(F.relu, (y,), {"inplace": True}),
+             "add": graph.call_function(torch.add, (x, y)), "relu_1": graph.call_function(F.relu, (x,))}
+    writes = {name: fusion._written(node) for name, node in nodes.items()}
+    assert writes == {"add_": [x], "iadd": [y], "setitem": [x], "__setitem__": [y], "relu": [y], "add": [],
+                      "relu_1": []}, writes
 
 
 def test_other_ops_are_left_as_they_were():
