@@ -147,11 +147,11 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
     batch of one a whole call on a GPU takes about 0.1 ms); where it no longer holds (run
     gives None), the call chooses again."""
     if _FORCED:
-        name, out = _run_first(run, untimed_order(formulations(x)), x)
+        name, out = run_first(run, untimed_order(formulations(x)), x)
         _LAST[0] = name
         return name, out
     if _derived.traced(x):
-        return _run_first(run, formulations(x), x)
+        return run_first(run, formulations(x), x)
     signature = _signature(module, x)
     memo = module.__dict__.get("_fused_ops_choice")
     if memo is not None and memo[0] == _GENERATION[0] and memo[1] == signature:
@@ -167,7 +167,7 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
     key = _key(module, config(), signature) if tuned else None
     choice = _CHOICES.get(key) if tuned else None
     if choice is None and (not tuned or _capturing(x)):
-        name, out = _run_first(run, order, x)
+        name, out = run_first(run, order, x)
         choice = (name, False)
     else:
         if choice is None:
@@ -177,7 +177,7 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
         if out is None:
             out = _run_benchmarked(run, name, x)
         if out is None:
-            name, out = _run_first(run, order, x)
+            name, out = run_first(run, order, x)
             choice = (name, False)
     if not _capturing(x):
         module.__dict__["_fused_ops_choice"] = (_GENERATION[0], signature, choice)
@@ -271,7 +271,9 @@ def kept_graphed(key: tuple) -> bool:
     return choice is not None and choice[1]
 
 
-def _run_first(run, formulations, x: Tensor) -> tuple[str, Tensor]:
+def run_first(run, formulations, x: Tensor) -> tuple[str, Tensor]:
+    """(name, run(name, x)) of the first of `formulations` whose run holds (is not None): the
+    last of a module's list always does."""
     for name in formulations:
         out = run(name, x)
         if out is not None:

@@ -549,6 +549,11 @@ def _read_memory(nodes: list[fx.Node]) -> set[fx.Node]:
     return {_memory(arg) for n in nodes for arg in n.all_input_nodes if arg not in own}
 
 
+def _writes_into(node: fx.Node, memory: set[fx.Node]) -> bool:
+    """Whether `node` writes in place into any of `memory` (_read_memory's nodes)."""
+    return any(_memory(w) in memory for w in _written(node))
+
+
 def _effect_between(nodes: list[fx.Node]) -> fx.Node | None:
     """The first node between a match's first and last (in the graph's order, not its own) with
     an effect the fused call, placed at the last, would move past: an impure one (torch.compile's
@@ -557,7 +562,7 @@ def _effect_between(nodes: list[fx.Node]) -> fx.Node | None:
     own, read = set(nodes), _read_memory(nodes)
     node = nodes[0].next
     while node is not nodes[-1]:
-        if node not in own and (node.is_impure() or any(_memory(w) in read for w in _written(node))):
+        if node not in own and (node.is_impure() or _writes_into(node, read)):
             return node
         node = node.next
     return None
@@ -567,8 +572,7 @@ def _write_into_read(nodes: list[fx.Node]) -> fx.Node | None:
     """A node of the graph, outside the match, that writes in place into memory the match reads;
     None where there is none."""
     own, read = set(nodes), _read_memory(nodes)
-    return next((node for node in nodes[0].graph.nodes
-                 if node not in own and any(_memory(w) in read for w in _written(node))), None)
+    return next((node for node in nodes[0].graph.nodes if node not in own and _writes_into(node, read)), None)
 
 
 def _replace(graph: fx.Graph, nodes: list[fx.Node], call: Callable, args: tuple) -> None:

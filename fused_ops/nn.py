@@ -426,10 +426,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             # the rule's convolution, untimed: every rank must make the same collective calls (the
             # stride-1 rewrite on a GPU: 2 H200s, NCCL, SPEC's D, 6.0 ms a step by the original's
             # convolution, 5.0 ms per-rank statistics by the rewrite)
-            y = next((y for name in autotune.untimed_order(self._formulations(x))
-                      if (y := self._convolution(name, x)) is not None), None)
-            if y is None:  # (the list always ends with one that holds: fused or original)
-                y = _conv(self.conv_transpose, x)
+            _, y = autotune.run_first(self._convolution, autotune.untimed_order(self._formulations(x)), x)
             return _as_original(sync_batch_norm_gap(y, self.scale_factor, self.batch_norm, group), x, self._TAIL_OPS)
         return self._dispatch(x)
 
