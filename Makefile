@@ -14,6 +14,8 @@ deps:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -c "import pytest, ninja" 2>/dev/null || $(PYTHON) -m pip install -q pytest ninja
 	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
+	$(PYTHON) -c "import importlib.metadata as m; assert m.version('nvidia-cutlass') == '4.2.0.0'" 2>/dev/null || \
+		$(PYTHON) -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
 
 install: deps
 	$(PYTHON) -m pip install -q --no-build-isolation .

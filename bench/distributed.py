@@ -23,6 +23,7 @@ status 1 otherwise). On a CPU (gloo): --device cpu, tiny sizes, the checks only 
 nn.SyncBatchNorm runs on CUDA only): a dry run of the script.
 """
 import argparse
+import contextlib
 import copy
 import gc
 import os
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from fused_ops import cli
+from fused_ops import autotune, cli
 from fused_ops._timing import device_name, median_ms
 from fused_ops.architectures import ARCHITECTURES, SIZES
 
@@ -142,15 +143,19 @@ def time_d(arch, args, device, world: int) -> dict:
     variants = {"fused, SyncBatchNorm": (arch.fused_from(copy.deepcopy(original)), True),
                 "original, SyncBatchNorm": (copy.deepcopy(original), True),
                 "fused, per-rank BatchNorm3d": (arch.fused_from(copy.deepcopy(original)), False)}
+    # the synchronized path's convolution by each formulation (autotune.force): what its choice is worth
+    fused = variants["fused, SyncBatchNorm"][0]
+    for formulation in [f for f in fused._formulations(x) if f not in ("original", "original_channels_last")]:
+        variants[f"fused, SyncBatchNorm, {formulation}"] = (arch.fused_from(copy.deepcopy(original)), True, formulation)
     times = {}
-    for name, (module, sync) in variants.items():
+    for name, (module, sync, *forced) in variants.items():
         ddp = data_parallel(module, device, sync)
         ddp.train()
         with torch.no_grad(), cli.autocast(device, autocast_dtype):
             grad = torch.rand_like(ddp(x).float())
 
         def train_step():
-            with cli.autocast(device, autocast_dtype):
+            with cli.autocast(device, autocast_dtype), autotune.force(*forced) if forced else contextlib.nullcontext():
                 out = ddp(x)
             out.float().backward(grad)
 

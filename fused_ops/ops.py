@@ -712,7 +712,9 @@ def box_fold2d(weight: Tensor, box, divisor: float, *, dtype: torch.dtype | None
     """
     if not isinstance(weight, Tensor):
         raise TypeError(f"box_fold2d: weight must be a Tensor, got {type(weight).__name__}")
-    return _ops.box_fold2d(weight, _pair(box, "box"), float(divisor), dtype)
+    # the weight's own dtype passed as None, the schema's default: torch 2.11's AOTInductor hands a
+    # custom op a dtype argument as another type (float32 as float64: pytorch/pytorch#169157)
+    return _ops.box_fold2d(weight, _pair(box, "box"), float(divisor), None if dtype == weight.dtype else dtype)
 
 
 def _box_fold_checks(box, divisor, what: str) -> list[int]:

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from conftest import assert_close_to_reference, make_input
+from conftest import assert_close_to_reference, make_input, requires_cuda
 from fused_ops import autotune, reference, rewrites
 from fused_ops import nn as fnn
 
@@ -56,8 +56,8 @@ CASES = {
     # statistics, unsynchronized as in nn.SyncBatchNorm, so training steps only
     "D no affine, no running statistics": (D, (3, 4, 2, 0.5), {"affine": False, "track_running_stats": False},
                                            (2, 3), (3, 3, 3, 4), (True, True)),
-    # the synchronized path takes the rule's convolution, untimed (the stride-1 rewrite on a
-    # GPU): here forced (FORCED)
+    # the synchronized path's convolution by the stride-1 rewrite (its rule's on a GPU in
+    # float32), here forced (FORCED)
     "D by the stride-1 rewrite": (D, (3, 4, 3, 2.0), None, (2, 2), (3, 3, 4, 3), TRAIN_THEN_EVAL),
     "A": ("Conv3dDivMaxPoolGAPBiasSum", (3, 4, 3, 2.0, 2, (4, 1, 1, 1), 1), None, (2, 1), (3, 9, 10, 11),
           TRAIN_THEN_EVAL),
@@ -240,6 +240,18 @@ def test_from_module_takes_a_converted_original():
     assert isinstance(fused.batch_norm, nn.SyncBatchNorm) and fused.batch_norm is original.batch_norm
     plain = build(fnn, "D")
     assert_same_steps(*(run_steps(m, m, "D", 0, sum(CASES["D"][3])) for m in (fused, plain)))
+
+
+@requires_cuda
+@pytest.mark.parametrize("autocast,first", [(None, "rewrite"), (torch.bfloat16, "fused")], ids=["float32", "bf16"])
+def test_synchronized_convolutions_rule_on_a_gpu(autocast, first):
+    """The synchronized path's convolution on a GPU, as measured (nn's rule): the stride-1
+    rewrite in float32, the original's convolution in 16 bits; the originals never."""
+    fused = nn.SyncBatchNorm.convert_sync_batchnorm(build(fnn, "D")).float().cuda()
+    x = torch.rand(2, *CASES["D"][4], device="cuda")
+    with torch.autocast("cuda", dtype=autocast or torch.float32, enabled=autocast is not None):
+        order = fused._synchronized_formulations(x)
+    assert order[0] == first and sorted(order) == ["fused", "fused_channels_last", "rewrite"]
 
 
 def run_script(*args: str) -> str:

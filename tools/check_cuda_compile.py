@@ -1,10 +1,20 @@
-"""Compile-checks every csrc/cuda/*.cu for sm_90 with nvcc, against the
-installed torch's headers (a CPU wheel will do: it lacks one generated
-header, c10/cuda/impl/cuda_cmake_macros.h, which a stub on this check's own
-include path provides), then links the objects together (no symbol defined
-twice). Builds nothing that is installed; exits non-zero on the first failure.
+"""Compile-checks the CUDA sources with nvcc, against the installed torch's headers (a CPU wheel
+will do: it lacks one generated header, c10/cuda/impl/cuda_cmake_macros.h, which a stub on this
+check's own include path provides). Builds nothing that is installed; exits non-zero on the first
+failure. Two passes:
+
+  csrc     every csrc/cuda/*.cu for sm_90, then the objects linked together (no symbol defined
+           twice);
+  cutlass  every bench/cutlass/*.cu (the CUTLASS baselines the benchmarks build on their own, no
+           torch headers: the benchmark's flags) for sm_90a, with CUTLASS's headers from the
+           installed nvidia-cutlass wheel (cutlass_library: pip install --no-deps
+           nvidia-cutlass==4.2.0.0; this pass fails without it), each on its own (no link); a
+           kernel whose wgmma ptxas serializes (warning C7510: a function call in the kernel, such
+           as a live assert) fails it too.
 
     python tools/check_cuda_compile.py [--nvcc PATH] [FILE.cu ...]   (default: every one)
+
+Named files go to the pass of their directory (bench/cutlass/ to the cutlass pass).
 """
 import argparse
 import glob
@@ -14,10 +24,13 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import time
 
 from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUTLASS_DIR = os.path.join(ROOT, "bench", "cutlass")
+WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
 def find_nvcc(explicit: str | None) -> str:
@@ -29,34 +42,81 @@ def find_nvcc(explicit: str | None) -> str:
     sys.exit("check_cuda_compile: nvcc not found (pass --nvcc or set NVCC)")
 
 
+def cutlass_include_dirs() -> list[str]:
+    """CUTLASS's headers and its tools' (cutlass/util), from the installed cutlass_library package."""
+    try:
+        import cutlass_library
+    except ImportError:
+        sys.exit("check_cuda_compile: the CUTLASS sources (bench/cutlass/*.cu) need CUTLASS's headers: "
+                 "pip install --no-deps nvidia-cutlass==4.2.0.0 (the cutlass_library package)")
+    source = os.path.join(os.path.dirname(cutlass_library.__file__), "source")
+    dirs = [os.path.join(source, "include"), os.path.join(source, "tools", "util", "include")]
+    if not os.path.exists(os.path.join(dirs[0], "cutlass", "cutlass.h")):
+        sys.exit(f"check_cuda_compile: cutlass_library has no CUTLASS headers under {dirs[0]}")
+    return dirs
+
+
+def compile_object(nvcc: str, src: str, obj: str, flags: list[str], capture: bool = False) -> str:
+    """nvcc -c src -o obj; exits on failure. capture: return the compiler's output (echoed after)."""
+    # C++17: what torch 2.11 (on the GPU machines) builds extensions with; newer torch uses C++20
+    cmd = [nvcc, "-std=c++17", "-O3", "-Xcompiler=-fPIC", "-Xptxas=-warn-spills", "-c", src, "-o", obj, *flags]
+    print("nvcc", os.path.relpath(src, ROOT), flush=True)
+    if capture:
+        began = time.perf_counter()
+        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        sys.stdout.write(result.stdout)
+        print(f"  ({time.perf_counter() - began:.0f} s)", flush=True)
+    else:
+        result = subprocess.run(cmd)
+    if result.returncode != 0:
+        sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)} failed to compile")
+    return result.stdout or ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nvcc")
-    parser.add_argument("sources", nargs="*", help="the .cu files to check (default: every csrc/cuda/*.cu)")
+    parser.add_argument("sources", nargs="*",
+                        help="the .cu files to check (default: every csrc/cuda/*.cu and bench/cutlass/*.cu)")
     args = parser.parse_args()
     nvcc = find_nvcc(args.nvcc)
-    sources = [os.path.abspath(p) for p in args.sources] or sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+    if args.sources:
+        named = [os.path.abspath(p) for p in args.sources]
+        cutlass_sources = [p for p in named if os.path.dirname(p) == CUTLASS_DIR]
+        sources = [p for p in named if p not in cutlass_sources]
+    else:
+        sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+        cutlass_sources = sorted(glob.glob(os.path.join(CUTLASS_DIR, "*.cu")))
+    cutlass_includes = [f"-I{p}" for p in cutlass_include_dirs()] if cutlass_sources else []
     with tempfile.TemporaryDirectory() as stub:
         os.makedirs(os.path.join(stub, "c10", "cuda", "impl"))
         with open(os.path.join(stub, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
             f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
         includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], stub]]
+
         objects = []
         for src in sources:
             objects.append(os.path.join(stub, f"{len(objects)}.o"))
-            # C++17: what torch 2.11 (on the GPU machines) builds extensions with; newer torch uses C++20
-            cmd = [nvcc, "-std=c++17", "-O3", "-arch=sm_90", "-Xcompiler=-fPIC", "-c", src, "-o", objects[-1],
-                   "-Xptxas=-warn-spills", "-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS, *includes]
-            print("nvcc", os.path.relpath(src, ROOT), flush=True)
-            result = subprocess.run(cmd)
+            compile_object(nvcc, src, objects[-1], ["-arch=sm_90", "-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS,
+                                                    *includes])
+        if objects:
+            # the objects link into one library (torch's symbols left unresolved): no symbol defined twice,
+            # as a non-template kernel in a header shared by two files would be
+            result = subprocess.run([nvcc, "-shared", "-arch=sm_90", *objects, "-o", os.path.join(stub, "link.so")])
             if result.returncode != 0:
-                sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)} failed to compile")
-        # the objects link into one library (torch's symbols left unresolved): no symbol defined twice,
-        # as a non-template kernel in a header shared by two files would be
-        result = subprocess.run([nvcc, "-shared", "-arch=sm_90", *objects, "-o", os.path.join(stub, "link.so")])
-        if result.returncode != 0:
-            sys.exit("check_cuda_compile: the objects do not link together")
-    print(f"check_cuda_compile: {len(sources)} file(s) compiled for sm_90 and linked together")
+                sys.exit("check_cuda_compile: the objects do not link together")
+            print(f"check_cuda_compile: {len(sources)} file(s) compiled for sm_90 and linked together")
+
+        for i, src in enumerate(cutlass_sources):
+            # the flags bench/bench_cutlass_conv2d_sigmoid_sum.py builds it with (no torch)
+            output = compile_object(nvcc, src, os.path.join(stub, f"cutlass{i}.o"),
+                                    ["-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+                                     *cutlass_includes], capture=True)
+            if WGMMA_SERIALIZED in output:
+                sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)}: ptxas serialized a kernel's wgmma "
+                         f"(C7510, above)")
+        if cutlass_sources:
+            print(f"check_cuda_compile: {len(cutlass_sources)} CUTLASS file(s) compiled for sm_90a")
 
 
 if __name__ == "__main__":
