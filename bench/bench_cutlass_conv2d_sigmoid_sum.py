@@ -31,11 +31,8 @@ import argparse
 import contextlib
 import ctypes
 import os
-import shutil
 import statistics
-import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -43,36 +40,10 @@ import torch.nn.functional as F
 from fused_ops import box_fold2d, conv2d_sigmoid_sum, reference
 from timing import copy_bandwidth_gbs, device_name, interleaved_medians, median_ms
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCE = os.path.join(HERE, "cutlass", "conv2d_sigmoid_sum_cutlass.cu")
-LIBRARY = os.path.join(HERE, "cutlass", "build", "libcutlass_conv2d_sigmoid_sum.so")
-# CUTLASS's wgmma and TMA kernels need sm_90a
-NVCC_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "--expt-relaxed-constexpr", "-O3"]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cutlass"))
+import cutlass_build  # noqa: E402  (bench/cutlass/: how the library is built)
 
-
-def cutlass_include_dirs() -> list[str]:
-    """CUTLASS's and its tools' headers, from the installed nvidia-cutlass wheel (cutlass_library)."""
-    try:
-        import cutlass_library
-    except ImportError:
-        sys.exit("bench_cutlass_conv2d_sigmoid_sum: needs CUTLASS's headers: "
-                 "pip install --no-deps nvidia-cutlass==4.2.0.0")
-    source = os.path.join(os.path.dirname(cutlass_library.__file__), "source")
-    return [os.path.join(source, "include"), os.path.join(source, "tools", "util", "include")]
-
-
-def build_library() -> str:
-    """LIBRARY, built by nvcc where it is missing or older than SOURCE."""
-    if os.path.exists(LIBRARY) and os.path.getmtime(LIBRARY) >= os.path.getmtime(SOURCE):
-        return LIBRARY
-    os.makedirs(os.path.dirname(LIBRARY), exist_ok=True)
-    nvcc = os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    command = [nvcc, "-shared", "-Xcompiler=-fPIC", *NVCC_FLAGS, *[f"-I{d}" for d in cutlass_include_dirs()],
-               SOURCE, "-o", LIBRARY]
-    began = time.perf_counter()
-    subprocess.run(command, check=True)
-    print(f"CUTLASS library built in {time.perf_counter() - began:.0f} s", flush=True)
-    return LIBRARY
+SOURCE = os.path.join(cutlass_build.HERE, "conv2d_sigmoid_sum_cutlass.cu")
 
 
 class CutlassConv2dSigmoidSum:
@@ -148,7 +119,7 @@ def main():
     parser.add_argument("--only", action="append", metavar="TEXT",
                         help="time only the CUTLASS variants whose name contains TEXT (repeatable; default: all)")
     args = parser.parse_args()
-    library = build_library()
+    library = cutlass_build.build_library(SOURCE)
     if args.build_only:
         return
     device = torch.device("cuda")

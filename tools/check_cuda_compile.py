@@ -30,6 +30,8 @@ from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUTLASS_DIR = os.path.join(ROOT, "bench", "cutlass")
+sys.path.insert(0, CUTLASS_DIR)
+import cutlass_build  # noqa: E402  (how bench/cutlass/ builds its libraries)
 WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
@@ -40,20 +42,6 @@ def find_nvcc(explicit: str | None) -> str:
         if c and os.path.exists(c):
             return c
     sys.exit("check_cuda_compile: nvcc not found (pass --nvcc or set NVCC)")
-
-
-def cutlass_include_dirs() -> list[str]:
-    """CUTLASS's headers and its tools' (cutlass/util), from the installed cutlass_library package."""
-    try:
-        import cutlass_library
-    except ImportError:
-        sys.exit("check_cuda_compile: the CUTLASS sources (bench/cutlass/*.cu) need CUTLASS's headers: "
-                 "pip install --no-deps nvidia-cutlass==4.2.0.0 (the cutlass_library package)")
-    source = os.path.join(os.path.dirname(cutlass_library.__file__), "source")
-    dirs = [os.path.join(source, "include"), os.path.join(source, "tools", "util", "include")]
-    if not os.path.exists(os.path.join(dirs[0], "cutlass", "cutlass.h")):
-        sys.exit(f"check_cuda_compile: cutlass_library has no CUTLASS headers under {dirs[0]}")
-    return dirs
 
 
 def compile_object(nvcc: str, src: str, obj: str, flags: list[str], capture: bool = False) -> str:
@@ -87,7 +75,7 @@ def main() -> None:
     else:
         sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
         cutlass_sources = sorted(glob.glob(os.path.join(CUTLASS_DIR, "*.cu")))
-    cutlass_includes = [f"-I{p}" for p in cutlass_include_dirs()] if cutlass_sources else []
+    cutlass_includes = [f"-I{p}" for p in cutlass_build.include_dirs()] if cutlass_sources else []
     with tempfile.TemporaryDirectory() as stub:
         os.makedirs(os.path.join(stub, "c10", "cuda", "impl"))
         with open(os.path.join(stub, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
@@ -108,10 +96,9 @@ def main() -> None:
             print(f"check_cuda_compile: {len(sources)} file(s) compiled for sm_90 and linked together")
 
         for i, src in enumerate(cutlass_sources):
-            # the flags bench/bench_cutlass_conv2d_sigmoid_sum.py builds it with (no torch)
+            # the flags its library is built with (no torch)
             output = compile_object(nvcc, src, os.path.join(stub, f"cutlass{i}.o"),
-                                    ["-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-                                     *cutlass_includes], capture=True)
+                                    [*cutlass_build.NVCC_FLAGS, *cutlass_includes], capture=True)
             if WGMMA_SERIALIZED in output:
                 sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)}: ptxas serialized a kernel's wgmma "
                          f"(C7510, above)")
