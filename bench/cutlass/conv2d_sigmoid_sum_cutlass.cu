@@ -35,13 +35,13 @@
 
 #include <cuda_runtime.h>
 
-#include <cstdio>
 #include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 // (in this order: the conv collective headers use KernelHardwareInfo without including it)
+#include "baseline.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/kernel_hardware_info.hpp"
 #include "cute/tensor.hpp"
@@ -52,6 +52,8 @@
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/epilogue/thread/activation.h"
+
+using namespace cutlass_baseline;  // (baseline.h)
 
 namespace {
 
@@ -143,12 +145,6 @@ struct Variant {
 };
 
 
-void check_status(cutlass::Status status, const char* step) {
-  if (status != cutlass::Status::kSuccess) {
-    throw std::runtime_error(std::string(step) + " failed: " + cutlassGetStatusString(status));
-  }
-}
-
 // The problem as the caller passes it: x (N, H, W, C) and weight (K, R, S, C) contiguous on the
 // device, bias (K,) float32; stride (sh, sw), no padding; `out` sized by the caller
 // (cutlass_conv2d_sigmoid_sum_out_floats).
@@ -201,14 +197,7 @@ void run_variant(const Problem& pr, const void* x, const void* weight, const flo
       cute::get<0, i>(epilogue.dD) = problem.stride_C[ProblemShape::RankT - 2 - i];
     });
   }
-  typename V::Conv::Arguments args(problem, mainloop, epilogue, hw_info);
-  typename V::Conv conv;
-  check_status(conv.can_implement(args), "can_implement");
-  if (V::Conv::get_workspace_size(args) != 0) throw std::runtime_error("needs a workspace (none is passed)");
-  check_status(conv.initialize(args, nullptr, stream), "initialize");
-  check_status(conv.run(stream), "run");
-  const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess) throw std::runtime_error(std::string("launch: ") + cudaGetErrorString(launched));
+  run_convolution<typename V::Conv>(typename V::Conv::Arguments(problem, mainloop, epilogue, hw_info), stream);
 }
 
 // ---- the registry -------------------------------------------------------------------------------
@@ -258,10 +247,6 @@ const std::vector<Entry>& registry() {
   return entries;
 }
 
-void write_message(char* buffer, int size, const std::string& text) {
-  if (buffer != nullptr && size > 0) std::snprintf(buffer, size, "%s", text.c_str());
-}
-
 }  // namespace
 
 // ---- the C interface (ctypes) -------------------------------------------------------------------
@@ -272,9 +257,7 @@ int cutlass_conv2d_sigmoid_sum_variant_count() { return static_cast<int>(registr
 
 // Variant i's "name;fused;dtype;tile_m;stages;smem_bytes;threads" into description; 0, or -1 for no variant i.
 int cutlass_conv2d_sigmoid_sum_describe(int i, char* description, int size) {
-  if (i < 0 || i >= cutlass_conv2d_sigmoid_sum_variant_count()) return -1;
-  write_message(description, size, registry()[i].description);
-  return 0;
+  return describe(registry(), i, description, size);
 }
 
 // Variant i on the device pointers, on `stream`; 0, or -1 with the reason in `error`.

@@ -31,10 +31,12 @@ def find_nvcc() -> str:
 
 
 def build_library(source: str) -> str:
-    """build/lib<source's name>.so beside it, by nvcc where it is missing or older than `source`."""
+    """build/lib<source's name>.so beside it, by nvcc where it is missing or older than `source` or
+    a header here."""
     name = os.path.splitext(os.path.basename(source))[0]
     library = os.path.join(HERE, "build", f"lib{name}.so")
-    if os.path.exists(library) and os.path.getmtime(library) >= os.path.getmtime(source):
+    inputs = [source, *[os.path.join(HERE, f) for f in os.listdir(HERE) if f.endswith(".h")]]
+    if os.path.exists(library) and os.path.getmtime(library) >= max(map(os.path.getmtime, inputs)):
         return library
     os.makedirs(os.path.dirname(library), exist_ok=True)
     command = [find_nvcc(), "-shared", "-Xcompiler=-fPIC", *NVCC_FLAGS, *[f"-I{d}" for d in include_dirs()],
