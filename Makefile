@@ -8,19 +8,22 @@
 PYTHON ?= python3
 TORCH_PREFIX = $$($(PYTHON) -c "import torch; print(torch.utils.cmake_prefix_path)")
 
-.PHONY: deps install run test bench
+.PHONY: deps cutlass install run test bench
 
 deps:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -c "import pytest, ninja" 2>/dev/null || $(PYTHON) -m pip install -q pytest ninja
 	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
+
+# CUTLASS's headers (pinned), for the compile check of the CUTLASS baselines (bench/cutlass/)
+cutlass:
 	$(PYTHON) -c "import importlib.metadata as m; assert m.version('nvidia-cutlass') == '4.2.0.0'" 2>/dev/null || \
 		$(PYTHON) -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
 
 install: deps
 	$(PYTHON) -m pip install -q --no-build-isolation .
 
-test: install
+test: install cutlass
 	$(PYTHON) tools/check_cuda_compile.py
 	command -v cmake >/dev/null || $(PYTHON) -m pip install -q cmake
 	cmake -S . -B cmake-build -DCMAKE_PREFIX_PATH=$(TORCH_PREFIX) >/dev/null

@@ -434,7 +434,8 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         """The synchronized path's convolutions in turn, untimed: every rank must make the same
         collective calls (a convolution timed alone picked worse under bf16). 2 H200s, NCCL,
         SPEC's D, a DDP step per rank: in float32 the stride-1 rewrite 5.18 ms, the original's
-        convolution 6.02; under bf16 autocast the original's 3.48, the rewrite 4.00."""
+        convolution 6.02; under bf16 autocast the original's 3.48, the rewrite 4.00 (float16 taken
+        as bf16, unmeasured)."""
         order = self._formulations(x)
         if _autocast.conv_dtype(x) in (torch.float16, torch.bfloat16):
             order = ("fused", *[name for name in order if name != "fused"])

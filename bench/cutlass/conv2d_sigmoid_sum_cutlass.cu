@@ -147,7 +147,7 @@ struct Variant {
 
 // The problem as the caller passes it: x (N, H, W, C) and weight (K, R, S, C) contiguous on the
 // device, bias (K,) float32; stride (sh, sw), no padding; `out` sized by the caller
-// (cutlass_conv2d_sigmoid_sum_out_floats).
+// (bench_cutlass_conv2d_sigmoid_sum.py's CutlassConv2dSigmoidSum.run).
 struct Problem {
   int n, h, w, c, k, r, s, stride_h, stride_w;
 };
