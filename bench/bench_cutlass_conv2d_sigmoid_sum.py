@@ -46,27 +46,22 @@ import cutlass_build  # noqa: E402  (bench/cutlass/: how the library is built)
 SOURCE = os.path.join(cutlass_build.HERE, "conv2d_sigmoid_sum_cutlass.cu")
 
 
-class CutlassConv2dSigmoidSum:
+class CutlassConv2dSigmoidSum(cutlass_build.Library):
     """The library's variants: ``variants`` (name, fused, dtype, tile_m, stages, smem_bytes,
     threads) and ``run``."""
 
     def __init__(self, path: str):
-        self.lib = ctypes.CDLL(path)
+        super().__init__(path, "cutlass_conv2d_sigmoid_sum",
+                         ("name", "fused", "dtype", "tile_m", "stages", "smem_bytes", "threads"),
+                         ("fused", "tile_m", "stages", "smem_bytes", "threads"))
         self.lib.cutlass_conv2d_sigmoid_sum_run.argtypes = (
             [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_int] * 9 + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
-        self.variants = []
-        buffer = ctypes.create_string_buffer(256)
-        for i in range(self.lib.cutlass_conv2d_sigmoid_sum_variant_count()):
-            self.lib.cutlass_conv2d_sigmoid_sum_describe(i, buffer, len(buffer))
-            name, fused, dtype, tile_m, stages, smem, threads = buffer.value.decode().split(";")
-            self.variants.append({"name": name, "fused": fused == "1", "dtype": dtype, "tile_m": int(tile_m),
-                                  "stages": int(stages), "smem_bytes": int(smem), "threads": int(threads)})
 
     def run(self, name: str, x_nhwc: torch.Tensor, w_krsc: torch.Tensor, bias: torch.Tensor, stride: int):
         """Variant `name` on NHWC x, KRSC weight and a float32 bias, no padding: fused -> (N, P, Q)
         per-pixel sums over the channels of sigmoid(conv + bias); plain -> conv + bias (N, P, Q, K)
         float32. On the current stream."""
-        index, variant = next((i, v) for i, v in enumerate(self.variants) if v["name"] == name)
+        variant = self.variant(name)
         element = torch.float32 if variant["dtype"] == "tf32" else torch.bfloat16
         for t, what in ((x_nhwc, "x"), (w_krsc, "weight")):
             if not (t.is_cuda and t.dim() == 4 and t.dtype == element and t.is_contiguous()):
@@ -82,12 +77,8 @@ class CutlassConv2dSigmoidSum:
             out = torch.empty(-(-pixels // tile) * tile, device=x_nhwc.device)
         else:
             out = torch.empty(n, p, q, k, device=x_nhwc.device)
-        error = ctypes.create_string_buffer(512)
-        status = self.lib.cutlass_conv2d_sigmoid_sum_run(
-            index, x_nhwc.data_ptr(), w_krsc.data_ptr(), bias.data_ptr(), out.data_ptr(), n, h, w, c, k, r, s,
-            stride, stride, torch.cuda.current_stream(x_nhwc.device).cuda_stream, error, len(error))
-        if status != 0:
-            raise RuntimeError(f"CUTLASS {name}: {error.value.decode()}")
+        super().run(name, x_nhwc.data_ptr(), w_krsc.data_ptr(), bias.data_ptr(), out.data_ptr(), n, h, w, c, k, r, s,
+                    stride, stride, torch.cuda.current_stream(x_nhwc.device).cuda_stream)
         return out[:pixels].view(n, p, q) if variant["fused"] else out
 
 

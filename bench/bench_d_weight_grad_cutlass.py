@@ -60,32 +60,19 @@ PAD = [KERNEL - 1] * 3
 MASK = [False, True, False]
 
 
-class CutlassConv3dWgrad:
+class CutlassConv3dWgrad(cutlass_build.Library):
     """The library's variants: ``variants`` (dicts of the describe fields) and ``run``."""
 
     FIELDS = ("name", "dtype", "formulation", "x_layout", "grad_y_layout", "out_layout", "tile", "cluster",
               "splits", "stages", "smem_bytes", "threads")
 
     def __init__(self, path: str):
-        self.lib = ctypes.CDLL(path)
+        super().__init__(path, "cutlass_conv3d_wgrad", self.FIELDS, ("splits", "stages", "smem_bytes", "threads"))
         self.lib.cutlass_conv3d_wgrad_workspace_bytes.restype = ctypes.c_longlong
         self.lib.cutlass_conv3d_wgrad_workspace_bytes.argtypes = [ctypes.c_int] * 10
         self.lib.cutlass_conv3d_wgrad_run.argtypes = (
             [ctypes.c_int] + [ctypes.c_void_p] * 4 + [ctypes.c_longlong] + [ctypes.c_int] * 9
             + [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
-        self.variants = []
-        buffer = ctypes.create_string_buffer(512)
-        for i in range(self.lib.cutlass_conv3d_wgrad_variant_count()):
-            if self.lib.cutlass_conv3d_wgrad_describe(i, buffer, len(buffer)) != 0:
-                raise RuntimeError(f"describe({i}) failed")
-            variant = dict(zip(self.FIELDS, buffer.value.decode().split(";"), strict=True))
-            for key in ("splits", "stages", "smem_bytes", "threads"):
-                variant[key] = int(variant[key])
-            variant["index"] = i
-            self.variants.append(variant)
-
-    def variant(self, name: str) -> dict:
-        return next(v for v in self.variants if v["name"] == name)
 
     def workspace_bytes(self, name: str, problem: tuple) -> int:
         """problem: (n, c_in, d, h, w, c_out, kt, kr, ks) of the transposed convolution."""
@@ -105,13 +92,9 @@ class CutlassConv3dWgrad:
                 raise ValueError(f"{name}: {what} must be a contiguous CUDA {element} tensor")
         if not (out.is_cuda and out.dtype == torch.float32 and out.is_contiguous()):
             raise ValueError(f"{name}: out must be a contiguous float32 CUDA tensor")
-        error = ctypes.create_string_buffer(512)
-        status = self.lib.cutlass_conv3d_wgrad_run(
-            variant["index"], x.data_ptr(), grad_y.data_ptr(), out.data_ptr(),
-            None if workspace is None else workspace.data_ptr(), 0 if workspace is None else workspace.numel(),
-            *problem, torch.cuda.current_stream(x.device).cuda_stream, error, len(error))
-        if status != 0:
-            raise RuntimeError(f"CUTLASS {name}: {error.value.decode()}")
+        super().run(name, x.data_ptr(), grad_y.data_ptr(), out.data_ptr(),
+                    None if workspace is None else workspace.data_ptr(), 0 if workspace is None else workspace.numel(),
+                    *problem, torch.cuda.current_stream(x.device).cuda_stream)
         return out
 
 

@@ -144,8 +144,8 @@ def time_d(arch, args, device, world: int) -> dict:
                 "original, SyncBatchNorm": (copy.deepcopy(original), True),
                 "fused, per-rank BatchNorm3d": (arch.fused_from(copy.deepcopy(original)), False)}
     # the synchronized path's convolution by each formulation (autotune.force): what its choice is worth
-    fused = variants["fused, SyncBatchNorm"][0]
-    for formulation in [f for f in fused._formulations(x) if f not in ("original", "original_channels_last")]:
+    synchronized = nn.SyncBatchNorm.convert_sync_batchnorm(arch.fused_from(copy.deepcopy(original)))
+    for formulation in synchronized._synchronized_formulations(x):
         variants[f"fused, SyncBatchNorm, {formulation}"] = (arch.fused_from(copy.deepcopy(original)), True, formulation)
     times = {}
     for name, (module, sync, *forced) in variants.items():

@@ -8,9 +8,10 @@ failure. Two passes:
   cutlass  every bench/cutlass/*.cu (the CUTLASS baselines the benchmarks build on their own, no
            torch headers: the benchmark's flags) for sm_90a, with CUTLASS's headers from the
            installed nvidia-cutlass wheel (cutlass_library: pip install --no-deps
-           nvidia-cutlass==4.2.0.0; this pass fails without it), each on its own (no link); a
-           kernel whose wgmma ptxas serializes (warning C7510: a function call in the kernel, such
-           as a live assert) fails it too.
+           nvidia-cutlass==4.2.0.0; this pass fails without it), each on its own (no link).
+
+A kernel whose wgmma ptxas serializes (warning C7510: a function call in the kernel, such as a
+live assert) fails either pass.
 
     python tools/check_cuda_compile.py [--nvcc PATH] [FILE.cu ...]   (default: every one)
 
@@ -19,7 +20,6 @@ Named files go to the pass of their directory (bench/cutlass/ to the cutlass pas
 import argparse
 import glob
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -31,34 +31,24 @@ from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUTLASS_DIR = os.path.join(ROOT, "bench", "cutlass")
 sys.path.insert(0, CUTLASS_DIR)
-import cutlass_build  # noqa: E402  (how bench/cutlass/ builds its libraries)
+import cutlass_build  # noqa: E402  (how bench/cutlass/ builds its libraries; nvcc found)
 WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
 
 
-def find_nvcc(explicit: str | None) -> str:
-    candidates = [explicit, os.environ.get("NVCC"), shutil.which("nvcc"),
-                  *sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)]
-    for c in candidates:
-        if c and os.path.exists(c):
-            return c
-    sys.exit("check_cuda_compile: nvcc not found (pass --nvcc or set NVCC)")
-
-
-def compile_object(nvcc: str, src: str, obj: str, flags: list[str], capture: bool = False) -> str:
-    """nvcc -c src -o obj; exits on failure. capture: return the compiler's output (echoed after)."""
+def compile_object(nvcc: str, src: str, obj: str, flags: list[str]) -> None:
+    """nvcc -c src -o obj, its output echoed with the time it took; exits on failure, or where
+    ptxas serialized a kernel's wgmma."""
     # C++17: what torch 2.11 (on the GPU machines) builds extensions with; newer torch uses C++20
     cmd = [nvcc, "-std=c++17", "-O3", "-Xcompiler=-fPIC", "-Xptxas=-warn-spills", "-c", src, "-o", obj, *flags]
     print("nvcc", os.path.relpath(src, ROOT), flush=True)
-    if capture:
-        began = time.perf_counter()
-        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        sys.stdout.write(result.stdout)
-        print(f"  ({time.perf_counter() - began:.0f} s)", flush=True)
-    else:
-        result = subprocess.run(cmd)
+    began = time.perf_counter()
+    result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sys.stdout.write(result.stdout)
+    print(f"  ({time.perf_counter() - began:.0f} s)", flush=True)
     if result.returncode != 0:
         sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)} failed to compile")
-    return result.stdout or ""
+    if WGMMA_SERIALIZED in result.stdout:
+        sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)}: ptxas serialized a kernel's wgmma (C7510, above)")
 
 
 def main() -> None:
@@ -67,7 +57,7 @@ def main() -> None:
     parser.add_argument("sources", nargs="*",
                         help="the .cu files to check (default: every csrc/cuda/*.cu and bench/cutlass/*.cu)")
     args = parser.parse_args()
-    nvcc = find_nvcc(args.nvcc)
+    nvcc = cutlass_build.find_nvcc(args.nvcc)
     if args.sources:
         named = [os.path.abspath(p) for p in args.sources]
         cutlass_sources = [p for p in named if os.path.dirname(p) == CUTLASS_DIR]
@@ -97,11 +87,7 @@ def main() -> None:
 
         for i, src in enumerate(cutlass_sources):
             # the flags its library is built with (no torch)
-            output = compile_object(nvcc, src, os.path.join(stub, f"cutlass{i}.o"),
-                                    [*cutlass_build.NVCC_FLAGS, *cutlass_includes], capture=True)
-            if WGMMA_SERIALIZED in output:
-                sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)}: ptxas serialized a kernel's wgmma "
-                         f"(C7510, above)")
+            compile_object(nvcc, src, os.path.join(stub, f"cutlass{i}.o"), [*cutlass_build.NVCC_FLAGS, *cutlass_includes])
         if cutlass_sources:
             print(f"check_cuda_compile: {len(cutlass_sources)} CUTLASS file(s) compiled for sm_90a")
 

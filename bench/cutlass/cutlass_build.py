@@ -1,6 +1,8 @@
 """How the CUTLASS baselines here are built (no torch: nvcc and CUTLASS's headers alone), shared by
 the benchmark that loads them (bench/bench_cutlass_conv2d_sigmoid_sum.py) and CI's compile check
 (tools/check_cuda_compile.py)."""
+import ctypes
+import glob
 import os
 import shutil
 import subprocess
@@ -26,8 +28,14 @@ def include_dirs() -> list[str]:
     return dirs
 
 
-def find_nvcc() -> str:
-    return os.environ.get("NVCC") or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+def find_nvcc(explicit: str | None = None) -> str:
+    """nvcc: `explicit`, else $NVCC, else on the PATH, else the newest /usr/local/cuda*/bin/nvcc."""
+    candidates = [explicit, os.environ.get("NVCC"), shutil.which("nvcc"),
+                  *sorted(glob.glob("/usr/local/cuda*/bin/nvcc"), reverse=True)]
+    for c in candidates:
+        if c and os.path.exists(c):
+            return c
+    sys.exit("nvcc not found (pass its path or set NVCC)")
 
 
 def build_library(source: str) -> str:
@@ -45,3 +53,30 @@ def build_library(source: str) -> str:
     subprocess.run(command, check=True)
     print(f"{os.path.basename(library)} built in {time.perf_counter() - began:.0f} s", flush=True)
     return library
+
+
+class Library:
+    """A built baseline's C interface (bench/cutlass/baseline.h): the ctypes handle, its
+    variants (dicts of `fields` from <prefix>_describe, the `int_fields` as ints, "index" each
+    one's), and calls that return 0 or an error message."""
+
+    def __init__(self, path: str, prefix: str, fields: tuple[str, ...], int_fields: tuple[str, ...]):
+        self.lib = ctypes.CDLL(path)
+        self.prefix = prefix
+        self.variants = []
+        buffer = ctypes.create_string_buffer(512)
+        for i in range(getattr(self.lib, f"{prefix}_variant_count")()):
+            if getattr(self.lib, f"{prefix}_describe")(i, buffer, len(buffer)) != 0:
+                raise RuntimeError(f"{prefix}_describe({i}) failed")
+            variant = dict(zip(fields, buffer.value.decode().split(";"), strict=True))
+            variant.update({key: int(variant[key]) for key in int_fields}, index=i)
+            self.variants.append(variant)
+
+    def variant(self, name: str) -> dict:
+        return next(v for v in self.variants if v["name"] == name)
+
+    def run(self, name: str, *args) -> None:
+        """<prefix>_run(variant index, *args, error buffer, its size); raises with the library's message."""
+        error = ctypes.create_string_buffer(512)
+        if getattr(self.lib, f"{self.prefix}_run")(self.variant(name)["index"], *args, error, len(error)) != 0:
+            raise RuntimeError(f"CUTLASS {name}: {error.value.decode()}")
