@@ -1,5 +1,5 @@
 # The two commands; each does all set-up on a fresh machine.
-#   make run    install, build, run `python -m fused_ops`: the four architectures eager, compiled and
+#   make run    install (CUTLASS's headers too), build, run `python -m fused_ops`: the four architectures eager, compiled and
 #               fused, checked and timed; table, JSON and chart in fused_ops_results/ (ARGS="..." for options)
 #   make test   install, build, compile-check the CUDA sources, build the C++ library + ctest, run pytest
 # and the benchmark:
@@ -15,15 +15,20 @@ deps:
 	$(PYTHON) -c "import pytest, ninja" 2>/dev/null || $(PYTHON) -m pip install -q pytest ninja
 	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
 
-# CUTLASS's headers (pinned), for the compile check of the CUTLASS baselines (bench/cutlass/)
+# CUTLASS's headers (pinned), from the nvidia-cutlass wheel, also copied to third_party/cutlass (its
+# include/ and tools/util/include/): conv_transpose3d_weight_grad's Hopper kernels (setup.py, CMakeLists.txt),
+# the compile check (tools/check_cuda_compile.py), the CUTLASS baselines (bench/cutlass/)
 cutlass:
 	$(PYTHON) -c "import importlib.metadata as m; assert m.version('nvidia-cutlass') == '4.2.0.0'" 2>/dev/null || \
 		$(PYTHON) -m pip install -q --no-deps nvidia-cutlass==4.2.0.0
+	rm -rf third_party/cutlass && mkdir -p third_party/cutlass/tools/util
+	source=$$($(PYTHON) -c "import cutlass_library as c, os; print(os.path.join(os.path.dirname(c.__file__), 'source'))") \
+		&& cp -r $$source/include third_party/cutlass/ && cp -r $$source/tools/util/include third_party/cutlass/tools/util/
 
-install: deps
+install: deps cutlass
 	$(PYTHON) -m pip install -q --no-build-isolation .
 
-test: install cutlass
+test: install
 	$(PYTHON) tools/check_cuda_compile.py
 	command -v cmake >/dev/null || $(PYTHON) -m pip install -q cmake
 	cmake -S . -B cmake-build -DCMAKE_PREFIX_PATH=$(TORCH_PREFIX) >/dev/null

@@ -1,6 +1,10 @@
 # Builds fused_ops._C ahead of time: CUDAExtension (CPU and CUDA kernels) where
 # torch has CUDA and nvcc is found, CppExtension (CPU kernels) otherwise.
 # FUSED_OPS_BUILD=cuda or =cpu forces either; =auto (the default) chooses.
+# A CUDA build for sm_90 takes CUTLASS's headers where it finds them
+# (cutlass_root: FUSED_OPS_CUTLASS_DIR, third_party/cutlass from `make cutlass`,
+# the installed nvidia-cutlass wheel) for conv_transpose3d_weight_grad's Hopper
+# kernels, and builds without them (that op then takes cuDNN's) where it does not.
 #
 #   pip install --no-build-isolation .
 import glob
@@ -15,6 +19,7 @@ from torch.utils.cpp_extension import (
     BuildExtension,
     CppExtension,
     CUDAExtension,
+    _get_cuda_arch_flags,
 )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -76,6 +81,44 @@ def cpu_vector_flags() -> list[str]:
     return []
 
 
+def cuda_arch_flags() -> tuple[list[str], bool]:
+    """The -gencode flags torch would build for (TORCH_CUDA_ARCH_LIST, else the visible GPUs' archi-
+    tectures), sm_90 as sm_90a, and whether they hold sm_90a. The CUTLASS kernels' wgmma and TMA
+    need sm_90a; the other kernels compile to the same code for either, so no file is compiled for
+    an architecture more (nvcc's flags are one list for every file). A compute_90 PTX stays as it is."""
+    flags = [f.replace("compute_90,code=sm_90", "compute_90a,code=sm_90a") for f in _get_cuda_arch_flags()]
+    return sorted(set(flags)), "-gencode=arch=compute_90a,code=sm_90a" in flags
+
+
+# CUTLASS's headers within its tree, and its tools' (the conv collectives include cutlass/util/)
+CUTLASS_INCLUDES = ("include", os.path.join("tools", "util", "include"))
+
+
+def cutlass_root() -> str | None:
+    """A CUTLASS tree (CUTLASS_INCLUDES in it): $FUSED_OPS_CUTLASS_DIR (an error where it has
+    none), else third_party/cutlass (`make cutlass` copies the pinned wheel's there), else the
+    installed nvidia-cutlass wheel's (cutlass_library/source); None without any."""
+    def has_headers(root: str) -> bool:
+        return all(os.path.isdir(os.path.join(root, d, "cutlass")) for d in CUTLASS_INCLUDES)
+    explicit = os.environ.get("FUSED_OPS_CUTLASS_DIR")
+    if explicit:
+        if not has_headers(explicit):
+            raise RuntimeError(f"FUSED_OPS_CUTLASS_DIR={explicit} lacks CUTLASS's {' or '.join(CUTLASS_INCLUDES)}")
+        return explicit
+    candidates = [os.path.join(ROOT, "third_party", "cutlass")]
+    try:
+        import cutlass_library
+        candidates.append(os.path.join(os.path.dirname(cutlass_library.__file__), "source"))
+    except ImportError:
+        pass
+    return next((c for c in candidates if has_headers(c)), None)
+
+
+def cutlass_nvcc_flags(root: str) -> list[str]:
+    """nvcc's flags for the CUDA sources with CUTLASS (the tree at root)."""
+    return ["-DFUSED_OPS_CUTLASS", *[f"-I{os.path.join(root, d)}" for d in CUTLASS_INCLUDES]]
+
+
 def sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "csrc", pattern)))
 
@@ -88,7 +131,14 @@ def extension():
     cxx = ["-O3", *openmp, *cpu_vector_flags()]
     srcs = sources("*.cpp") + sources("autograd/*.cpp") + sources("autocast/*.cpp") + sources("cpu/*.cpp")
     if build_with_cuda():
-        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+        arch, sm90a = cuda_arch_flags()
+        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", *arch]
+        cutlass = cutlass_root() if sm90a else None
+        if cutlass is not None:
+            nvcc += cutlass_nvcc_flags(cutlass)
+        elif sm90a:
+            print("fused_ops: no CUTLASS headers found (make cutlass, or FUSED_OPS_CUTLASS_DIR): "
+                  "conv_transpose3d_weight_grad takes cuDNN's weight gradient", file=sys.stderr)
         return CUDAExtension(
             "fused_ops._C",
             srcs + sources("cuda/*.cu"),
@@ -99,15 +149,16 @@ def extension():
                         extra_link_args=[*openmp, *shared_libstdcxx()])
 
 
-setup(
-    name="fused_ops",
-    version="0.1.0",
-    description="Fused pooling/normalization/activation/reduction tails for convolutional networks",
-    packages=find_packages(include=["fused_ops", "fused_ops.*"]),
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
-    python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
-    extras_require={"chart": ["matplotlib"]},  # python -m fused_ops draws its chart with it, else skips it
-    entry_points={"console_scripts": ["fused-ops = fused_ops.cli:main"]},
-)
+if __name__ == "__main__":  # (tools/check_cuda_compile.py imports the functions above)
+    setup(
+        name="fused_ops",
+        version="0.1.0",
+        description="Fused pooling/normalization/activation/reduction tails for convolutional networks",
+        packages=find_packages(include=["fused_ops", "fused_ops.*"]),
+        ext_modules=[extension()],
+        cmdclass={"build_ext": BuildExtension},
+        python_requires=">=3.10",
+        install_requires=["torch>=2.4"],
+        extras_require={"chart": ["matplotlib"]},  # python -m fused_ops draws its chart with it, else skips it
+        entry_points={"console_scripts": ["fused-ops = fused_ops.cli:main"]},
+    )

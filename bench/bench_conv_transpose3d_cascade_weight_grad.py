@@ -20,19 +20,6 @@ from timing import device_name, interleaved_medians, module_training_step
 STRIDE, PADDING, KERNEL, KERNEL2 = 2, 2, 5, 3
 
 
-@contextlib.contextmanager
-def picked_weight_grad(on: bool, device: torch.device):
-    """B's rewrite with (on) or without the picked weight gradient on `device`, whatever the
-    library's default for it (fused_ops.rewrites._PICKED_WEIGHT_GRAD_DEVICES)."""
-    default = rewrites._PICKED_WEIGHT_GRAD_DEVICES
-    others = tuple(d for d in default if d != device.type)
-    rewrites._PICKED_WEIGHT_GRAD_DEVICES = (*others, device.type) if on else others
-    try:
-        yield
-    finally:
-        rewrites._PICKED_WEIGHT_GRAD_DEVICES = default
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -70,8 +57,8 @@ def main():
              "B rewrite, picked": module_training_step(fused, x, step_grad, "rewrite"),
              "B rewrite, dense": module_training_step(fused, x, step_grad, "rewrite"),
              "B original": module_training_step(original, x, step_grad)}
-    settings = {"B rewrite, picked": lambda: picked_weight_grad(True, device),
-                "B rewrite, dense": lambda: picked_weight_grad(False, device)}
+    settings = {"B rewrite, picked": lambda: rewrites.forced_picked_weight_grad(True),
+                "B rewrite, dense": lambda: rewrites.forced_picked_weight_grad(False)}
     times = interleaved_medians(calls, device, {name: 5 if device.type == "cpu" else 20 for name in calls},
                                 args.rounds, lambda name: settings.get(name, contextlib.nullcontext)())
     print(f"{device_name(device)}; x {tuple(x.shape)} float32, TF32 {torch.backends.cudnn.allow_tf32}; "

@@ -79,17 +79,36 @@ def main():
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv3d_max_pool3d_mean: ok")
-    # B's weight gradient from the cascade's picks: 33 input channels (two lane blocks), odd sizes, a
-    # non-finite x (the NaN pass), float64 and bfloat16 x
+    # B's weight gradient from the cascade's picks: 33 input channels (two lane blocks; the partials
+    # kernel), odd sizes, a non-finite x (the NaN pass), float64 and bfloat16 x; 36 (the window
+    # kernel, two lane blocks, 9 output channels: a part-filled block) with a non-finite grad_out too
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         x = rand(2, 33, 5, 4, 6, dtype=dtype)
         x[1, 7, 2, 1, 3] = float("inf")
         picks = torch.randint(0, 8 * 27, (2, 1, 1, 1, 5), generator=g, dtype=torch.uint8).to(DEV)
         fused_ops.conv_transpose3d_cascade_weight_grad(rand(2, 1, 1, 1, 1), picks, x, 5, 2, 2, 3, [9, 7, 11])
+    for dtype in (torch.float32, torch.bfloat16):
+        x = rand(2, 36, 7, 6, 8, dtype=dtype)
+        x[1, 7, 2, 1, 3] = float("inf")
+        grad_out = rand(2, 1, 2, 1, 2)
+        grad_out[0, 0, 1, 0, 1] = float("-inf")
+        picks = torch.randint(0, 8 * 27, (2, 2, 1, 2, 9), generator=g, dtype=torch.uint8).to(DEV)
+        fused_ops.conv_transpose3d_cascade_weight_grad(grad_out, picks, x, 5, 2, 2, 3, [13, 11, 15])
+    # 4000 items (dozens a block: the window kernel's ring of stages and batches of picks wrap around)
+    picks = torch.randint(0, 8 * 27, (4, 10, 10, 10, 8), generator=g, dtype=torch.uint8).to(DEV)
+    fused_ops.conv_transpose3d_cascade_weight_grad(rand(4, 1, 10, 10, 10), picks, rand(4, 4, 31, 31, 31), 5, 2, 2,
+                                                   3, [61, 61, 61])
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv_transpose3d_cascade_weight_grad: ok")
+    # D's weight gradient: sizes that CUTLASS's TF32 (fprop2d, split, side streams) and bf16 kernels take
+    for dtype in (torch.float32, torch.bfloat16):
+        fused_ops.conv_transpose3d_weight_grad(rand(8, 64, 12, 9, 13, dtype=dtype), rand(8, 16, 8, 6, 6, dtype=dtype),
+                                               (5, 4, 8))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    print("conv_transpose3d_weight_grad: ok")
     for dtype in (torch.float32, torch.bfloat16):
         bn = torch.nn.BatchNorm3d(3).to(DEV)
         run(f"batch_norm_gap {dtype}", lambda x, dtype: fused_ops.batch_norm_gap(

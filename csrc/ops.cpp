@@ -103,6 +103,14 @@ TORCH_LIBRARY(fused_ops, m) {
   m.def(
       "conv_transpose3d_cascade_weight_grad(Tensor grad_out, Tensor picks, Tensor x, int[3] kernel_size, "
       "int[3] stride, int[3] padding, int[3] kernel2, SymInt[3] output_size, ScalarType dtype) -> Tensor");
+  // The weight gradient (I, O, *kernel_size), contiguous, in x's dtype, of a stride-1 transposed
+  // 3-D convolution without padding, dilation or groups, y = conv_transpose3d(x, w), from x
+  // (N, I, D, H, W) and grad_y (N, O, D + kt - 1, H + kr - 1, W + ks - 1)
+  // (conv_transpose3d_weight_grad.h). Not differentiable.
+  m.def("conv_transpose3d_weight_grad(Tensor grad_y, Tensor x, int[3] kernel_size) -> Tensor");
+  // Which implementation conv_transpose3d_weight_grad takes for these arguments: a CUTLASS
+  // kernel's name, or "aten.convolution_backward" (for tests and benchmarks).
+  m.def("conv_transpose3d_weight_grad_path(Tensor grad_y, Tensor x, int[3] kernel_size) -> str");
 
   // The input of a 2-D convolution computing a 3-D one's depth taps as input
   // channels (fused_ops/rewrites.py): for x (N, I, D, H, W), out (N, size[0],

@@ -39,6 +39,7 @@ run the depth-stacked convolutions (A, B, D's training step) on CUDA inputs
 only: they were measured faster there (README), and torch.compile 2.11
 cannot lower them on the CPU.
 """
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Hashable
@@ -51,7 +52,8 @@ from torch import Tensor, nn
 from . import _autocast
 from ._derived import derived
 from .ops import (_accumulation_dtype, _expand, _pool_triples, _pooled_size, box_fold2d, conv2d_sigmoid_sum,
-                  conv3d_max_pool3d_mean, conv_transpose3d_cascade_weight_grad, depth_stacked_channels_last)
+                  conv3d_max_pool3d_mean, conv_transpose3d_cascade_weight_grad, conv_transpose3d_weight_grad,
+                  depth_stacked_channels_last)
 
 
 def _triple(v) -> tuple[int, int, int]:
@@ -364,9 +366,36 @@ def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1
     return _transposed_windows(x, conv.weight, axes, positions), conv.bias
 
 
-# The devices whose conv_transpose3d_cascade_weight_grad kernel B's rewrite takes: CUDA joins once
-# its kernel has passed the GPU tests and the sanitizers (NOTES.md).
-_PICKED_WEIGHT_GRAD_DEVICES = ("cpu",)
+# None: B's rewrite takes the picked weight gradient by _picked_weight_grad_is_quick; True or
+# False: always or never (forced_picked_weight_grad: tests, benchmarks)
+_PICKED_WEIGHT_GRAD_FORCED: bool | None = None
+
+
+@contextlib.contextmanager
+def forced_picked_weight_grad(on: bool | None):
+    """B's rewrite with (True) or without (False) the picked weight gradient wherever it holds,
+    or by its rule (None), inside the block."""
+    global _PICKED_WEIGHT_GRAD_FORCED
+    before, _PICKED_WEIGHT_GRAD_FORCED = _PICKED_WEIGHT_GRAD_FORCED, on
+    try:
+        yield
+    finally:
+        _PICKED_WEIGHT_GRAD_FORCED = before
+
+
+def _picked_weight_grad_is_quick(x: Tensor, conv: nn.ConvTranspose3d) -> bool:
+    """Whether B's rewrite takes conv_transpose3d_cascade_weight_grad for the weight's gradient:
+    on the CPU always (38.9 -> 1.4 ms at batch 1, 16^3); on a GPU where its window kernel takes
+    the call (csrc/cuda/conv_transpose3d_cascade_weight_grad.cu: compute capability 9, stride 2
+    in every dim, a cubic kernel of 3 to 5, input channels a multiple of 4, x not float64), else
+    the dense gradient (the op's other kernel lost to cuDNN's: 9.0 against 4.7 ms at SPEC's size)."""
+    if _PICKED_WEIGHT_GRAD_FORCED is not None:
+        return _PICKED_WEIGHT_GRAD_FORCED
+    if x.device.type == "cpu":
+        return True
+    return (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
+            and _triple(conv.stride) == (2, 2, 2) and _triple(conv.kernel_size) in ((3,) * 3, (4,) * 3, (5,) * 3)
+            and x.shape[1] % 4 == 0 and x.dtype != torch.float64)
 
 
 def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d,
@@ -384,7 +413,7 @@ def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, p
     axes, positions, out_size = found
     weight, kernel2 = conv.weight, _triple(pool2.kernel_size)
     if (torch.is_grad_enabled() and weight.requires_grad and not x.requires_grad
-            and x.device.type in _PICKED_WEIGHT_GRAD_DEVICES):
+            and _picked_weight_grad_is_quick(x, conv)):
         out, _ = _ConvTransposeCascadeSum.apply(x, weight, _triple(conv.kernel_size), _triple(conv.stride),
                                                 _triple(conv.padding), kernel2, axes, positions, out_size)
     else:
@@ -403,7 +432,11 @@ class _TransposedConv3dStride1(torch.autograd.Function):
     """A stride-1 transposed convolution in float32 or float64: forward as a convolution with
     the kernel flipped (the parity-class convolution with P = 1; on an H200 3.2 ms against
     cuDNN's 4.5 for architecture D), backward by PyTorch's own transposed-convolution
-    backward (its TF32 weight gradient, 6.2 ms, is faster than the rewritten convolution's, 7.9)."""
+    backward (its TF32 weight gradient, 6.2 ms, is faster than the rewritten convolution's, 7.9),
+    but for the weight's gradient of an unpadded one on a GPU: ``conv_transpose3d_weight_grad``
+    (CUTLASS's TF32 kernels on an H100/H200: for D's at SPEC's size 2.6 ms, plus ~0.5 ms of
+    layout copies, against cuDNN's 6.4 on an H200; cuDNN's elsewhere). A backward that records a
+    graph (create_graph) takes PyTorch's backward alone, which autograd differentiates."""
 
     @staticmethod
     def forward(x, weight, bias, padding, axes, out_size):
@@ -421,9 +454,15 @@ class _TransposedConv3dStride1(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
-            grad_y, x, weight, [weight.shape[1]] if ctx.has_bias else None, [1, 1, 1], list(ctx.padding),
-            [1, 1, 1], True, [0, 0, 0], 1, [needs[0], needs[1], ctx.has_bias and needs[2]])
+        weight_op = needs[1] and x.is_cuda and tuple(ctx.padding) == (0, 0, 0) and not torch.is_grad_enabled()
+        mask = [needs[0], needs[1] and not weight_op, ctx.has_bias and needs[2]]
+        grad_x = grad_weight = grad_bias = None
+        if any(mask):
+            grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
+                grad_y, x, weight, [weight.shape[1]] if ctx.has_bias else None, [1, 1, 1], list(ctx.padding),
+                [1, 1, 1], True, [0, 0, 0], 1, mask)
+        if weight_op:
+            grad_weight = conv_transpose3d_weight_grad(grad_y, x, weight.shape[2:])
         return grad_x, grad_weight, grad_bias, None, None, None
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICES, DTYPES, assert_close_to_reference
+from conftest import DEVICES, DTYPES, assert_close_to_reference, requires_cuda
 from fused_ops import autotune, conv_transpose3d_cascade_weight_grad, reference, rewrites
 from fused_ops import nn as fnn
 
@@ -80,6 +80,56 @@ GEOMETRIES = [
 ]
 
 
+# The GPU's window kernel takes these in float32 and 16 bits (stride 2 everywhere, cubic kernels of
+# 3 to 5, input channels a multiple of 4): its class switch, windows clipped by x, part-filled blocks
+WINDOW_GEOMETRIES = [
+    (2, 4, 9, (5, 4, 6), (5, 5, 5), (2, 2, 2), (2, 2, 2), (3, 3, 3), (0, 0, 0)),  # B's; 9 output channels
+    (3, 36, 5, (4, 5, 3), (3, 3, 3), (2, 2, 2), (0, 1, 2), (1, 2, 1), (1, 0, 1)),  # mixed; 36 channels: two lane blocks
+    (1, 8, 16, (6, 6, 6), (4, 4, 4), (2, 2, 2), (1, 1, 1), (2, 2, 2), (0, 0, 0)),  # even kernel
+    # 5000 items: dozens a block on a GPU (its ring of stages and batches of picks wrap around)
+    (5, 4, 8, (31, 31, 31), (5, 5, 5), (2, 2, 2), (2, 2, 2), (3, 3, 3), (0, 0, 0)),
+]
+
+
+def window_ids(g):
+    return f"K{g[4]}-pad{g[6]}-k2{g[7]}-I{g[1]}-O{g[2]}"
+
+
+@pytest.mark.parametrize("geometry", WINDOW_GEOMETRIES, ids=window_ids)
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_geometries_in_float32(geometry, device):
+    """float32 x and gradients against the float64 dense gradient of the same values, and integer
+    values exactly (every product and sum exact: PyTorch's picks, bit for bit)."""
+    for integers in (False, True):
+        x, grad_out, picks, out_size = case(*geometry[:8], extra=geometry[8], seed=4, integers=integers,
+                                            device=device, dtype=torch.float32)
+        grad_out = grad_out.float()
+        grad_w = conv_transpose3d_cascade_weight_grad(grad_out, picks, x, *geometry[4:8], out_size)
+        expected = dense_weight_grad(grad_out, picks, x, *geometry[4:8], out_size)
+        assert grad_w.dtype == torch.float32
+        if integers:
+            assert torch.equal(grad_w, expected.float()), geometry
+        else:
+            assert_close_to_reference(grad_w, expected, torch.float32, str(geometry), normwise=True)
+
+
+@pytest.mark.parametrize("geometry", WINDOW_GEOMETRIES[:2], ids=window_ids)
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_grad_out(geometry, device):
+    """A non-finite gradient of a cell multiplies the x its pick reaches, and nothing outside x
+    (no 0 * inf from beyond x's edges): PyTorch's dense gradient of the same values."""
+    for seed, value in itertools.product(range(2), (float("inf"), float("-inf"), float("nan"))):
+        x, grad_out, picks, out_size = case(*geometry[:8], extra=geometry[8], seed=seed, dtype=torch.float32)
+        grad_out = grad_out.float()
+        flat = grad_out.view(-1)
+        flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))[:2]] = value
+        grad_w = conv_transpose3d_cascade_weight_grad(grad_out.to(device), picks.to(device), x.to(device),
+                                                      *geometry[4:8], out_size)
+        expected = dense_weight_grad(grad_out, picks, x, *geometry[4:8], out_size)  # (the CPU's direct sum)
+        assert not torch.isfinite(expected).all()  # (the case this test is for)
+        assert_close_to_reference(grad_w, expected, torch.float32, f"{seed} {value}", normwise=True)
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"K{g[4]}-P{g[5]}-I{g[1]}")
 @pytest.mark.parametrize("device", DEVICES)
 def test_against_pytorchs_dense_weight_gradient(geometry, device):
@@ -92,12 +142,12 @@ def test_against_pytorchs_dense_weight_gradient(geometry, device):
     torch.testing.assert_close(grad_w, expected, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.parametrize("geometry", [GEOMETRIES[0], WINDOW_GEOMETRIES[0]], ids=["partials", "window"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("device", DEVICES)
-def test_dtypes_against_float64(dtype, device):
+def test_dtypes_against_float64(dtype, device, geometry):
     """x in each dtype, the result in x's and in float32: within the dtype's rounding of x
     (products and sums in float64 on the CPU, float32 on a GPU)."""
-    geometry = GEOMETRIES[0]
     x, grad_out, picks, out_size = case(*geometry[:8], extra=geometry[8], seed=1, device=device, dtype=dtype)
     expected = dense_weight_grad(grad_out, picks, x.double(), *geometry[4:8], out_size)
     for out_dtype in (dtype, torch.float32):
@@ -120,21 +170,26 @@ def test_integer_values_exactly(device):
             assert torch.equal(grad_w, expected.to(dtype)), geometry
 
 
+@pytest.mark.parametrize("geometry,dtype", [(GEOMETRIES[1], torch.float64), (WINDOW_GEOMETRIES[1], torch.float32)],
+                         ids=["partials", "window"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_non_finite_x_as_pytorchs_zero_products(device):
+def test_non_finite_x_as_pytorchs_zero_products(device, geometry, dtype):
     """Where an unpicked element of y meets a non-finite x, PyTorch's dense gradient adds 0 * x:
     NaN; where only picked ones do, the picked products (+-inf, or NaN). (The dense gradient by
     the CPU's direct sum: cuDNN's algorithms may spread a NaN further.)"""
-    geometry = GEOMETRIES[1]
     for seed, value in itertools.product(range(3), (float("inf"), float("-inf"), float("nan"))):
-        x, grad_out, picks, out_size = case(*geometry[:8], extra=geometry[8], seed=seed)
+        x, grad_out, picks, out_size = case(*geometry[:8], extra=geometry[8], seed=seed, dtype=dtype)
+        grad_out = grad_out.to(dtype)
         flat = x.view(-1)
         flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))[:2]] = value
         grad_w = conv_transpose3d_cascade_weight_grad(grad_out.to(device), picks.to(device), x.to(device),
                                                       *geometry[4:8], out_size)
         expected = dense_weight_grad(grad_out, picks, x, *geometry[4:8], out_size)
         assert torch.isnan(expected).any()  # (the case this test is for)
-        torch.testing.assert_close(grad_w.cpu(), expected, rtol=1e-12, atol=1e-13, equal_nan=True)
+        if dtype == torch.float64:
+            torch.testing.assert_close(grad_w.cpu(), expected, rtol=1e-12, atol=1e-13, equal_nan=True)
+        else:
+            assert_close_to_reference(grad_w, expected, dtype, f"{seed} {value}", normwise=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -233,6 +288,29 @@ def test_b_rewrite_takes_the_picked_weight_gradient(args, shape):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-12)
 
 
+@requires_cuda
+@pytest.mark.parametrize("in_channels,picked", [(8, True), (6, False)])
+def test_b_rewrite_on_a_gpu_takes_the_picked_weight_gradient_where_quick(in_channels, picked):
+    """On a GPU of compute capability 9 the rule takes the op where its window kernel does (input
+    channels a multiple of 4 here), else the dense gradient; either way the original's gradients,
+    bit for bit on integer values (float32, every sum exact; ties picked as PyTorch picks them)."""
+    torch.manual_seed(0)
+    original = reference.ConvTranspose3dMaxPoolMaxPoolSum(in_channels, 12, 5, 2, 2).cuda()
+    with torch.no_grad():
+        for p in original.parameters():
+            p.copy_(torch.randint(-2, 3, p.shape))
+    fused = fnn.ConvTranspose3dMaxPoolMaxPoolSum.from_module(original)
+    x = torch.randint(-2, 3, (2, in_channels, 8, 7, 9), device="cuda").float()
+    grad = torch.randint(-2, 3, original(x).shape, device="cuda").float()
+    expected = torch.autograd.grad(original(x), list(original.parameters()), grad)
+    with autotune.force("rewrite"), torch.profiler.profile() as profile:
+        actual = torch.autograd.grad(fused(x), list(fused.parameters()), grad)
+    ran = "fused_ops::conv_transpose3d_cascade_weight_grad" in {e.name for e in profile.events()}
+    assert ran == (picked and torch.cuda.get_device_capability()[0] >= 9)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(a, e)
+
+
 def test_b_rewrite_create_graph_backward():
     """A backward that records a graph recomputes the windows and differentiates them: a penalty on
     the weight's gradient has the original's gradient (zero: the picks fixed, that gradient is
@@ -262,17 +340,14 @@ def test_b_rewrite_under_autocast_as_the_dense_path():
     conv, pools = original.conv_transpose, (original.max_pool1, original.max_pool2)
     x = torch.rand(B_CASES[0][1])
     grads = {}
-    for devices in (("cpu",), ()):
-        rewrites._PICKED_WEIGHT_GRAD_DEVICES, default = devices, rewrites._PICKED_WEIGHT_GRAD_DEVICES
-        try:
+    for picked in (True, False):
+        with rewrites.forced_picked_weight_grad(picked):
             with torch.autocast("cpu", torch.bfloat16):
                 out, _ = rewrites.conv_transpose3d_max_pool_cascade_sum(x, conv, *pools)
             with torch.profiler.profile() as profile:
-                grads[devices] = torch.autograd.grad(out.float().sum(), conv.weight)[0]
-            ran = "fused_ops::conv_transpose3d_cascade_weight_grad" in {e.name for e in profile.events()}
-            assert ran == bool(devices)
-        finally:
-            rewrites._PICKED_WEIGHT_GRAD_DEVICES = default
-    picked, dense = grads[("cpu",)], grads[()]
+                grads[picked] = torch.autograd.grad(out.float().sum(), conv.weight)[0]
+        ran = "fused_ops::conv_transpose3d_cascade_weight_grad" in {e.name for e in profile.events()}
+        assert ran == picked
+    picked, dense = grads[True], grads[False]
     assert picked.dtype == dense.dtype == torch.float32
     torch.testing.assert_close(picked, dense, rtol=1.6e-2, atol=1.6e-2 * dense.abs().max().item())

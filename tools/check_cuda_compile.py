@@ -3,8 +3,12 @@ will do: it lacks one generated header, c10/cuda/impl/cuda_cmake_macros.h, which
 check's own include path provides). Builds nothing that is installed; exits non-zero on the first
 failure. Two passes:
 
-  csrc     every csrc/cuda/*.cu for sm_90, then the objects linked together (no symbol defined
-           twice);
+  csrc     every csrc/cuda/*.cu with the flags setup.py builds them with for sm_90 (TORCH_CUDA_ARCH_LIST=9.0:
+           sm_90a, CUTLASS's headers, FUSED_OPS_CUTLASS), then the objects linked together (no
+           symbol defined twice); a file that uses CUTLASS also without it, for sm_90 (a build
+           for other architectures or without CUTLASS's headers). CUTLASS's headers as setup.py
+           finds them (FUSED_OPS_CUTLASS_DIR, third_party/cutlass, the nvidia-cutlass wheel);
+           this pass fails without them;
   cutlass  every bench/cutlass/*.cu (the CUTLASS baselines the benchmarks build on their own, no
            torch headers: the benchmark's flags) for sm_90a, with CUTLASS's headers from the
            installed nvidia-cutlass wheel (cutlass_library: pip install --no-deps
@@ -31,8 +35,21 @@ from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUTLASS_DIR = os.path.join(ROOT, "bench", "cutlass")
 sys.path.insert(0, CUTLASS_DIR)
+sys.path.insert(0, ROOT)
 import cutlass_build  # noqa: E402  (how bench/cutlass/ builds its libraries; nvcc found)
+import setup  # noqa: E402  (the extension's build: its architectures' flags, CUTLASS's headers)
 WGMMA_SERIALIZED = "wgmma.mma_async instructions are serialized"
+
+
+def csrc_flags() -> tuple[list[str], list[str]]:
+    """setup.py's nvcc flags for an sm_90 build: its -gencode flags, and CUTLASS's define and headers."""
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    arch, sm90a = setup.cuda_arch_flags()
+    cutlass = setup.cutlass_root()
+    if not sm90a or cutlass is None:
+        sys.exit(f"check_cuda_compile: the csrc pass needs CUTLASS's headers: make cutlass (or pip install --no-deps "
+                 f"nvidia-cutlass=={cutlass_build.CUTLASS_VERSION}, or FUSED_OPS_CUTLASS_DIR)")
+    return arch, setup.cutlass_nvcc_flags(cutlass)
 
 
 def compile_object(nvcc: str, src: str, obj: str, flags: list[str]) -> None:
@@ -73,17 +90,22 @@ def main() -> None:
         includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], stub]]
 
         objects = []
+        torch_flags = ["-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS, *includes]
+        arch, cutlass = csrc_flags() if sources else ([], [])
         for src in sources:
             objects.append(os.path.join(stub, f"{len(objects)}.o"))
-            compile_object(nvcc, src, objects[-1], ["-arch=sm_90", "-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS,
-                                                    *includes])
+            compile_object(nvcc, src, objects[-1], [*arch, *cutlass, *torch_flags])
+            with open(src) as f:
+                if "FUSED_OPS_CUTLASS" in f.read():
+                    print("  (without CUTLASS)")
+                    compile_object(nvcc, src, os.path.join(stub, "without_cutlass.o"), ["-arch=sm_90", *torch_flags])
         if objects:
             # the objects link into one library (torch's symbols left unresolved): no symbol defined twice,
             # as a non-template kernel in a header shared by two files would be
-            result = subprocess.run([nvcc, "-shared", "-arch=sm_90", *objects, "-o", os.path.join(stub, "link.so")])
+            result = subprocess.run([nvcc, "-shared", *arch, *objects, "-o", os.path.join(stub, "link.so")])
             if result.returncode != 0:
                 sys.exit("check_cuda_compile: the objects do not link together")
-            print(f"check_cuda_compile: {len(sources)} file(s) compiled for sm_90 and linked together")
+            print(f"check_cuda_compile: {len(sources)} file(s) compiled for sm_90a (with CUTLASS) and linked together")
 
         for i, src in enumerate(cutlass_sources):
             # the flags its library is built with (no torch)

@@ -1,0 +1,429 @@
+// CUDA kernel of conv_transpose3d_weight_grad (the math: ../conv_transpose3d_weight_grad.h).
+//
+// On an sm_90 device, in a build with CUTLASS (FUSED_OPS_CUTLASS: setup.py defines it where it
+// finds CUTLASS's headers and compiles for sm_90a), CUTLASS 3.x Hopper implicit-GEMM convolutions
+// (TMA loads, im2col for the sliding operand, wgmma; one producer and one consumer warp group, a
+// CTA per output tile; chosen among CUTLASS's formulations and tiles by a baseline library,
+// bench/results/d_weight_grad_cutlass-nvidia-h200.log):
+//
+//   float32 where PyTorch's convolutions round to TF32 (cuDNN enabled, its TF32 allowed for
+//   convolutions): "fprop2d". With x' = x as (I, H, W, D, N) and gy' = grad_y as (O, P, Q, Z, N),
+//     grad_w[i, o, t, r, s] = sum over h, w and the pairs (z, n) of
+//                             gy'[o, h + r, w + s, (z + t, n)] * x'[i, h, w, (z, n)],
+//   per depth tap t a 2-D convolution (CUTLASS's kFprop) whose channels are the (depth, batch)
+//   pairs: "activation" gy' (batch O, P x Q, the D * N channels from (t, 0) on: a view with row
+//   stride Z * N), "filter" x' (I filters of H x W), no padding; its output (O, kr, ks, I) is tap t
+//   of out (O, kt, kr, ks, I). Both operands K-major, as TF32's wgmma needs (CUTLASS's wgrad reads
+//   them MN-major). The kt taps' launches run concurrently, and a split into S slices of the
+//   depth (D / S * N channels each) multiplies them: slice 0 writes out, the others partial outputs
+//   in a workspace, which a kernel then adds into out. The tile (128 or 256 rows of the GEMM's
+//   O * kr * ks) and S are chosen to fill the multiprocessors (fprop2d_plan).
+//
+//   bfloat16: CUTLASS's kWgrad, 3-D, x NDHWC as the convolution's "output" (GEMM M = I), grad_y
+//   NDHWC as its input (im2col, GEMM N = (O, ks, kr, kt)), no padding; out (I, kt, kr, ks, O).
+//
+// Sums in float32. The operands' layouts are ATen copies, out is permuted back to (I, O, kt, kr,
+// ks) in x's dtype. The concurrent launches run on side streams of c10's pool, forked from and
+// joined back to the current stream by events (a CUDA graph capture follows them). Everything
+// else -- float16, float64, float32 without TF32, another device, sizes CUTLASS refuses
+// (can_implement) or the path does not take (alignment, tiles, over 2^31 - 1 elements) -- by
+// aten.convolution_backward, as does a build without CUTLASS.
+
+#ifdef FUSED_OPS_CUTLASS
+// NDEBUG before any header: CUTLASS's device code asserts, and a live assert is a call inside the
+// kernel, across which ptxas serializes every wgmma (warning C7510).
+#ifndef NDEBUG
+#define NDEBUG
+#endif
+#endif
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <string>
+
+#include "../conv_transpose3d_weight_grad.h"
+#include "plane_rows.cuh"
+
+#ifdef FUSED_OPS_CUTLASS
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <optional>
+#include <vector>
+
+// (in this order: the conv collective headers use KernelHardwareInfo without including it)
+#include "cutlass/cutlass.h"
+#include "cutlass/kernel_hardware_info.hpp"
+#include "cute/tensor.hpp"
+#include "cutlass/conv/collective/collective_builder.hpp"
+#include "cutlass/conv/convnd_problem_shape.hpp"
+#include "cutlass/conv/device/conv_universal_adapter.hpp"
+#include "cutlass/conv/kernel/conv_universal.hpp"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#endif
+
+namespace fused_ops {
+namespace {
+
+#ifdef FUSED_OPS_CUTLASS
+
+// out[e] += sum over p of partials[p * count + e], e < count (a multiple of 4; 16-byte aligned).
+__global__ void add_partials_kernel(float* __restrict__ out, const float* __restrict__ partials, int64_t count,
+                                    int num_partials) {
+  const int64_t vectors = count / 4;
+  for (int64_t v = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; v < vectors; v += int64_t{gridDim.x} * blockDim.x) {
+    float4 sum = reinterpret_cast<const float4*>(out)[v];
+    for (int p = 0; p < num_partials; ++p) {
+      const float4 part = reinterpret_cast<const float4*>(partials + p * count)[v];
+      sum.x += part.x;
+      sum.y += part.y;
+      sum.z += part.z;
+      sum.w += part.w;
+    }
+    reinterpret_cast<float4*>(out)[v] = sum;
+  }
+}
+
+using cutlass::conv::Operator;
+
+// One CUTLASS 3.x Hopper implicit-GEMM convolution: operator Op over Rank spatial dimensions,
+// Element operands (float: TF32 MMA; bfloat16), float32 accumulation and output D, no C, a
+// kTileM x kTileN x kTileK tile per CTA (cluster 1x1x1). Wgrad's N mode is (C, S, R, T): its tile
+// wraps N in a Shape; every K does.
+template <Operator Op, int Rank, class Element_, int kTileM_, int kTileN_, int kTileK_>
+struct CutlassConv {
+  using Element = Element_;
+  static constexpr int kTileM = kTileM_, kTileN = kTileN_, kTileK = kTileK_;
+  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte TMA rows
+  using TileN = cute::conditional_t<Op == Operator::kWgrad, cute::Shape<cute::Int<kTileN>>, cute::Int<kTileN>>;
+  using TileShape = cute::Shape<cute::Int<kTileM>, TileN, cute::Shape<cute::Int<kTileK>>>;
+  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  // activations NDHWC / NHWC; the output: wgrad's a filter (KTRSC), fprop's activations
+  using LayoutAB = cute::conditional_t<Rank == 3, cutlass::layout::TensorNDHWC, cutlass::layout::TensorNHWC>;
+  using LayoutD = cute::conditional_t<Op == Operator::kWgrad, cutlass::layout::TensorKCSRT, LayoutAB>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 4,  // no C
+      float, LayoutD, 4, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Op, Element, LayoutAB, kAlignment, Element, LayoutAB,
+      kAlignment, float, TileShape, ClusterShape,
+      cutlass::conv::collective::StageCountAutoCarveout<int(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
+
+  using ProblemShape = cutlass::conv::ConvProblemShape<Op, Rank>;
+  using Kernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Conv = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
+  using StrideD = typename Kernel::StrideD;
+
+  // The launch's arguments: D = the convolution of A and B (device pointers; null to ask can_implement).
+  static typename Conv::Arguments arguments(const ProblemShape& problem, const void* a, const void* b, float* d,
+                                            const StrideD& stride_d) {
+    cutlass::KernelHardwareInfo hw_info;
+    hw_info.device_id = c10::cuda::current_device();
+    hw_info.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, hw_info.device_id);
+    typename Kernel::MainloopArguments mainloop{static_cast<const Element*>(a), static_cast<const Element*>(b)};
+    typename Kernel::EpilogueArguments epilogue{};
+    epilogue.thread.alpha = 1.f;
+    epilogue.thread.beta = 0.f;
+    epilogue.ptr_C = nullptr;
+    epilogue.dC = stride_d;
+    epilogue.ptr_D = d;
+    epilogue.dD = stride_d;
+    return typename Conv::Arguments(problem, mainloop, epilogue, hw_info);
+  }
+
+  static bool can_implement(const ProblemShape& problem, const StrideD& stride_d) {
+    return Conv::can_implement(arguments(problem, nullptr, nullptr, nullptr, stride_d)) == cutlass::Status::kSuccess;
+  }
+
+  static void launch(const ProblemShape& problem, const void* a, const void* b, float* d, const StrideD& stride_d,
+                     cudaStream_t stream) {
+    const auto args = arguments(problem, a, b, d, stride_d);
+    Conv conv;
+    TORCH_CHECK(Conv::get_workspace_size(args) == 0,
+                "conv_transpose3d_weight_grad: a CUTLASS kernel wants a workspace of its own");
+    cutlass::Status status = conv.initialize(args, nullptr, stream);
+    if (status == cutlass::Status::kSuccess) status = conv.run(stream);
+    TORCH_CHECK(status == cutlass::Status::kSuccess, "conv_transpose3d_weight_grad: CUTLASS: ",
+                cutlassGetStatusString(status));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+using Fprop2dTf32Tile128 = CutlassConv<Operator::kFprop, 2, float, 128, 64, 32>;
+using Fprop2dTf32Tile256 = CutlassConv<Operator::kFprop, 2, float, 256, 64, 32>;
+using WgradBf16 = CutlassConv<Operator::kWgrad, 3, cutlass::bfloat16_t, 64, 128, 64>;
+
+template <class Array, class... T>
+Array make_array(T... values) {
+  Array a{};
+  int i = 0;
+  ((a[i++] = values), ...);
+  return a;
+}
+
+// fprop2d's 2-D convolution for one tap and depth slice of `depth` positions (module comment):
+// gy' (O, P, Q, a window of depth * N of the Z * N channels), x' (I, H, W, the window of the D * N).
+template <class K>
+typename K::ProblemShape fprop2d_problem(const TransposedConvWeightGrad& g, int64_t depth) {
+  using PS = typename K::ProblemShape;
+  using Extent = typename PS::TensorExtent;
+  using Stride = typename PS::TensorStride;
+  using Spatial = typename PS::SpatialExtent;
+  const int64_t window = depth * g.batch, gy_row = g.out(0) * g.batch, x_row = g.in[0] * g.batch;
+  const int64_t p = g.out(1), q = g.out(2), h = g.in[1], w = g.in[2];
+  return PS(cutlass::conv::Mode::kCrossCorrelation,
+            make_array<Extent>(int(g.out_channels), int(p), int(q), int(window)),
+            make_array<Stride>(p * q * gy_row, q * gy_row, gy_row, int64_t{1}),
+            make_array<Extent>(int(g.in_channels), int(h), int(w), int(window)),
+            make_array<Stride>(h * w * x_row, w * x_row, x_row, int64_t{1}), make_array<Spatial>(0, 0),
+            make_array<Spatial>(0, 0), make_array<Spatial>(1, 1), make_array<Spatial>(1, 1), 1);
+}
+
+// fprop2d's output strides: its M modes (q, p, n) = (s, r, o) and N mode i in out (O, kt, kr, ks, I).
+template <class K>
+typename K::StrideD fprop2d_stride_d(const TransposedConvWeightGrad& g) {
+  typename K::StrideD stride{};
+  cute::get<0, 0>(stride) = g.in_channels;
+  cute::get<0, 1>(stride) = g.kernel[2] * g.in_channels;
+  cute::get<0, 2>(stride) = g.kernel[0] * g.kernel[1] * g.kernel[2] * g.in_channels;
+  return stride;
+}
+
+// wgrad's problem: the convolution of "activation" grad_y (N, Z, P, Q, O) by "filter"
+// (I, kt, kr, ks, O) whose output is x (N, D, H, W, I), no padding.
+typename WgradBf16::ProblemShape wgrad_problem(const TransposedConvWeightGrad& g) {
+  using PS = WgradBf16::ProblemShape;
+  using Extent = PS::TensorExtent;
+  using Spatial = PS::SpatialExtent;
+  return PS(cutlass::conv::Mode::kCrossCorrelation,
+            make_array<Extent>(int(g.batch), int(g.out(0)), int(g.out(1)), int(g.out(2)), int(g.out_channels)),
+            make_array<Extent>(int(g.in_channels), int(g.kernel[0]), int(g.kernel[1]), int(g.kernel[2]),
+                               int(g.out_channels)),
+            make_array<Spatial>(0, 0, 0), make_array<Spatial>(0, 0, 0), make_array<Spatial>(1, 1, 1),
+            make_array<Spatial>(1, 1, 1), 1);
+}
+
+// wgrad's output strides, (k, (c, s, r, t)) of out (I, kt, kr, ks, O), packed.
+WgradBf16::StrideD wgrad_stride_d(const TransposedConvWeightGrad& g) {
+  WgradBf16::StrideD stride{};
+  const int64_t o = g.out_channels;
+  cute::get<0>(stride) = g.kernel[0] * g.kernel[1] * g.kernel[2] * o;
+  cute::get<1, 1>(stride) = o;
+  cute::get<1, 2>(stride) = g.kernel[2] * o;
+  cute::get<1, 3>(stride) = g.kernel[1] * g.kernel[2] * o;
+  return stride;
+}
+
+// A CUTLASS path for a problem: fprop2d (TF32) with tile_m rows and `splits` depth slices, or wgrad (bf16).
+struct CutlassPlan {
+  bool fprop2d;
+  int tile_m, splits;
+
+  std::string name() const {
+    if (!fprop2d) return "cutlass bf16 wgrad 64x128x64";
+    return "cutlass tf32 fprop2d " + std::to_string(tile_m) + "x64x32 split" + std::to_string(splits);
+  }
+};
+
+// fprop2d's tile and split for the device's `sms` multiprocessors, or none. A CTA (~200 KB of
+// shared memory: one per multiprocessor) takes tile_m x 64 of the (O kr ks) x I outputs of a tap
+// over one depth slice, so a launch's time goes as waves x tile_m / splits; the least of that,
+// then the larger tile (more work per operand byte), then fewer splits. SPEC's D on an H200 (132
+// multiprocessors, 2026-11-26): 256 rows, 2 splits, 130 CTAs: 2.62 ms (128 rows, no split, 125
+// CTAs: 2.81; 256 rows, no split, 65 CTAs: 3.32; cuDNN 6.41).
+std::optional<CutlassPlan> fprop2d_plan(const TransposedConvWeightGrad& g, int sms) {
+  // the window's start (t + j D / S) N channels in must be 16-byte aligned, out's rows too
+  if (g.batch % 4 || g.in_channels % 4) return std::nullopt;
+  std::optional<CutlassPlan> best;
+  int64_t best_cost = 0;
+  for (const int tile_m : {256, 128}) {
+    for (const int splits : {1, 2, 4}) {
+      // each slice's D / S * N channels a whole number of the tile's K (32)
+      if (g.in[0] % splits || g.in[0] / splits * g.batch % 32) continue;
+      const int64_t ctas = g.kernel[0] * splits * ((g.out_channels * g.kernel[1] * g.kernel[2] + tile_m - 1) / tile_m) *
+                           ((g.in_channels + 63) / 64);
+      const int64_t cost = (ctas + sms - 1) / sms * tile_m * (4 / splits);  // waves x tile_m / splits, x 4
+      if (!best || cost < best_cost) {  // (ties: the first, the larger tile and fewer splits)
+        best = CutlassPlan{true, tile_m, splits};
+        best_cost = cost;
+      }
+    }
+  }
+  if (!best) return std::nullopt;
+  const int64_t depth = g.in[0] / best->splits;
+  const bool implementable =
+      best->tile_m == 256
+          ? Fprop2dTf32Tile256::can_implement(fprop2d_problem<Fprop2dTf32Tile256>(g, depth),
+                                              fprop2d_stride_d<Fprop2dTf32Tile256>(g))
+          : Fprop2dTf32Tile128::can_implement(fprop2d_problem<Fprop2dTf32Tile128>(g, depth),
+                                              fprop2d_stride_d<Fprop2dTf32Tile128>(g));
+  return implementable ? best : std::nullopt;
+}
+
+std::optional<CutlassPlan> wgrad_plan(const TransposedConvWeightGrad& g) {
+  // x's NDHWC rows 16-byte aligned; grad_y's im2col boxes read 64 channels at a time along the
+  // (c, s, r, t) N mode: a box must not run past a tap's channels
+  if (g.in_channels % 8 || g.out_channels % 64) return std::nullopt;
+  if (!WgradBf16::can_implement(wgrad_problem(g), wgrad_stride_d(g))) return std::nullopt;
+  return CutlassPlan{false, WgradBf16::kTileM, 1};
+}
+
+// The CUTLASS path for these (checked) arguments, or none.
+std::optional<CutlassPlan> cutlass_plan(const at::Tensor& grad_y, const at::Tensor& x,
+                                        const TransposedConvWeightGrad& g) {
+  const int device = x.get_device();
+  if (device_attribute(cudaDevAttrComputeCapabilityMajor, device) != 9 ||
+      device_attribute(cudaDevAttrComputeCapabilityMinor, device) != 0) {
+    return std::nullopt;
+  }
+  constexpr int64_t kMaxIndexed = std::numeric_limits<int32_t>::max();  // CUTLASS's extents are int32
+  const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
+  if (x.numel() == 0 || grad_y.numel() == 0 || x.numel() > kMaxIndexed || grad_y.numel() > kMaxIndexed ||
+      filter_numel > kMaxIndexed) {
+    return std::nullopt;
+  }
+  const at::Context& context = at::globalContext();
+  if (x.scalar_type() == at::kFloat && context.userEnabledCuDNN() && context.allowTF32CuDNN(at::Float32Op::CONV)) {
+    return fprop2d_plan(g, device_attribute(cudaDevAttrMultiProcessorCount, device));
+  }
+  if (x.scalar_type() == at::kBFloat16) return wgrad_plan(g);
+  return std::nullopt;
+}
+
+// jobs[0] on the current stream, each other on a side stream of c10's pool that first waits for
+// what the current stream has queued; then the current stream waits for every side stream (also
+// where a job throws, rethrown after: the memory the jobs use is the current stream's).
+void run_concurrently(const std::vector<std::function<void(cudaStream_t)>>& jobs) {
+  const c10::cuda::CUDAStream origin = c10::cuda::getCurrentCUDAStream();
+  c10::cuda::CUDAEvent fork;
+  fork.record(origin);
+  std::vector<c10::cuda::CUDAEvent> joins(jobs.size());  // (joins[0] unused)
+  std::exception_ptr failure;
+  size_t forked = 1;
+  for (; forked < jobs.size() && !failure; ++forked) {
+    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, origin.device_index());
+    fork.block(side);
+    try {
+      jobs[forked](side.stream());
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    joins[forked].record(side);
+  }
+  if (!failure) {
+    try {
+      jobs[0](origin.stream());
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  for (size_t j = 1; j < forked; ++j) joins[j].block(origin);
+  if (failure) std::rethrow_exception(failure);
+}
+
+// fprop2d (module comment): out (O, kt, kr, ks, I) float32, tap t and depth slice j from
+// gy' + (t + j D / S) N, x' + j D / S N; slices past the first into partial outputs, then added.
+template <class K>
+void run_fprop2d(const TransposedConvWeightGrad& g, int splits, const at::Tensor& x_chwdn,
+                 const at::Tensor& grad_y_kpqzn, at::Tensor& out) {
+  const int64_t depth = g.in[0] / splits, filter_numel = out.numel();
+  const auto problem = fprop2d_problem<K>(g, depth);
+  const auto stride_d = fprop2d_stride_d<K>(g);
+  at::Tensor partials = at::empty({(splits - 1) * filter_numel}, out.options());
+  const int64_t tap = g.kernel[1] * g.kernel[2] * g.in_channels;  // out's elements per depth tap
+  const float* xs = x_chwdn.const_data_ptr<float>();
+  const float* gys = grad_y_kpqzn.const_data_ptr<float>();
+  std::vector<std::function<void(cudaStream_t)>> jobs;
+  for (int j = 0; j < splits; ++j) {
+    float* slice_out =
+        j == 0 ? out.mutable_data_ptr<float>() : partials.mutable_data_ptr<float>() + (j - 1) * filter_numel;
+    for (int64_t t = 0; t < g.kernel[0]; ++t) {
+      const float* a = gys + (t + j * depth) * g.batch;
+      const float* b = xs + j * depth * g.batch;
+      float* d = slice_out + t * tap;
+      jobs.push_back([=](cudaStream_t stream) { K::launch(problem, a, b, d, stride_d, stream); });
+    }
+  }
+  run_concurrently(jobs);
+  if (splits > 1) {
+    constexpr int kThreads = 256;
+    const int64_t blocks = std::min<int64_t>((filter_numel / 4 + kThreads - 1) / kThreads, 4096);
+    add_partials_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        out.mutable_data_ptr<float>(), partials.const_data_ptr<float>(), filter_numel, splits - 1);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// t permuted by dims, contiguous, its data 16-byte aligned (TMA's): a copy unless t lies so in memory.
+at::Tensor relayout(const at::Tensor& t, at::IntArrayRef dims) {
+  const at::Tensor permuted = t.permute(dims).contiguous();
+  return reinterpret_cast<uintptr_t>(permuted.const_data_ptr()) % 16 == 0 ? permuted : permuted.clone();
+}
+
+at::Tensor run_cutlass(const CutlassPlan& plan, const at::Tensor& grad_y, const at::Tensor& x,
+                       const TransposedConvWeightGrad& g) {
+  const int64_t kt = g.kernel[0], kr = g.kernel[1], ks = g.kernel[2];
+  if (plan.fprop2d) {
+    // x (N, I, D, H, W) -> (I, H, W, D, N), grad_y (N, O, Z, P, Q) -> (O, P, Q, Z, N)
+    const at::Tensor x_chwdn = relayout(x, {1, 3, 4, 2, 0});
+    const at::Tensor grad_y_kpqzn = relayout(grad_y, {1, 3, 4, 2, 0});
+    at::Tensor out = at::empty({g.out_channels, kt, kr, ks, g.in_channels}, x.options());
+    if (plan.tile_m == 256) {
+      run_fprop2d<Fprop2dTf32Tile256>(g, plan.splits, x_chwdn, grad_y_kpqzn, out);
+    } else {
+      run_fprop2d<Fprop2dTf32Tile128>(g, plan.splits, x_chwdn, grad_y_kpqzn, out);
+    }
+    return out.permute({4, 0, 1, 2, 3}).contiguous();  // (O, kt, kr, ks, I) -> (I, O, kt, kr, ks)
+  }
+  // x, grad_y -> NDHWC (a channels_last_3d tensor's permute is its memory: no copy)
+  const at::Tensor x_ndhwc = relayout(x, {0, 2, 3, 4, 1});
+  const at::Tensor grad_y_ndhwc = relayout(grad_y, {0, 2, 3, 4, 1});
+  at::Tensor out = at::empty({g.in_channels, kt, kr, ks, g.out_channels}, x.options().dtype(at::kFloat));
+  WgradBf16::launch(wgrad_problem(g), x_ndhwc.const_data_ptr(), grad_y_ndhwc.const_data_ptr(),
+                    out.mutable_data_ptr<float>(), wgrad_stride_d(g), c10::cuda::getCurrentCUDAStream());
+  // (I, kt, kr, ks, O) float32 -> (I, O, kt, kr, ks) bfloat16
+  return at::empty({g.in_channels, g.out_channels, kt, kr, ks}, x.options()).copy_(out.permute({0, 4, 1, 2, 3}));
+}
+
+#endif  // FUSED_OPS_CUTLASS
+
+at::Tensor conv_transpose3d_weight_grad_cuda(const at::Tensor& grad_y, const at::Tensor& x,
+                                             at::IntArrayRef kernel_size) {
+  const TransposedConvWeightGrad g = transposed_conv_weight_grad_setup(grad_y, x, kernel_size);
+  const c10::cuda::CUDAGuard guard(x.device());
+#ifdef FUSED_OPS_CUTLASS
+  if (const auto plan = cutlass_plan(grad_y, x, g)) return run_cutlass(*plan, grad_y, x, g);
+#endif
+  return transposed_conv_weight_grad_by_aten(grad_y, x, g);
+}
+
+std::string conv_transpose3d_weight_grad_path_cuda(const at::Tensor& grad_y, const at::Tensor& x,
+                                                   at::IntArrayRef kernel_size) {
+  [[maybe_unused]] const TransposedConvWeightGrad g = transposed_conv_weight_grad_setup(grad_y, x, kernel_size);
+  const c10::cuda::CUDAGuard guard(x.device());
+#ifdef FUSED_OPS_CUTLASS
+  if (const auto plan = cutlass_plan(grad_y, x, g)) return plan->name();
+  return kWeightGradByAten;
+#else
+  return std::string(kWeightGradByAten) + " (built without CUTLASS)";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
+  m.impl("conv_transpose3d_weight_grad", &conv_transpose3d_weight_grad_cuda);
+  m.impl("conv_transpose3d_weight_grad_path", &conv_transpose3d_weight_grad_path_cuda);
+}
+
+}  // namespace fused_ops
