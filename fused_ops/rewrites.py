@@ -388,7 +388,10 @@ def _picked_weight_grad_is_quick(x: Tensor, conv: nn.ConvTranspose3d) -> bool:
     on the CPU always (38.9 -> 1.4 ms at batch 1, 16^3); on a GPU where its window kernel takes
     the call (csrc/cuda/conv_transpose3d_cascade_weight_grad.cu: compute capability 9, stride 2
     in every dim, a cubic kernel of 3 to 5, input channels a multiple of 4, x not float64), else
-    the dense gradient (the op's other kernel lost to cuDNN's: 9.0 against 4.7 ms at SPEC's size)."""
+    the dense gradient (the op's other kernel lost to cuDNN's: 9.0 against 4.7 ms at SPEC's size).
+    The kernel's further conditions (a build with sm_90 code; paddings and pool2's kernel up to 64,
+    its windows fitting shared memory; under 2^31 cells in all) hold for any B of practical size;
+    where one fails the op's other kernel runs, and the autotuner weighs the rewrite with it."""
     if _PICKED_WEIGHT_GRAD_FORCED is not None:
         return _PICKED_WEIGHT_GRAD_FORCED
     if x.device.type == "cpu":

@@ -95,6 +95,18 @@ def window_ids(g):
     return f"K{g[4]}-pad{g[6]}-k2{g[7]}-I{g[1]}-O{g[2]}"
 
 
+def window_kernel_call(device, *args):
+    """conv_transpose3d_cascade_weight_grad(*args), asserting that on a GPU of compute capability 9
+    the window kernel computed it."""
+    if device != "cuda" or torch.cuda.get_device_capability()[0] < 9:
+        return conv_transpose3d_cascade_weight_grad(*args)
+    with torch.profiler.profile() as profile:
+        grad_w = conv_transpose3d_cascade_weight_grad(*args)
+        torch.cuda.synchronize()
+    assert any("cascade_weight_grad_window_kernel" in e.name for e in profile.events())
+    return grad_w
+
+
 @pytest.mark.parametrize("geometry", WINDOW_GEOMETRIES, ids=window_ids)
 @pytest.mark.parametrize("device", DEVICES)
 def test_window_geometries_in_float32(geometry, device):
@@ -104,13 +116,29 @@ def test_window_geometries_in_float32(geometry, device):
         x, grad_out, picks, out_size = case(*geometry[:8], extra=geometry[8], seed=4, integers=integers,
                                             device=device, dtype=torch.float32)
         grad_out = grad_out.float()
-        grad_w = conv_transpose3d_cascade_weight_grad(grad_out, picks, x, *geometry[4:8], out_size)
+        grad_w = window_kernel_call(device, grad_out, picks, x, *geometry[4:8], out_size)
         expected = dense_weight_grad(grad_out, picks, x, *geometry[4:8], out_size)
         assert grad_w.dtype == torch.float32
         if integers:
             assert torch.equal(grad_w, expected.float()), geometry
         else:
             assert_close_to_reference(grad_w, expected, torch.float32, str(geometry), normwise=True)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "misaligned"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_window_reads_x_as_given(layout, device):
+    """A float32 x already channels last (read in place) and one at a storage offset off 16 bytes
+    (copied to an aligned one first): the float64 dense gradient's values."""
+    geometry = WINDOW_GEOMETRIES[1]
+    x, grad_out, picks, out_size = case(*geometry[:8], extra=geometry[8], seed=5, device=device, dtype=torch.float32)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last_3d)
+    else:
+        x = torch.empty(x.numel() + 1, device=device)[1:].view_as(x).copy_(x)
+    grad_w = window_kernel_call(device, grad_out.float(), picks, x, *geometry[4:8], out_size)
+    expected = dense_weight_grad(grad_out.float(), picks, x, *geometry[4:8], out_size)
+    assert_close_to_reference(grad_w, expected, torch.float32, layout, normwise=True)
 
 
 @pytest.mark.parametrize("geometry", WINDOW_GEOMETRIES[:2], ids=window_ids)
@@ -123,8 +151,8 @@ def test_non_finite_grad_out(geometry, device):
         grad_out = grad_out.float()
         flat = grad_out.view(-1)
         flat[torch.randperm(flat.numel(), generator=torch.Generator().manual_seed(seed))[:2]] = value
-        grad_w = conv_transpose3d_cascade_weight_grad(grad_out.to(device), picks.to(device), x.to(device),
-                                                      *geometry[4:8], out_size)
+        grad_w = window_kernel_call(device, grad_out.to(device), picks.to(device), x.to(device), *geometry[4:8],
+                                    out_size)
         expected = dense_weight_grad(grad_out, picks, x, *geometry[4:8], out_size)  # (the CPU's direct sum)
         assert not torch.isfinite(expected).all()  # (the case this test is for)
         assert_close_to_reference(grad_w, expected, torch.float32, f"{seed} {value}", normwise=True)

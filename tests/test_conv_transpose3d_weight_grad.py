@@ -297,13 +297,15 @@ def test_cuda_graph_capture(geometry, dtype, path, tf32, cutlass):
 D_ARGS, D_SHAPE = (16, 64, (5, 3, 4), 2.0), (4, 16, 8, 6, 10)  # SPEC_LIKE's transposed convolution
 
 
+@pytest.mark.parametrize("x_grad", [False, True], ids=["data", "x-grad"])
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["full-float32", "tf32"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_d_rewrite_gradients_are_the_originals(dtype, allow_tf32, device):
-    """D in training, x needing no gradient (a step on data), the rewrite forced: its parameters'
-    gradients, the transposed convolution's weight by the op on a GPU, equal the original's within the
-    dtype's tolerance of the float64 ones (as one vector, relative to the largest: the conv bias's
+def test_d_rewrite_gradients_are_the_originals(dtype, allow_tf32, device, x_grad):
+    """D in training, x needing no gradient (a step on data) or needing one (x's and the bias's
+    gradients by PyTorch's backward beside the op), the rewrite forced: the gradients, the
+    transposed convolution's weight by the op on a GPU, equal the original's within the dtype's
+    tolerance of the float64 ones (as one vector, relative to the largest: the conv bias's
     gradient cancels to ~0 before the batch norm)."""
     original, fused = build_pair("ConvTranspose3dScaleBatchNormGAP", D_ARGS)
     exact, _ = build_pair("ConvTranspose3dScaleBatchNormGAP", D_ARGS)
@@ -312,19 +314,22 @@ def test_d_rewrite_gradients_are_the_originals(dtype, allow_tf32, device):
     exact.double().train()
     x = torch.rand(D_SHAPE, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     grad = torch.rand(D_SHAPE[0], D_ARGS[1], 1, 1, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    expected = torch.autograd.grad(exact(x), list(exact.parameters()), grad)
+    inputs = [x.requires_grad_()] if x_grad else []
+    expected = torch.autograd.grad(exact(x), inputs + list(exact.parameters()), grad)
     largest = max(e.abs().max().item() for e in expected)
-    x, grad = x.to(device, dtype), grad.to(device, dtype)
+    x, grad = x.detach().to(device, dtype).requires_grad_(x_grad), grad.to(device, dtype)
+    inputs = [x] if x_grad else []
     cudnn = torch.backends.cudnn
     with cudnn.flags(enabled=True, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
                      allow_tf32=allow_tf32):
-        before = torch.autograd.grad(original(x), list(original.parameters()), grad)
+        before = torch.autograd.grad(original(x), inputs + list(original.parameters()), grad)
         with autotune.force("rewrite"), torch.profiler.profile() as profile:
-            after = torch.autograd.grad(fused(x), list(fused.parameters()), grad)
+            after = torch.autograd.grad(fused(x), inputs + list(fused.parameters()), grad)
     ran = {e.name for e in profile.events()}
     assert ("fused_ops::conv_transpose3d_weight_grad" in ran) == (device == "cuda")
     tolerance = {torch.float64: 1e-9, torch.float32: TF32_RTOL if allow_tf32 and device == "cuda" else 1e-4}[dtype]
-    for name, a, b, e in zip([n for n, _ in fused.named_parameters()], after, before, expected, strict=True):
+    names = ["x"] * len(inputs) + [n for n, _ in fused.named_parameters()]
+    for name, a, b, e in zip(names, after, before, expected, strict=True):
         assert a.dtype == b.dtype == dtype
         assert (a.double().cpu() - e).abs().max().item() <= tolerance * largest, f"fused {name}"
         assert (b.double().cpu() - e).abs().max().item() <= tolerance * largest, f"original {name}"

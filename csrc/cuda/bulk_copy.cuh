@@ -273,12 +273,13 @@ inline CUtensorMap contiguous_float_tensor_map(const at::Tensor& x, c10::ArrayRe
 }
 
 // Whether `kernel` runs on the current device as code built for sm_90 or
-// later, where the helpers above do not trap.
+// later, where the helpers above do not trap (its PTX too: PTX for an older
+// target, compiled for this device at load time, traps).
 template <typename Kernel>
 bool runs_bulk_copy(Kernel kernel) {
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return attributes.binaryVersion >= 90;
+  return attributes.binaryVersion >= 90 && attributes.ptxVersion >= 90;
 }
 
 }  // namespace fused_ops

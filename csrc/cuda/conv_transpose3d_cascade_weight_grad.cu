@@ -364,7 +364,9 @@ bool with_window_kernel(const CascadeWeightGrad& g, F&& f) {
 // channels a multiple of 4 (the copy engine's 16-byte rows), windows within a byte per dim, two
 // stages of them in shared memory, sizes its int fields hold.
 bool window_kernel_takes(const CascadeWeightGrad& g, const at::Tensor& x) {
-  if (x.scalar_type() == at::kDouble || g.in_channels % 4 != 0 || g.batch * g.num_cells() == 0) return false;
+  if (x.scalar_type() == at::kDouble || g.in_channels % 4 != 0 || g.batch * g.num_cells() == 0 || g.in_volume() == 0) {
+    return false;  // (no x: the copy engine's map needs every dim)
+  }
   for (int d = 0; d < 3; ++d) {
     if (g.stride[d] != kWindowStride || g.padding[d] > 64 || g.kernel2[d] > 64 || g.in[d] > INT_MAX / 2) return false;
   }
