@@ -10,9 +10,8 @@ failure. Two passes:
            finds them (FUSED_OPS_CUTLASS_DIR, third_party/cutlass, the nvidia-cutlass wheel);
            this pass fails without them;
   cutlass  every bench/cutlass/*.cu (the CUTLASS baselines the benchmarks build on their own, no
-           torch headers: the benchmark's flags) for sm_90a, with CUTLASS's headers from the
-           installed nvidia-cutlass wheel (cutlass_library: pip install --no-deps
-           nvidia-cutlass==4.2.0.0; this pass fails without it), each on its own (no link).
+           torch headers: the benchmark's flags) for sm_90a, with CUTLASS's headers where the
+           csrc pass finds them (this pass fails without them), each on its own (no link).
 
 A kernel whose wgmma ptxas serializes (warning C7510: a function call in the kernel, such as a
 live assert) fails either pass.

@@ -10,22 +10,23 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+import setup  # noqa: E402  (the extension's build: where CUTLASS's headers are)
+
 # CUTLASS's wgmma and TMA kernels need sm_90a
 NVCC_FLAGS = ["-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "--expt-relaxed-constexpr", "-O3"]
 CUTLASS_VERSION = "4.2.0.0"  # (the Makefile's pin)
 
 
 def include_dirs() -> list[str]:
-    """CUTLASS's and its tools' headers, from the installed nvidia-cutlass wheel (cutlass_library)."""
-    try:
-        import cutlass_library
-    except ImportError:
-        sys.exit(f"the CUTLASS baselines need CUTLASS's headers: pip install --no-deps nvidia-cutlass=={CUTLASS_VERSION}")
-    source = os.path.join(os.path.dirname(cutlass_library.__file__), "source")
-    dirs = [os.path.join(source, "include"), os.path.join(source, "tools", "util", "include")]
-    if not os.path.exists(os.path.join(dirs[0], "cutlass", "cutlass.h")):
-        sys.exit(f"cutlass_library has no CUTLASS headers under {dirs[0]}")
-    return dirs
+    """CUTLASS's and its tools' headers where the extension's build finds them (setup.py's
+    cutlass_root: FUSED_OPS_CUTLASS_DIR, third_party/cutlass from `make cutlass`, the installed
+    nvidia-cutlass wheel)."""
+    root = setup.cutlass_root()
+    if root is None:
+        sys.exit(f"the CUTLASS baselines need CUTLASS's headers: make cutlass (the pinned nvidia-cutlass=="
+                 f"{CUTLASS_VERSION}), or FUSED_OPS_CUTLASS_DIR")
+    return [os.path.join(root, d) for d in setup.CUTLASS_INCLUDES]
 
 
 def find_nvcc(explicit: str | None = None) -> str:
