@@ -24,7 +24,7 @@ import torch
 from fused_ops import architectures, autotune, conv_transpose3d_weight_grad, reference, rewrites
 from fused_ops import nn as fnn
 from fused_ops.ops import conv_transpose3d_weight_grad_path
-from timing import device_name, interleaved_medians, module_training_step
+from timing import device_name, interleaved_medians, module_training_step, print_against_cudnn
 
 D = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
 C_OUT, KERNEL = D.args[1], D.args[2]
@@ -107,20 +107,11 @@ def main():
     autotune.clear()
 
     ms = {name: statistics.median(rounds) for name, rounds in times.items()}
-    best = {group: min(ms[name] for name, (_, g, _) in rows.items() if g == group and name.startswith("cuDNN"))
-            for group in ("tf32", "bf16")}
     flop = 2 * n * c_in * C_OUT * size[0] * size[1] * size[2] * KERNEL ** 3
     print(f"{device_name(device)}; x {tuple(x.shape)}, grad_y {tuple(grad_y.shape)}, kernel {KERNEL}; "
           f"{flop / 1e9:.0f} GFLOP; torch {torch.__version__}; medians of {args.rounds} rounds of {reps} calls")
     print(f"the op's path: float32 (TF32) {paths['tf32']}; bfloat16 {paths['bf16']}")
-    width = max(map(len, rows)) + 2
-    print(f"\n{'variant':<{width}}{'ms':>9}{'TFLOP/s':>9}{'vs cuDNN':>10}{'max rel err':>13}")
-    for name, (_, group, checked) in rows.items():
-        tflops = f"{flop / ms[name] / 1e9:>9.0f}" if checked else f"{'':>9}"
-        ratio = f"{ms[name] / best[group]:>10.2f}" if group in best else f"{'':>10}"
-        error = f"{errors[name]:>13.1e}" if checked else f"{'':>13}"
-        print(f"{name:<{width}}{ms[name]:>9.3f}{tflops}{ratio}{error}")
-    print("vs cuDNN: the time over the faster cuDNN row of the same dtype (above 1: slower)")
+    print_against_cudnn(rows, ms, errors, flop)
 
 
 if __name__ == "__main__":

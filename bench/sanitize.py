@@ -109,11 +109,24 @@ def main():
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv_transpose3d_weight_grad: ok")
+    # D's forward: sizes that CUTLASS's TF32 and bf16 fprop kernels take (partial tiles, padding, bias or none)
+    for dtype in (torch.float32, torch.bfloat16):
+        for bias in (rand(136, dtype=dtype), None):
+            fused_ops.conv_transpose3d_stride1_channels_last(rand(3, 24, 5, 6, 7, dtype=dtype),
+                                                             rand(24, 136, 5, 4, 3, dtype=dtype), bias, (4, 1, 2))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    print("conv_transpose3d_stride1_channels_last: ok")
     for dtype in (torch.float32, torch.bfloat16):
         bn = torch.nn.BatchNorm3d(3).to(DEV)
         run(f"batch_norm_gap {dtype}", lambda x, dtype: fused_ops.batch_norm_gap(
             x, 2.0, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, training=True,
             dtype=dtype), rand(2, 3, 4, 5, 6, dtype=dtype))
+        # channels_last_3d: the channels-last kernels (2 rows of 16 lanes a warp in float32, a partial last chunk)
+        bn40 = torch.nn.BatchNorm3d(40).to(DEV)
+        run(f"batch_norm_gap channels_last {dtype}", lambda x, dtype: fused_ops.batch_norm_gap(
+            x, 2.0, bn40.weight, bn40.bias, bn40.running_mean, bn40.running_var, bn40.num_batches_tracked,
+            training=True, dtype=dtype), rand(2, 40, 7, 8, 9, dtype=dtype).contiguous(memory_format=torch.channels_last_3d))
 
 
 if __name__ == "__main__":

@@ -107,3 +107,22 @@ def with_bf16_autocast(calls: dict) -> tuple[dict, Callable]:
     def settings(name):
         return torch.autocast("cuda", torch.bfloat16) if name.endswith(" bf16") else contextlib.nullcontext()
     return {**calls, **{f"{name} bf16": call for name, call in calls.items()}}, settings
+
+
+def print_against_cudnn(rows: dict, ms: dict, errors: dict, flop: float) -> None:
+    """The table of a benchmark of an op against cuDNN: rows {name: (call, group, checked)}, ms
+    {name: median ms}, errors {name: max rel err} of the checked rows; a row per variant: its time,
+    the TFLOP/s of `flop` and its error where checked, its time over the fastest row of its group
+    whose name starts with "cuDNN" (groups without one: none)."""
+    best = {}
+    for name, (_, group, _) in rows.items():
+        if name.startswith("cuDNN"):
+            best[group] = min(best.get(group, ms[name]), ms[name])
+    width = max(map(len, rows)) + 2
+    print(f"\n{'variant':<{width}}{'ms':>9}{'TFLOP/s':>9}{'vs cuDNN':>10}{'max rel err':>13}")
+    for name, (_, group, checked) in rows.items():
+        tflops = f"{flop / ms[name] / 1e9:>9.0f}" if checked else f"{'':>9}"
+        ratio = f"{ms[name] / best[group]:>10.2f}" if group in best else f"{'':>10}"
+        error = f"{errors[name]:>13.1e}" if checked else f"{'':>13}"
+        print(f"{name:<{width}}{ms[name]:>9.3f}{tflops}{ratio}{error}")
+    print("vs cuDNN: the time over the faster cuDNN row of the same dtype (above 1: slower)")

@@ -231,7 +231,8 @@ inline BatchNormGapForward batch_norm_gap_setup(const at::Tensor& x,
 
 // The backward's checked arguments: grad_x (B, C, *input_size) in `format`
 // (contiguous; the CPU kernels write a channels_last_3d x's gradient
-// channels_last_3d), or an empty tensor without grad_input; grad_weight and grad_bias (C) in
+// channels_last_3d, the CUDA ones where it goes through batch statistics),
+// or an empty tensor without grad_input; grad_weight and grad_bias (C) in
 // weight's dtype (grad_out's without a weight).
 struct BatchNormGapBackward {
   at::Tensor grad_x, grad_weight, grad_bias;

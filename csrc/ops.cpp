@@ -111,6 +111,14 @@ TORCH_LIBRARY(fused_ops, m) {
   // Which implementation conv_transpose3d_weight_grad takes for these arguments: a CUTLASS
   // kernel's name, or "aten.convolution_backward" (for tests and benchmarks).
   m.def("conv_transpose3d_weight_grad_path(Tensor grad_y, Tensor x, int[3] kernel_size) -> str");
+  // A stride-1 transposed 3-D convolution without dilation or groups, conv_transpose3d(x, weight,
+  // bias, 1, padding), returned channels_last_3d in x's dtype (conv_transpose3d_stride1_channels_last.h).
+  // Not differentiable.
+  m.def("conv_transpose3d_stride1_channels_last(Tensor x, Tensor weight, Tensor? bias, int[3] padding) -> Tensor");
+  // Which implementation it takes for these arguments: a CUTLASS kernel's name, or
+  // "aten.conv_transpose3d" (for tests and benchmarks).
+  m.def(
+      "conv_transpose3d_stride1_channels_last_path(Tensor x, Tensor weight, Tensor? bias, int[3] padding) -> str");
 
   // The input of a 2-D convolution computing a 3-D one's depth taps as input
   // channels (fused_ops/rewrites.py): for x (N, I, D, H, W), out (N, size[0],

@@ -34,12 +34,16 @@ def _is_channels_last(x: Tensor) -> bool:
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
 
 
+def _is_channels_last_3d(t: Tensor) -> bool:
+    """channels_last_3d and not also plainly contiguous (csrc/memory_format.h's is_channels_last_3d)."""
+    return not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
 def _kernel_memory_format(x: Tensor) -> torch.memory_format:
     """The memory format a 5-D op lays out its picks and its input's gradient in, x being the
     op's input (or the picks): channels_last_3d for such an x on the CPU, whose kernels read it
     in vectors over channels (csrc/cpu/vectorized.h, grad_memory_format), else contiguous."""
-    channels_last = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
-    return torch.channels_last_3d if x.device.type == "cpu" and channels_last else torch.contiguous_format
+    return torch.channels_last_3d if x.device.type == "cpu" and _is_channels_last_3d(x) else torch.contiguous_format
 
 
 def _empty_5d(shape, like: Tensor, layout_of: Tensor | None, dtype: torch.dtype | None = None) -> Tensor:
@@ -643,7 +647,12 @@ def _batch_norm_gap_fake(x, scale, weight, bias, running_mean, running_var, eps,
 def _batch_norm_gap_backward_fake(grad_out, x, input_size, scale, weight, plane_dev, mean, rstd, batch_stats,
                                   grad_input):
     batch, channels = plane_dev.shape
-    grad_x = _empty_5d((batch, channels, *input_size), grad_out, x) if grad_input else grad_out.new_empty((0,))
+    # (laid out as the kernels lay it out: a channels_last_3d x's gradient channels_last_3d on the CPU,
+    # and on a GPU where it goes through batch statistics)
+    channels_last = x is not None and x.is_cuda and batch_stats and _is_channels_last_3d(x)
+    grad_x = (_empty_5d((batch, channels, *input_size), grad_out, x) if grad_input and not channels_last
+              else torch.empty((batch, channels, *input_size), dtype=grad_out.dtype, device=grad_out.device,
+                               memory_format=torch.channels_last_3d) if grad_input else grad_out.new_empty((0,)))
     param_dtype = grad_out.dtype if weight is None else weight.dtype
     return grad_x, grad_out.new_empty((channels,), dtype=param_dtype), grad_out.new_empty((channels,), dtype=param_dtype)
 
@@ -743,6 +752,54 @@ def _conv_transpose3d_weight_grad_fake(grad_y, x, kernel_size):
                          f"kernel_size {k}")
     return x.new_empty((x.shape[1], grad_y.shape[1], *k))
 
+
+
+# ---------------------------------------------------------------------------
+# conv_transpose3d_stride1_channels_last
+
+
+def conv_transpose3d_stride1_channels_last(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                                           padding=0) -> Tensor:
+    """``F.conv_transpose3d(x, weight, bias, stride=1, padding=padding)`` (no dilation or groups),
+    returned channels_last_3d (memory (N, D', H', W', O)) in x's dtype.
+
+    x: (N, I, D, H, W); weight: (I, O, kt, kr, ks) and bias (O) or None, of x's dtype; padding:
+    an int or 3 ints, 0 <= padding < kernel. On an sm_90 GPU (H100, H200) in a build with
+    CUTLASS's headers (setup.py), CUTLASS's Hopper implicit-GEMM 3-D convolution of x with the
+    kernel flipped (csrc/cuda/conv_transpose3d_stride1_channels_last.cu), the bias added in its
+    epilogue, sums in float32: float32 where PyTorch's convolutions use TF32
+    (``torch.backends.cudnn.allow_tf32``), bfloat16 (bench/bench_conv_transpose3d_stride1_channels_last.py
+    times it). Everything else (float16, float64, float32 without TF32, other devices, channels not
+    a multiple of 16 bytes, a build without CUTLASS: ``conv_transpose3d_stride1_channels_last_path``
+    says which) by ``aten.conv_transpose3d``. Not differentiable.
+    """
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"conv_transpose3d_stride1_channels_last: {name} must be a Tensor, got {type(t).__name__}")
+    return _ops.conv_transpose3d_stride1_channels_last(x, weight, bias, _expand(padding, 3, "padding"))
+
+
+def conv_transpose3d_stride1_channels_last_path(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+                                                padding=0) -> str:
+    """Which implementation conv_transpose3d_stride1_channels_last takes for these arguments (under
+    the current TF32 setting): a CUTLASS kernel's name ("cutlass tf32 fprop3d 128x128x32"), or
+    "aten.conv_transpose3d" (on a GPU, with " (built without CUTLASS)" where the build has no
+    CUTLASS kernels)."""
+    return _ops.conv_transpose3d_stride1_channels_last_path(x, weight, bias, _expand(padding, 3, "padding"))
+
+
+@torch.library.register_fake("fused_ops::conv_transpose3d_stride1_channels_last")
+def _conv_transpose3d_stride1_channels_last_fake(x, weight, bias, padding):
+    what = "conv_transpose3d_stride1_channels_last"
+    torch._check(x.dim() == 5 and weight.dim() == 5,
+                 lambda: f"{what}: x and weight must be 5-D, got {x.dim()} and {weight.dim()}")
+    torch._check(x.dtype.is_floating_point and weight.dtype == x.dtype,
+                 lambda: f"{what}: x and weight must have one floating dtype, got {x.dtype} and {weight.dtype}")
+    torch._check(weight.shape[0] == x.shape[1],
+                 lambda: f"{what}: x has {x.shape[1]} channels, the weight's first dim is {weight.shape[0]}")
+    p = _expand(list(padding), 3, "padding")
+    size = [x.shape[2 + d] + weight.shape[2 + d] - 1 - 2 * p[d] for d in range(3)]
+    return x.new_empty((x.shape[0], *size, weight.shape[1])).permute(0, 4, 1, 2, 3)
 
 
 # ---------------------------------------------------------------------------

@@ -51,9 +51,10 @@ from torch import Tensor, nn
 
 from . import _autocast
 from ._derived import derived
-from .ops import (_accumulation_dtype, _expand, _pool_triples, _pooled_size, box_fold2d, conv2d_sigmoid_sum,
-                  conv3d_max_pool3d_mean, conv_transpose3d_cascade_weight_grad, conv_transpose3d_weight_grad,
-                  depth_stacked_channels_last)
+from .ops import (_accumulation_dtype, _expand, _is_channels_last_3d, _pool_triples, _pooled_size, box_fold2d,
+                  conv2d_sigmoid_sum, conv3d_max_pool3d_mean, conv_transpose3d_cascade_weight_grad,
+                  conv_transpose3d_stride1_channels_last, conv_transpose3d_stride1_channels_last_path,
+                  conv_transpose3d_weight_grad, depth_stacked_channels_last)
 
 
 def _triple(v) -> tuple[int, int, int]:
@@ -431,24 +432,71 @@ def _transposed_parity_kernel(weight: Tensor, axes, dtype: torch.dtype) -> Tenso
                    lambda: _parity_kernel(weight.transpose(0, 1).to(dtype), axes))
 
 
+def _tf32_convolutions() -> Hashable:
+    """PyTorch's setting of TF32 for cuDNN's convolutions, as a key (it picks the ops' paths)."""
+    cudnn = torch.backends.cudnn
+    conv = getattr(cudnn, "conv", None)
+    return cudnn.enabled, conv.fp32_precision if conv is not None else cudnn.allow_tf32
+
+
+@functools.cache
+def _stride1_path(device: torch.device, dtype: torch.dtype, x_shape, weight_shape, has_bias: bool, padding,
+                  tf32: Hashable) -> str:
+    """conv_transpose3d_stride1_channels_last_path for operands of these shapes in dtype (asked
+    of uninitialized tensors once per key: the answer depends on nothing else)."""
+    x, weight = torch.empty(x_shape, dtype=dtype, device=device), torch.empty(weight_shape, dtype=dtype, device=device)
+    bias = torch.empty(weight_shape[1], dtype=dtype, device=device) if has_bias else None
+    return conv_transpose3d_stride1_channels_last_path(x, weight, bias, padding)
+
+
+# The dtypes whose stride-1 transposed convolution D's rewrite runs by conv_transpose3d_stride1_channels_last's
+# CUTLASS kernel where it takes the call (bench/bench_conv_transpose3d_stride1_channels_last.py, SPEC's D on an
+# H200: bf16 1.43 ms against 2.40 for the parity-class convolution and cuDNN's 1.80, D's step 2.41 against 4.13
+# with the parity-class one; in TF32 the parity-class convolution, 2.85 ms, beats the kernel's 2.99, D's step
+# 6.36 against 7.04)
+_STRIDE1_BY_CUTLASS = (torch.bfloat16,)
+
+
+def _stride1_by_cutlass(x: Tensor, conv: nn.ConvTranspose3d, dtype: torch.dtype) -> bool:
+    """Whether D's rewrite runs conv(x) in dtype by conv_transpose3d_stride1_channels_last: a dtype of
+    _STRIDE1_BY_CUTLASS, and the op taking a CUTLASS kernel (an sm_90 GPU, channels a multiple of 16
+    bytes, a build with CUTLASS). Not while compiling or under a fake mode (the path is asked of
+    real tensors; a compiled graph takes the parity-class convolution, which the compiler sees
+    through)."""
+    if dtype not in _STRIDE1_BY_CUTLASS or not x.is_cuda:
+        return False
+    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        return False
+    return _stride1_path(x.device, dtype, tuple(x.shape), tuple(conv.weight.shape), conv.bias is not None,
+                         _triple(conv.padding), _tf32_convolutions()).startswith("cutlass")
+
+
 class _TransposedConv3dStride1(torch.autograd.Function):
-    """A stride-1 transposed convolution in float32 or float64: forward as a convolution with
-    the kernel flipped (the parity-class convolution with P = 1; on an H200 3.2 ms against
-    cuDNN's 4.5 for architecture D), backward by PyTorch's own transposed-convolution
-    backward (its TF32 weight gradient, 6.2 ms, is faster than the rewritten convolution's, 7.9),
-    but for the weight's gradient of an unpadded one on a GPU: ``conv_transpose3d_weight_grad``
-    (CUTLASS's TF32 kernels on an H100/H200: for D's at SPEC's size 2.6 ms, plus ~0.5 ms of
-    layout copies, against cuDNN's 6.4 on an H200; cuDNN's elsewhere). A backward that records a
-    graph (create_graph) takes PyTorch's backward alone, which autograd differentiates."""
+    """A stride-1 transposed convolution in float32, float64 or bfloat16 (the last only where
+    by_cutlass), (N, O, D', H', W'): where by_cutlass by conv_transpose3d_stride1_channels_last's
+    CUTLASS kernel, channels_last_3d (batch_norm_gap reads it so in place, and writes its gradient
+    so, which the bfloat16 weight gradient reads in place); else as a convolution with the kernel
+    flipped (the parity-class convolution with P = 1; on an H200 3.2 ms against cuDNN's 4.5 for
+    architecture D), contiguous (the TF32 weight gradient's operand copies take 0.5 ms from
+    NCDHW, 1.4 from channels-last); backward by
+    PyTorch's own transposed-convolution backward (its TF32 weight gradient, 6.2 ms, is faster
+    than the rewritten convolution's, 7.9), but for the weight's gradient of an unpadded one on a
+    GPU: ``conv_transpose3d_weight_grad`` (CUTLASS's kernels on an H100/H200: for D's at SPEC's
+    size 2.6 ms, plus ~0.5 ms of layout copies, against cuDNN's 6.4 on an H200 in TF32; 1.09
+    against 2.37 in bfloat16, less from channels-last operands; cuDNN's elsewhere). A backward
+    that records a graph (create_graph) takes PyTorch's backward alone, which autograd
+    differentiates."""
 
     @staticmethod
-    def forward(x, weight, bias, padding, axes, out_size):
+    def forward(x, weight, bias, padding, axes, out_size, by_cutlass):
+        if by_cutlass:
+            return conv_transpose3d_stride1_channels_last(x, weight, bias, padding)
         y = _parity_conv3d(x, _transposed_parity_kernel(weight, axes, weight.dtype), bias, axes, out_size)
         return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, padding, _, _ = inputs
+        x, weight, bias, padding, _, _, _ = inputs
         ctx.save_for_backward(x, weight)
         ctx.padding = padding
         ctx.has_bias = bias is not None
@@ -457,8 +505,11 @@ class _TransposedConv3dStride1(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        weight_op = needs[1] and x.is_cuda and tuple(ctx.padding) == (0, 0, 0) and not torch.is_grad_enabled()
-        mask = [needs[0], needs[1] and not weight_op, ctx.has_bias and needs[2]]
+        first_order = not torch.is_grad_enabled()
+        weight_op = needs[1] and x.is_cuda and tuple(ctx.padding) == (0, 0, 0) and first_order
+        # (PyTorch's bias gradient copies a channels-last grad_y to NCDHW first: 0.56 ms for D's in bf16)
+        bias_sums = ctx.has_bias and needs[2] and first_order and _is_channels_last_3d(grad_y)
+        mask = [needs[0], needs[1] and not weight_op, ctx.has_bias and needs[2] and not bias_sums]
         grad_x = grad_weight = grad_bias = None
         if any(mask):
             grad_x, grad_weight, grad_bias = torch.ops.aten.convolution_backward(
@@ -466,12 +517,27 @@ class _TransposedConv3dStride1(torch.autograd.Function):
                 [1, 1, 1], True, [0, 0, 0], 1, mask)
         if weight_op:
             grad_weight = conv_transpose3d_weight_grad(grad_y, x, weight.shape[2:])
-        return grad_x, grad_weight, grad_bias, None, None, None
+        if bias_sums:
+            grad_bias = _channels_last_channel_sums(grad_y)
+        return grad_x, grad_weight, grad_bias, None, None, None, None
+
+
+def _channels_last_channel_sums(t: Tensor) -> Tensor:
+    """A channels_last_3d CUDA t (N, C, D, H, W) summed over every dim but C, (C) in t's dtype: a
+    vector-matrix product over its memory as an (N D H W) x C matrix by cuBLAS, 16-bit values summed
+    into float32 (torch.sum's reduction over the outer dims takes 5 times as long: D's bf16 grad_y
+    on an H200, 0.18 against 0.03 ms)."""
+    rows = t.permute(0, 2, 3, 4, 1).reshape(-1, t.shape[1])
+    ones = rows.new_ones(1, rows.shape[0])
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return torch.mm(ones, rows, out_dtype=torch.float32).view(t.shape[1]).to(t.dtype)
+    return torch.mm(ones, rows).view(t.shape[1])
 
 
 def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:
-    """``conv(x)`` for a stride-1 transposed convolution, (N, O, D', H', W') contiguous,
-    computed as a convolution with the kernel flipped; None for other configurations."""
+    """``conv(x)`` for a stride-1 transposed convolution, (N, O, D', H', W'): channels_last_3d by
+    conv_transpose3d_stride1_channels_last's CUTLASS kernel (_stride1_by_cutlass), else contiguous
+    as a convolution with the kernel flipped; None for other configurations."""
     if not (_is_plain_conv(conv, x) and _triple(conv.stride) == (1, 1, 1) and _triple(conv.output_padding) == (0, 0, 0)):
         return None
     kernel, padding = _triple(conv.kernel_size), _triple(conv.padding)
@@ -480,20 +546,24 @@ def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | No
         return None
     axes = tuple([_transposed_axis(kernel[d], 1, padding[d]) for d in range(3)])
     weight, bias, dtype = conv.weight, conv.bias, _autocast.cast_dtype(x)
-    if _autocast.conv_dtype(x) in (torch.float16, torch.bfloat16):
-        # 16-bit: backward through the rewritten convolution, whose weight gradient cuDNN
-        # computes with a Hopper kernel (architecture D, bf16, H200: 1.04 ms against 2.14
-        # for the transposed convolution's; the whole training step 4.18 against 4.83 ms)
+    conv_dtype = _autocast.conv_dtype(x)
+    by_cutlass = _stride1_by_cutlass(x, conv, conv_dtype)
+    if conv_dtype in (torch.float16, torch.bfloat16) and not by_cutlass:
+        # 16-bit without the CUTLASS kernel: backward through the rewritten convolution, whose
+        # weight gradient cuDNN computes with a Hopper kernel (architecture D, bf16, H200: 1.04 ms
+        # against 2.14 for the transposed convolution's; the whole training step 4.18 against 4.83 ms)
         y = _parity_conv3d(x, _transposed_parity_kernel(weight, axes, kernel_dtype(x, weight)), bias, axes, out_size)
         return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous()
+    if by_cutlass:  # (both CUTLASS kernels read x channels-last: made so once, cast in the same pass)
+        x = x.to(conv_dtype, memory_format=torch.channels_last_3d)
     if dtype is None:
-        return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size)
-    # Under autocast to float32: the convolution's inputs cast as autocast casts them (the
-    # casts' backward gives the parameters their gradients in their own dtype), the function
-    # itself run without autocast, so that its backward sees the dtypes it computed in.
+        return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size, by_cutlass)
+    # Under autocast: the convolution's inputs cast as autocast casts them (the casts' backward
+    # gives the parameters their gradients in their own dtype), the function itself run without
+    # autocast, so that its backward sees the dtypes it computed in.
     x, weight, bias = x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
     with torch.autocast(x.device.type, enabled=False):
-        return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size)
+        return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size, by_cutlass)
 
 
 def conv_transpose3d_spatial_mean_map(x: Tensor, conv: nn.ConvTranspose3d) -> tuple[Tensor, Tensor] | None:

@@ -15,6 +15,8 @@ DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+requires_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                   reason="the CUTLASS kernels run on sm_90 devices")
 
 
 @pytest.fixture(params=DEVICES)
@@ -31,6 +33,23 @@ def full_float32_convolutions():
     with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
                      allow_tf32=False):
         yield
+
+
+@pytest.fixture
+def tf32():
+    """TF32 convolutions allowed (PyTorch's default; full_float32_convolutions turns them off): the
+    condition of the fused convolution kernels' TF32 paths."""
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
+                     allow_tf32=True):
+        yield
+
+
+def misaligned(t, order):
+    """t's values in a tensor whose memory is t permuted by `order`, starting one element past an
+    aligned address."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
+    return flat.view([t.shape[d] for d in order]).permute([order.index(d) for d in range(t.dim())]).copy_(t)
 
 
 @pytest.fixture(autouse=True)

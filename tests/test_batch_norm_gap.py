@@ -123,24 +123,33 @@ def test_matches_pytorch(shape, scale, kind, training, momentum, device):
         check_forward_backward(x, scale, make_params(shape[1], dtype, device, **kind), training, momentum, dtype)
 
 
+def bn_grad_memory_format(x, batch_stats):
+    """batch_norm_gap's layout of grad_x: grad_memory_format's, and channels_last_3d on a GPU too
+    for such an x whose gradient goes through batch statistics (the channels-last kernels)."""
+    if x.is_cuda and batch_stats and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d):
+        return torch.channels_last_3d
+    return grad_memory_format(x)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS_5D)
 @pytest.mark.parametrize("training", [True, False])
 def test_layouts(layout, training, device, dtype):
     base = make_input((2, 5, 6, 8, 10), dtype, device)
     x = in_layout_5d(base, layout)
     grad_x = check_forward_backward(x, -2.0, make_params(x.shape[1], dtype, device), training, 0.1, dtype)
-    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
+    assert grad_x.is_contiguous(memory_format=bn_grad_memory_format(x, training))
 
 
 @pytest.mark.parametrize("shape", [(2, 3, 5, 6, 7), (1, 13, 6, 9, 11), (3, 37, 4, 5, 70)])
 @pytest.mark.parametrize("training", [True, False])
 def test_channels_last(shape, training, device, dtype):
-    """channels_last_3d inputs, which the CPU kernels read in vectors over channels: channel
-    counts the vector width does not divide, planes of more than one block of moments
-    (4 * 5 * 70 elements); grad_x channels_last_3d on the CPU."""
+    """channels_last_3d inputs, which the CPU kernels and the CUDA ones read in vectors over
+    channels: channel counts the vector width does not divide, planes of more than one block
+    (chunk) of moments (4 * 5 * 70 elements); grad_x channels_last_3d on the CPU, and on a GPU
+    through batch statistics."""
     x = make_input(shape, dtype, device).to(memory_format=torch.channels_last_3d)
     grad_x = check_forward_backward(x, 1.5, make_params(shape[1], dtype, device), training, 0.1, dtype)
-    assert grad_x.is_contiguous(memory_format=grad_memory_format(x))
+    assert grad_x.is_contiguous(memory_format=bn_grad_memory_format(x, training))
 
 
 def test_large_mean_float32(device):
@@ -254,7 +263,8 @@ def test_opcheck(device):
     grad = torch.rand(2, 3, 1, 1, 1, device=device)
     for batch_stats in (True, False):
         for grad_input in (True, False):
-            # x contiguous and channels_last_3d (grad_x laid out as x on the CPU)
+            # x contiguous and channels_last_3d (grad_x laid out as x on the CPU, and on a GPU through
+            # batch statistics)
             for t in (x, x.to(memory_format=torch.channels_last_3d)):
                 torch.library.opcheck(BACKWARD, (grad, t.detach(), [5, 6, 7], 2.0, weight, plane_dev, mean, rstd,
                                                  batch_stats, grad_input))
@@ -267,7 +277,10 @@ def test_opcheck(device):
 def test_cuda_large_and_tiled():
     """Shapes past the CUDA kernels' tiles: planes of many chunks (more than a
     warp's lanes), a last chunk partly outside the plane, vectors of 4, 2 and 1
-    elements, many planes per channel, channels_last_3d (strided reads)."""
+    elements, many planes per channel; channels_last_3d (the channels-last
+    kernels: a row of 16 lanes of 8 bf16 channels, 8 lanes of 8 halves for 40
+    channels (5 vectors), 4 groups of 32 lanes of 2 float64 channels, chunks of
+    256 positions the last partly outside the plane)."""
     for shape, dtype, fmt in [
         ((2, 4, 6, 20, 36), torch.float32, torch.contiguous_format),
         ((2, 4, 6, 20, 36), torch.float16, torch.contiguous_format),
@@ -277,6 +290,10 @@ def test_cuda_large_and_tiled():
         ((1, 2, 40, 40, 40), torch.float64, torch.contiguous_format),
         ((300, 3, 2, 2, 2), torch.float32, torch.contiguous_format),
         ((2, 16, 6, 9, 10), torch.float32, torch.channels_last_3d),
+        ((2, 128, 5, 9, 13), torch.bfloat16, torch.channels_last_3d),
+        ((3, 64, 20, 9, 7), torch.float32, torch.channels_last_3d),
+        ((2, 40, 6, 7, 9), torch.float16, torch.channels_last_3d),
+        ((1, 256, 3, 4, 5), torch.float64, torch.channels_last_3d),
     ]:
         x = make_input(shape, dtype, "cuda").to(memory_format=fmt)
         for training in (True, False):
@@ -301,8 +318,9 @@ def test_cuda_matches_cpu_and_is_deterministic():
 
 
 @requires_cuda
-def test_cuda_forward_materializes_nothing_of_x_size():
-    x = make_input((4, 16, 14, 30, 31), torch.float32, "cuda", requires_grad=True)
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last_3d], ids=["contiguous", "channels_last"])
+def test_cuda_forward_materializes_nothing_of_x_size(fmt):
+    x = make_input((4, 16, 14, 30, 31), torch.float32, "cuda").to(memory_format=fmt).requires_grad_()
     weight, bias, rm, rv, nbt = make_params(16, torch.float32, "cuda")
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -38,15 +38,6 @@ IDS = ["C-small", "C-small-aligned", "two-tiles", "two-tiles-aligned", "odd-chan
        "16-channels", "37-channels", "k4s2", "k4s2-odd-rows", "k4s2-aligned", "uncompiled-shape"]
 
 
-@pytest.fixture
-def tf32():
-    """TF32 convolutions allowed (PyTorch's default; the suite's fixture turns them off): the
-    fused kernel's condition."""
-    cudnn = torch.backends.cudnn
-    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
-                     allow_tf32=True):
-        yield
-
 
 def _pair(v):
     return [v, v] if isinstance(v, int) else list(v)

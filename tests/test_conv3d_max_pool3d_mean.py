@@ -40,15 +40,6 @@ IDS = ["A-small", "padding-1", "padding-120", "remainders", "two-tiles", "three-
        "3-channels", "11-channels", "16-channels", "unaligned-rows", "17-outputs", "kernel-233", "pool-122"]
 
 
-@pytest.fixture
-def tf32():
-    """TF32 convolutions allowed (PyTorch's default; the suite's fixture turns them off): the
-    fused kernel's condition for a float32 weight."""
-    cudnn = torch.backends.cudnn
-    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
-                     allow_tf32=True):
-        yield
-
 
 def _triple(v):
     return [v] * 3 if isinstance(v, int) else list(v)

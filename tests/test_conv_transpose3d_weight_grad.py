@@ -11,7 +11,7 @@ SPEC's size)."""
 import pytest
 import torch
 
-from conftest import DEVICES, RTOL, build_pair, requires_cuda
+from conftest import DEVICES, RTOL, build_pair, misaligned, requires_cuda, requires_sm90
 from fused_ops import autotune, conv_transpose3d_weight_grad, rewrites
 from fused_ops.ops import conv_transpose3d_weight_grad_path
 
@@ -59,14 +59,6 @@ def check(actual, grad_y, x, kernel, dtype, tf32=False, what=""):
     assert error <= (TF32_RTOL if tf32 else RTOL[dtype]), f"{what}: normwise error {error:.3g}"
 
 
-@pytest.fixture
-def tf32():
-    """TF32 convolutions allowed (PyTorch's default; the suite's fixture turns them off)."""
-    cudnn = torch.backends.cudnn
-    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
-                     allow_tf32=True):
-        yield
-
 
 def test_the_definition():
     """The CPU op and the reference are the sum over taps that defines the weight gradient."""
@@ -112,12 +104,6 @@ def test_16_bit(geometry, dtype, device):
     grad_y, x = case(geometry, dtype, device)
     check(conv_transpose3d_weight_grad(grad_y, x, geometry[4]), grad_y, x, geometry[4], dtype)
 
-
-def misaligned(t, order):
-    """t's values in a tensor whose memory is t permuted by `order`, starting one element past an
-    aligned address."""
-    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)[1:]
-    return flat.view([t.shape[d] for d in order]).permute([order.index(d) for d in range(t.dim())]).copy_(t)
 
 
 @pytest.mark.parametrize("layout", ["channels_last_3d", "transposed", "sliced", "misaligned"])
@@ -202,8 +188,6 @@ def test_path_on_the_cpu():
 # The CUTLASS paths (an sm_90 GPU, a build with CUTLASS)
 # --------------------------------------------------------------------------
 
-requires_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                                   reason="the CUTLASS kernels run on sm_90 devices")
 
 
 @pytest.fixture

@@ -32,6 +32,9 @@ constexpr const char* kForwardOps[] = {
     "parity_max_pool3d_mean", "parity_max_pool3d_cascade_sum", "batch_norm_gap",
 };
 
+// Whether autocast casts a tensor of dtype t (floating point, not float64).
+bool autocast_casts(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat; }
+
 template <c10::DispatchKey autocast_key>
 void float32_result(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
@@ -39,7 +42,7 @@ void float32_result(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                         ": the autocast kernel needs the result's dtype as the last argument");
   c10::IValue& dtype = stack->back();
   const at::ScalarType input = (*stack)[stack->size() - arguments.size()].toTensor().scalar_type();
-  if (dtype.isNone() && (input == at::kHalf || input == at::kBFloat16 || input == at::kFloat)) {
+  if (dtype.isNone() && autocast_casts(input)) {
     dtype = at::kFloat;
   }
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
@@ -50,6 +53,16 @@ template <c10::DispatchKey autocast_key>
 void register_float32_results(torch::Library& m) {
   for (const char* name : kForwardOps) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&float32_result<autocast_key>>());
+  }
+}
+
+// Casts the tensors among (*stack)[begin, end) to autocast's dtype.
+template <c10::DispatchKey autocast_key>
+void cast_to_autocast_dtype(torch::jit::Stack* stack, size_t begin, size_t end) {
+  const at::ScalarType cast =
+      at::autocast::get_autocast_dtype(autocast_key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
+  for (size_t i = begin; i < end; ++i) {
+    if ((*stack)[i].isTensor()) (*stack)[i] = (*stack)[i].toTensor().to(cast);
   }
 }
 
@@ -64,13 +77,22 @@ template <c10::DispatchKey autocast_key>
 void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ..., dtype
   const at::ScalarType input = (*stack)[first].toTensor().scalar_type();
-  if (input == at::kHalf || input == at::kBFloat16 || input == at::kFloat) {
-    const at::ScalarType cast = at::autocast::get_autocast_dtype(
-        autocast_key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
-    for (size_t i = input == at::kFloat ? first + 1 : first; i < first + 3; ++i) {
-      if ((*stack)[i].isTensor()) (*stack)[i] = (*stack)[i].toTensor().to(cast);
-    }
+  if (autocast_casts(input)) {
+    cast_to_autocast_dtype<autocast_key>(stack, input == at::kFloat ? first + 1 : first, first + 3);
     if (autocast_key == c10::DispatchKey::AutocastCUDA && stack->back().isNone()) stack->back() = at::kFloat;
+  }
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
+  op.callBoxed(stack);
+}
+
+// conv_transpose3d_stride1_channels_last as autocast runs aten.conv_transpose3d: x, weight and
+// bias cast to autocast's dtype (where x is float32 or 16-bit; float64 is left alone), the result
+// in that dtype.
+template <c10::DispatchKey autocast_key>
+void lower_precision_operands(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ...
+  if (autocast_casts((*stack)[first].toTensor().scalar_type())) {
+    cast_to_autocast_dtype<autocast_key>(stack, first, first + 3);
   }
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
   op.callBoxed(stack);
@@ -82,6 +104,8 @@ void register_autocast_kernels(torch::Library& m) {
   for (const char* name : {"conv2d_sigmoid_sum", "conv3d_max_pool3d_mean"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key>>());
   }
+  m.impl("conv_transpose3d_stride1_channels_last",
+         torch::CppFunction::makeFromBoxedFunction<&lower_precision_operands<autocast_key>>());
 }
 
 }  // namespace

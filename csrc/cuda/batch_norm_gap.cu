@@ -36,6 +36,7 @@
 
 #include "../batch_norm_gap.h"
 #include "../dispatch.h"
+#include "../memory_format.h"
 #include "block_reduce.cuh"
 #include "plane_rows.cuh"
 
@@ -168,6 +169,121 @@ __global__ void __launch_bounds__(kThreads, min_blocks<FLAT>())
     m2 = warp_sum(m2);
     if (lane == 0) partial[item] = {mean, m2};
   }
+}
+
+// A channels_last_3d x (memory (B, S, C)) as the channels-last kernels read it:
+// items (b, chunk of kChunkPositions positions, group of `lanes` x VEC
+// channels); in an item, lane = row * lanes + column (lanes a power of two:
+// as many as C / VEC needs, at most 32), column reading channels (group *
+// lanes + column) * VEC + [0, VEC) of positions row, row + rows, ... of the
+// chunk (rows = 32 / lanes): each load instruction of the warp reads `rows`
+// runs of lanes x VEC contiguous channels.
+constexpr int kChunkPositions = 256;
+// A lane's vectors held at once: 16, at most 64 values
+template <int VEC>
+constexpr int pass_positions() {
+  return VEC > 4 ? 64 / VEC : 16;
+}
+
+struct ChannelsLast {
+  int64_t batch_stride;  // S * C
+  int channels, positions, lanes, groups, chunks;
+  int vec;  // VEC (the launch's)
+};
+
+template <typename acc_t>
+__device__ __forceinline__ void merge_moments(acc_t& count, acc_t& mean, acc_t& m2, acc_t count_b, acc_t mean_b,
+                                              acc_t m2_b) {
+  // Chan's formula; an empty side leaves the other
+  const acc_t total = count + count_b;
+  if (count_b == acc_t(0)) return;
+  const acc_t delta = mean_b - mean, weight_b = count_b / total;
+  mean += delta * weight_b;
+  m2 += m2_b + delta * delta * count * weight_b;
+  count = total;
+}
+
+// Calls f(b, chunk, c0) for each of a warp's items of a ChannelsLast (a
+// grid-stride loop), c0 the first of the VEC channels the lane reads (none at
+// or past C).
+template <int VEC, typename F>
+__device__ __forceinline__ void for_each_channels_last_item(const ChannelsLast& l, int64_t items, F&& f) {
+  const int64_t warp = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.y;
+  ItemCursor<3> at(warp, warps, {l.chunks, l.groups});
+  for (int64_t item = warp; item < items; item += warps, at.next()) {
+    f(at.leading(), at[1], (at[2] * l.lanes + static_cast<int>(threadIdx.x) % l.lanes) * VEC);
+  }
+}
+
+// plane_moments_kernel over a channels_last_3d x: per lane and channel, the
+// moments (count, mean, M2) of y - shift[c] over its positions of the chunk,
+// kPassPositions at a time by two passes over the values in registers,
+// merged by Chan's formula; then the rows' lanes of a column merged (xor
+// shuffles), and lane `column` writes partial[(b, c, chunk)] for its VEC
+// channels (the layout channel_stats_kernel reads, chunk_size
+// kChunkPositions).
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    plane_moments_channels_last_kernel(const scalar_t* __restrict__ x, ChannelsLast l, Multiply<scalar_t> multiply,
+                                       int64_t items, MeanM2<at::opmath_type<scalar_t>>* __restrict__ partial) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int kPassPositions = pass_positions<VEC>();
+  const int rows = 32 / l.lanes, row = threadIdx.x / l.lanes;  // (blockDim.x == 32)
+  for_each_channels_last_item<VEC>(l, items, [&](int64_t b, int chunk, int c0) {
+    const bool active = c0 < l.channels;
+    const int first = chunk * kChunkPositions;
+    const int end = ::min(first + kChunkPositions, l.positions);
+    const scalar_t* base = x + b * l.batch_stride + (active ? c0 : 0);
+    const Vector<scalar_t, VEC> shift_values = load_vector<scalar_t, VEC>(x + (active ? c0 : 0));  // y[0, c, 0, 0, 0]
+    acc_t shift[VEC], count = 0, mean[VEC], m2[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      shift[e] = scaled(multiply, shift_values.v[e]);
+      mean[e] = m2[e] = 0;
+    }
+    for (int s0 = first + row; s0 < end; s0 += rows * kPassPositions) {
+      Vector<scalar_t, VEC> in[kPassPositions];
+      const int inside = ::min(kPassPositions, (end - s0 + rows - 1) / rows);
+#pragma unroll
+      for (int j = 0; j < kPassPositions; ++j) {
+        in[j] = j < inside ? load_vector<scalar_t, VEC>(base + static_cast<int64_t>(s0 + j * rows) * l.channels)
+                           : shift_values;
+      }
+      const acc_t n = static_cast<acc_t>(inside);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        acc_t sum = 0;
+#pragma unroll
+        for (int j = 0; j < kPassPositions; ++j) sum += scaled(multiply, in[j].v[e]) - shift[e];  // (0 past the end)
+        const acc_t pass_mean = sum / n;
+        acc_t pass_m2 = 0;
+#pragma unroll
+        for (int j = 0; j < kPassPositions; ++j) {
+          const acc_t delta = scaled(multiply, in[j].v[e]) - shift[e] - pass_mean;
+          pass_m2 += j < inside ? delta * delta : acc_t(0);
+        }
+        acc_t c = count;
+        merge_moments(c, mean[e], m2[e], n, pass_mean, pass_m2);
+      }
+      count += n;
+    }
+    for (int offset = l.lanes; offset < 32; offset <<= 1) {  // the column's rows, by xor shuffles
+      const acc_t count_b = __shfl_xor_sync(0xffffffffu, count, offset);
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) {
+        const acc_t mean_b = __shfl_xor_sync(0xffffffffu, mean[e], offset);
+        const acc_t m2_b = __shfl_xor_sync(0xffffffffu, m2[e], offset);
+        acc_t c = count;
+        merge_moments(c, mean[e], m2[e], count_b, mean_b, m2_b);
+      }
+      count += count_b;
+    }
+    if (active && row == 0) {
+#pragma unroll
+      for (int e = 0; e < VEC; ++e) partial[(b * l.channels + c0 + e) * l.chunks + chunk] = {mean[e], m2[e]};
+    }
+  });
 }
 
 // Sum of v over aligned groups of `group` lanes (a power of two, at most 32);
@@ -308,11 +424,19 @@ struct ChannelGradArgs {
   }
 };
 
-// The weight and bias gradients alone (no grad_x), a warp per channel.
+// The weight and bias gradients, a warp per channel; where plane_term is
+// given, also grad_x's coefficients: plane_term[b, c] and slope[c]
+// (grad_x_channels_last_kernel's).
 template <typename scalar_t, typename param_t>
-__global__ void __launch_bounds__(kThreads) channel_grad_kernel(ChannelGradArgs<scalar_t, param_t> a) {
+__global__ void __launch_bounds__(kThreads)
+    channel_grad_kernel(ChannelGradArgs<scalar_t, param_t> a, at::opmath_type<scalar_t>* __restrict__ plane_term,
+                        at::opmath_type<scalar_t>* __restrict__ slope) {
   const int c = blockIdx.x * blockDim.y + threadIdx.y;
-  if (c < a.channels) a.channel(c, true);
+  if (c >= a.channels) return;
+  const auto cg = a.channel(c, true);
+  if (plane_term == nullptr) return;
+  for (int64_t b = threadIdx.x; b < a.batch; b += 32) plane_term[b * a.channels + c] = cg.plane_term(a.grad(b, c));
+  if (threadIdx.x == 0) slope[c] = cg.slope;
 }
 
 // grad_y = w rstd (g[b] / S - G / N) - w rstd^3 P (y - mu) / N: out's derivative
@@ -367,6 +491,54 @@ __global__ void __launch_bounds__(kThreads, BATCH_STATS ? 2 : min_blocks<FLAT>()
       if (j < inside) *reinterpret_cast<Vector<scalar_t, VEC>*>(out + start + j * 32 * VEC) = v[j];
     }
   }
+}
+
+// grad_x_kernel over a channels_last_3d x with batch statistics:
+// grad_x[b, s, c] = plane_term[b, c] + slope[c] * (y[b, s, c] - mean[c]), the
+// coefficients from channel_grad_kernel; grad_x laid out as x. Items and lanes
+// as plane_moments_channels_last_kernel's.
+template <typename scalar_t, int VEC>
+__global__ void __launch_bounds__(kThreads)
+    grad_x_channels_last_kernel(const scalar_t* __restrict__ x, ChannelsLast l, Multiply<scalar_t> multiply,
+                                const at::opmath_type<scalar_t>* __restrict__ plane_term,
+                                const at::opmath_type<scalar_t>* __restrict__ slope,
+                                const at::opmath_type<scalar_t>* __restrict__ mean, int64_t items,
+                                scalar_t* __restrict__ grad_x) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int kPassPositions = pass_positions<VEC>();
+  const int rows = 32 / l.lanes, row = threadIdx.x / l.lanes;  // (blockDim.x == 32)
+  for_each_channels_last_item<VEC>(l, items, [&](int64_t b, int chunk, int c0) {
+    if (c0 >= l.channels) return;
+    acc_t a[VEC], k[VEC], center[VEC];
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      a[e] = plane_term[b * l.channels + c0 + e];
+      k[e] = slope[c0 + e];
+      center[e] = mean[c0 + e];
+    }
+    const int end = ::min((chunk + 1) * kChunkPositions, l.positions);
+    const int64_t step = static_cast<int64_t>(rows) * l.channels;  // between a lane's positions
+    for (int s0 = chunk * kChunkPositions + row; s0 < end; s0 += rows * kPassPositions) {
+      const int64_t offset = b * l.batch_stride + static_cast<int64_t>(s0) * l.channels + c0;
+      const int inside = ::min(kPassPositions, (end - s0 + rows - 1) / rows);
+      Vector<scalar_t, VEC> v[kPassPositions];
+#pragma unroll
+      for (int j = 0; j < kPassPositions; ++j) {
+        v[j] = j < inside ? load_vector<scalar_t, VEC>(x + offset + j * step) : filled_vector<scalar_t, VEC>(scalar_t(0));
+      }
+#pragma unroll
+      for (int j = 0; j < kPassPositions; ++j) {
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          v[j].v[e] = static_cast<scalar_t>(a[e] + k[e] * (scaled(multiply, v[j].v[e]) - center[e]));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kPassPositions; ++j) {
+        if (j < inside) *reinterpret_cast<Vector<scalar_t, VEC>*>(grad_x + offset + j * step) = v[j];
+      }
+    }
+  });
 }
 
 // nn.BatchNorm3d's update (RunningStatsUpdate), one block: thread 0 reads and
@@ -438,6 +610,20 @@ int pow2_at_least(int n) {
   return p;
 }
 
+// How the channels-last kernels read a channels_last_3d x (is_channels_last_3d):
+// VEC channels a lane (the widest vector x's data and C allow), `lanes` lanes
+// a row of the item's channels.
+template <typename scalar_t>
+ChannelsLast channels_last_access(const at::Tensor& x) {
+  const int64_t C = x.size(1), S = x.size(2) * x.size(3) * x.size(4);
+  const int vec = aligned_vector_width<scalar_t>(x.const_data_ptr(), {C});
+  const int64_t vectors = (C + vec - 1) / vec;
+  const int lanes = static_cast<int>(std::min<int64_t>(32, pow2_at_least(static_cast<int>(std::min<int64_t>(vectors, 32)))));
+  const int groups = static_cast<int>((vectors + lanes - 1) / lanes);
+  const int chunks = static_cast<int>((S + kChunkPositions - 1) / kChunkPositions);
+  return {S * C, static_cast<int>(C), static_cast<int>(S), lanes, groups, chunks, vec};
+}
+
 // The kernels index a plane's elements (up to its size plus a chunk) and the
 // channels with int.
 void check_sizes(const char* what, int64_t channels, int64_t plane_size) {
@@ -460,38 +646,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_nor
   const at::Tensor rm = channel_values(running_mean), rv = channel_values(running_var);
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_norm_gap_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const PlaneAccess a = plane_access<scalar_t>(x);
     const Multiply<scalar_t> multiply(scale);
-    dispatch_plane_access<scalar_t>(a, [&](auto VEC, auto FLAT) {
-      const int chunks = plane_chunks<scalar_t, VEC>(a.planes.size);
-      const int64_t items = B * C * chunks;
-      at::Tensor partial = at::empty({items * 2}, f.mean.options());
-      at::Tensor plane_mean = at::empty({B * C}, f.mean.options().dtype(at::kDouble));
-      // 1 / the element count of a plane's last chunk
-      const int64_t tail = a.planes.size - int64_t{chunks - 1} * chunk_elements<scalar_t, VEC>();
-      auto* parts = reinterpret_cast<MeanM2<acc_t>*>(partial.mutable_data_ptr<acc_t>());
-      if (items > 0) {
-        auto kernel = plane_moments_kernel<scalar_t, VEC, FLAT>;
-        kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kWarps), dim3(32, kWarps), 0, stream>>>(
-            a.x.const_data_ptr<scalar_t>(), a.planes, multiply, chunks, items,
-            acc_t(1) / static_cast<acc_t>(tail), parts);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+    at::Tensor plane_mean = at::empty({B * C}, f.mean.options().dtype(at::kDouble));
+    // The channel statistics from the planes' chunk moments (chunks of chunk_size elements a plane)
+    auto channel_stats = [&](const at::Tensor& partial, const scalar_t* x_data, int64_t x_stride_c, int chunks,
+                             int chunk_size, int plane_size) {
       dispatch_scalar_or_acc<scalar_t>(f.param_dtype, [&](auto* param_tag) {
         dispatch_scalar_or_acc<scalar_t>(f.out.scalar_type(), [&](auto* out_tag) {
           using param_t = std::remove_pointer_t<decltype(param_tag)>;
           using out_t = std::remove_pointer_t<decltype(out_tag)>;
           auto data = [](const at::Tensor& t) { return t.defined() ? t.const_data_ptr<param_t>() : nullptr; };
           channel_stats_kernel<scalar_t, param_t, out_t><<<static_cast<unsigned>(C), kThreads, 0, stream>>>(
-              parts, a.x.const_data_ptr<scalar_t>(), a.planes.xs.c, multiply, B, chunks,
-              chunk_elements<scalar_t, VEC>(), a.planes.size, std::min(pow2_at_least(chunks), 32), f.batch_stats,
-              data(w), data(beta), data(rm), data(rv), eps, plane_mean.mutable_data_ptr<double>(),
+              reinterpret_cast<const MeanM2<acc_t>*>(partial.const_data_ptr<acc_t>()), x_data, x_stride_c, multiply,
+              B, chunks, chunk_size, plane_size, std::min(pow2_at_least(chunks), 32), f.batch_stats, data(w),
+              data(beta), data(rm), data(rv), eps, plane_mean.mutable_data_ptr<double>(),
               f.out.mutable_data_ptr<out_t>(), f.plane_dev.mutable_data_ptr<acc_t>(),
-              f.mean.mutable_data_ptr<acc_t>(), f.rstd.mutable_data_ptr<acc_t>(),
-              f.var.mutable_data_ptr<acc_t>());
+              f.mean.mutable_data_ptr<acc_t>(), f.rstd.mutable_data_ptr<acc_t>(), f.var.mutable_data_ptr<acc_t>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       });
+    };
+    if (is_channels_last_3d(x)) {
+      const ChannelsLast l = channels_last_access<scalar_t>(x);
+      const int64_t items = B * l.chunks * l.groups;
+      at::Tensor partial = at::empty({B * C * l.chunks * 2}, f.mean.options());
+      if (items > 0) {
+        dispatch_vector_width<scalar_t>(l.vec, [&](auto VEC) {
+          auto kernel = plane_moments_channels_last_kernel<scalar_t, VEC>;
+          kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kWarps), dim3(32, kWarps), 0, stream>>>(
+              x.const_data_ptr<scalar_t>(), l, multiply, items,
+              reinterpret_cast<MeanM2<acc_t>*>(partial.mutable_data_ptr<acc_t>()));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+      }
+      channel_stats(partial, x.const_data_ptr<scalar_t>(), x.stride(1), l.chunks, kChunkPositions, l.positions);
+      return;
+    }
+    const PlaneAccess a = plane_access<scalar_t>(x);
+    dispatch_plane_access<scalar_t>(a, [&](auto VEC, auto FLAT) {
+      const int chunks = plane_chunks<scalar_t, VEC>(a.planes.size);
+      const int64_t items = B * C * chunks;
+      at::Tensor partial = at::empty({items * 2}, f.mean.options());
+      // 1 / the element count of a plane's last chunk
+      const int64_t tail = a.planes.size - int64_t{chunks - 1} * chunk_elements<scalar_t, VEC>();
+      if (items > 0) {
+        auto kernel = plane_moments_kernel<scalar_t, VEC, FLAT>;
+        kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kWarps), dim3(32, kWarps), 0, stream>>>(
+            a.x.const_data_ptr<scalar_t>(), a.planes, multiply, chunks, items,
+            acc_t(1) / static_cast<acc_t>(tail), reinterpret_cast<MeanM2<acc_t>*>(partial.mutable_data_ptr<acc_t>()));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      channel_stats(partial, a.x.const_data_ptr<scalar_t>(), a.planes.xs.c, chunks, chunk_elements<scalar_t, VEC>(),
+                    a.planes.size);
     });
   });
   return {f.out, f.plane_dev, f.mean, f.rstd, f.var};
@@ -501,8 +707,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_backward_cuda(
     const at::Tensor& grad_out, const std::optional<at::Tensor>& x, at::IntArrayRef input_size,
     double scale, const std::optional<at::Tensor>& weight, const at::Tensor& plane_dev,
     const at::Tensor& mean, const at::Tensor& rstd, bool batch_stats, bool grad_input) {
-  auto args = batch_norm_gap_backward_setup(grad_out, x, input_size, weight, plane_dev, mean, rstd,
-                                            batch_stats, grad_input);
+  // A channels_last_3d x's gradient through batch statistics is laid out as x (the channels-last kernels)
+  const bool channels_last = batch_stats && grad_input && is_given(x) && is_channels_last_3d(*x);
+  auto args = batch_norm_gap_backward_setup(grad_out, x, input_size, weight, plane_dev, mean, rstd, batch_stats,
+                                            grad_input,
+                                            channels_last ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::Contiguous);
   const int64_t B = plane_dev.size(0), C = plane_dev.size(1), S = args.plane_size;
   check_sizes("batch_norm_gap_backward", C, S);
   const c10::cuda::CUDAGuard guard(grad_out.device());
@@ -518,10 +727,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> batch_norm_gap_backward_cuda(
           rstd_values.const_data_ptr<acc_t>(), w.defined() ? w.const_data_ptr<param_t>() : nullptr, B,
           static_cast<int>(C), static_cast<int>(S), static_cast<acc_t>(scale), batch_stats,
           args.grad_weight.mutable_data_ptr<param_t>(), args.grad_bias.mutable_data_ptr<param_t>()};
+      const unsigned channel_blocks = static_cast<unsigned>((C + kWarps - 1) / kWarps);
       if (!grad_input || B * S == 0) {  // no grad_x elements: the channel sums alone
-        channel_grad_kernel<scalar_t, param_t>
-            <<<static_cast<unsigned>((C + kWarps - 1) / kWarps), dim3(32, kWarps), 0, stream>>>(cga);
+        channel_grad_kernel<scalar_t, param_t><<<channel_blocks, dim3(32, kWarps), 0, stream>>>(cga, nullptr, nullptr);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
+        return;
+      }
+      if (channels_last) {  // the coefficients, then grad_x
+        at::Tensor plane_term = at::empty({B * C}, mean.options()), slope = at::empty({C}, mean.options());
+        channel_grad_kernel<scalar_t, param_t><<<channel_blocks, dim3(32, kWarps), 0, stream>>>(
+            cga, plane_term.mutable_data_ptr<acc_t>(), slope.mutable_data_ptr<acc_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const ChannelsLast l = channels_last_access<scalar_t>(*x);
+        const int64_t items = B * l.chunks * l.groups;
+        dispatch_vector_width<scalar_t>(l.vec, [&](auto VEC) {
+          auto kernel = grad_x_channels_last_kernel<scalar_t, VEC>;
+          kernel<<<grid_stride_blocks(kernel, kThreads, 0, items, kWarps), dim3(32, kWarps), 0, stream>>>(
+              x->const_data_ptr<scalar_t>(), l, Multiply<scalar_t>(scale), plane_term.const_data_ptr<acc_t>(),
+              slope.const_data_ptr<acc_t>(), mean_values.const_data_ptr<acc_t>(), items,
+              args.grad_x.mutable_data_ptr<scalar_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
         return;
       }
       auto launch = [&](const PlaneAccess& a, auto VEC, auto FLAT, auto BATCH_STATS) {

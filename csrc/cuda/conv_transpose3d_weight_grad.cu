@@ -30,10 +30,8 @@
 // aten.convolution_backward, as does a build without CUTLASS.
 
 #ifdef FUSED_OPS_CUTLASS
-// NDEBUG before any header: CUTLASS's device code asserts, and a live assert is a call inside the
-// kernel, across which ptxas serializes every wgmma (warning C7510).
 #ifndef NDEBUG
-#define NDEBUG
+#define NDEBUG  // before any header (cutlass_conv.cuh says why)
 #endif
 #endif
 
@@ -58,21 +56,15 @@
 #include <optional>
 #include <vector>
 
-// (in this order: the conv collective headers use KernelHardwareInfo without including it)
-#include "cutlass/cutlass.h"
-#include "cutlass/kernel_hardware_info.hpp"
-#include "cute/tensor.hpp"
-#include "cutlass/conv/collective/collective_builder.hpp"
-#include "cutlass/conv/convnd_problem_shape.hpp"
-#include "cutlass/conv/device/conv_universal_adapter.hpp"
-#include "cutlass/conv/kernel/conv_universal.hpp"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass_conv.cuh"
 #endif
 
 namespace fused_ops {
 namespace {
 
 #ifdef FUSED_OPS_CUTLASS
+
+constexpr const char* kWhat = "conv_transpose3d_weight_grad";
 
 // out[e] += sum over p of partials[p * count + e], e < count (a multiple of 4; 16-byte aligned).
 __global__ void add_partials_kernel(float* __restrict__ out, const float* __restrict__ partials, int64_t count,
@@ -91,85 +83,9 @@ __global__ void add_partials_kernel(float* __restrict__ out, const float* __rest
   }
 }
 
-using cutlass::conv::Operator;
-
-// One CUTLASS 3.x Hopper implicit-GEMM convolution: operator Op over Rank spatial dimensions,
-// Element operands (float: TF32 MMA; bfloat16), float32 accumulation and output D, no C, a
-// kTileM x kTileN x kTileK tile per CTA (cluster 1x1x1). Wgrad's N mode is (C, S, R, T): its tile
-// wraps N in a Shape; every K does.
-template <Operator Op, int Rank, class Element_, int kTileM_, int kTileN_, int kTileK_>
-struct CutlassConv {
-  using Element = Element_;
-  static constexpr int kTileM = kTileM_, kTileN = kTileN_, kTileK = kTileK_;
-  static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte TMA rows
-  using TileN = cute::conditional_t<Op == Operator::kWgrad, cute::Shape<cute::Int<kTileN>>, cute::Int<kTileN>>;
-  using TileShape = cute::Shape<cute::Int<kTileM>, TileN, cute::Shape<cute::Int<kTileK>>>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
-  // activations NDHWC / NHWC; the output: wgrad's a filter (KTRSC), fprop's activations
-  using LayoutAB = cute::conditional_t<Rank == 3, cutlass::layout::TensorNDHWC, cutlass::layout::TensorNHWC>;
-  using LayoutD = cute::conditional_t<Op == Operator::kWgrad, cutlass::layout::TensorKCSRT, LayoutAB>;
-
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD, 4,  // no C
-      float, LayoutD, 4, cutlass::epilogue::TmaWarpSpecialized>::CollectiveOp;
-  using CollectiveMainloop = typename cutlass::conv::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Op, Element, LayoutAB, kAlignment, Element, LayoutAB,
-      kAlignment, float, TileShape, ClusterShape,
-      cutlass::conv::collective::StageCountAutoCarveout<int(sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::conv::KernelImplicitTmaWarpSpecializedSm90>::CollectiveOp;
-
-  using ProblemShape = cutlass::conv::ConvProblemShape<Op, Rank>;
-  using Kernel = cutlass::conv::kernel::ConvUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-  using Conv = cutlass::conv::device::ConvUniversalAdapter<Kernel>;
-  using StrideD = typename Kernel::StrideD;
-
-  // The launch's arguments: D = the convolution of A and B (device pointers; null to ask can_implement).
-  static typename Conv::Arguments arguments(const ProblemShape& problem, const void* a, const void* b, float* d,
-                                            const StrideD& stride_d) {
-    cutlass::KernelHardwareInfo hw_info;
-    hw_info.device_id = c10::cuda::current_device();
-    hw_info.sm_count = device_attribute(cudaDevAttrMultiProcessorCount, hw_info.device_id);
-    typename Kernel::MainloopArguments mainloop{static_cast<const Element*>(a), static_cast<const Element*>(b)};
-    typename Kernel::EpilogueArguments epilogue{};
-    epilogue.thread.alpha = 1.f;
-    epilogue.thread.beta = 0.f;
-    epilogue.ptr_C = nullptr;
-    epilogue.dC = stride_d;
-    epilogue.ptr_D = d;
-    epilogue.dD = stride_d;
-    return typename Conv::Arguments(problem, mainloop, epilogue, hw_info);
-  }
-
-  static bool can_implement(const ProblemShape& problem, const StrideD& stride_d) {
-    return Conv::can_implement(arguments(problem, nullptr, nullptr, nullptr, stride_d)) == cutlass::Status::kSuccess;
-  }
-
-  static void launch(const ProblemShape& problem, const void* a, const void* b, float* d, const StrideD& stride_d,
-                     cudaStream_t stream) {
-    const auto args = arguments(problem, a, b, d, stride_d);
-    Conv conv;
-    TORCH_CHECK(Conv::get_workspace_size(args) == 0,
-                "conv_transpose3d_weight_grad: a CUTLASS kernel wants a workspace of its own");
-    cutlass::Status status = conv.initialize(args, nullptr, stream);
-    if (status == cutlass::Status::kSuccess) status = conv.run(stream);
-    TORCH_CHECK(status == cutlass::Status::kSuccess, "conv_transpose3d_weight_grad: CUTLASS: ",
-                cutlassGetStatusString(status));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-};
-
-using Fprop2dTf32Tile128 = CutlassConv<Operator::kFprop, 2, float, 128, 64, 32>;
-using Fprop2dTf32Tile256 = CutlassConv<Operator::kFprop, 2, float, 256, 64, 32>;
-using WgradBf16 = CutlassConv<Operator::kWgrad, 3, cutlass::bfloat16_t, 64, 128, 64>;
-
-template <class Array, class... T>
-Array make_array(T... values) {
-  Array a{};
-  int i = 0;
-  ((a[i++] = values), ...);
-  return a;
-}
+using Fprop2dTf32Tile128 = CutlassConv<Operator::kFprop, 2, float, float, 128, 64, 32>;
+using Fprop2dTf32Tile256 = CutlassConv<Operator::kFprop, 2, float, float, 256, 64, 32>;
+using WgradBf16 = CutlassConv<Operator::kWgrad, 3, cutlass::bfloat16_t, float, 64, 128, 64>;
 
 // fprop2d's 2-D convolution for one tap and depth slice of `depth` positions (module comment):
 // gy' (O, P, Q, a window of depth * N of the Z * N channels), x' (I, H, W, the window of the D * N).
@@ -282,10 +198,7 @@ std::optional<CutlassPlan> wgrad_plan(const TransposedConvWeightGrad& g) {
 std::optional<CutlassPlan> cutlass_plan(const at::Tensor& grad_y, const at::Tensor& x,
                                         const TransposedConvWeightGrad& g) {
   const int device = x.get_device();
-  if (device_attribute(cudaDevAttrComputeCapabilityMajor, device) != 9 ||
-      device_attribute(cudaDevAttrComputeCapabilityMinor, device) != 0) {
-    return std::nullopt;
-  }
+  if (!runs_sm90a(device)) return std::nullopt;
   constexpr int64_t kMaxIndexed = std::numeric_limits<int32_t>::max();  // CUTLASS's extents are int32
   const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
   if (x.numel() == 0 || grad_y.numel() == 0 || x.numel() > kMaxIndexed || grad_y.numel() > kMaxIndexed ||
@@ -351,7 +264,7 @@ void run_fprop2d(const TransposedConvWeightGrad& g, int splits, const at::Tensor
       const float* a = gys + (t + j * depth) * g.batch;
       const float* b = xs + j * depth * g.batch;
       float* d = slice_out + t * tap;
-      jobs.push_back([=](cudaStream_t stream) { K::launch(problem, a, b, d, stride_d, stream); });
+      jobs.push_back([=](cudaStream_t stream) { K::launch(kWhat, problem, a, b, d, stride_d, stream); });
     }
   }
   run_concurrently(jobs);
@@ -362,12 +275,6 @@ void run_fprop2d(const TransposedConvWeightGrad& g, int splits, const at::Tensor
         out.mutable_data_ptr<float>(), partials.const_data_ptr<float>(), filter_numel, splits - 1);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-}
-
-// t permuted by dims, contiguous, its data 16-byte aligned (TMA's): a copy unless t lies so in memory.
-at::Tensor relayout(const at::Tensor& t, at::IntArrayRef dims) {
-  const at::Tensor permuted = t.permute(dims).contiguous();
-  return reinterpret_cast<uintptr_t>(permuted.const_data_ptr()) % 16 == 0 ? permuted : permuted.clone();
 }
 
 at::Tensor run_cutlass(const CutlassPlan& plan, const at::Tensor& grad_y, const at::Tensor& x,
@@ -389,7 +296,7 @@ at::Tensor run_cutlass(const CutlassPlan& plan, const at::Tensor& grad_y, const 
   const at::Tensor x_ndhwc = relayout(x, {0, 2, 3, 4, 1});
   const at::Tensor grad_y_ndhwc = relayout(grad_y, {0, 2, 3, 4, 1});
   at::Tensor out = at::empty({g.in_channels, kt, kr, ks, g.out_channels}, x.options().dtype(at::kFloat));
-  WgradBf16::launch(wgrad_problem(g), x_ndhwc.const_data_ptr(), grad_y_ndhwc.const_data_ptr(),
+  WgradBf16::launch(kWhat, wgrad_problem(g), x_ndhwc.const_data_ptr(), grad_y_ndhwc.const_data_ptr(),
                     out.mutable_data_ptr<float>(), wgrad_stride_d(g), c10::cuda::getCurrentCUDAStream());
   // (I, kt, kr, ks, O) float32 -> (I, O, kt, kr, ks) bfloat16
   return at::empty({g.in_channels, g.out_channels, kt, kr, ks}, x.options()).copy_(out.permute({0, 4, 1, 2, 3}));

@@ -1,0 +1,131 @@
+"""conv_transpose3d_stride1_channels_last (architecture D's forward convolution; CUTLASS's Hopper 3-D
+fprop on an sm_90 GPU, csrc/cuda/conv_transpose3d_stride1_channels_last.cu) against cuDNN's transposed
+convolution (NCDHW and channels_last_3d operands) and against the parity-class convolution D's
+rewrite ran before (the kernel flipped, cuDNN's 2-D convolution over the depth-stacked input), in
+float32 with TF32 allowed (PyTorch's default) and in bfloat16 (operands cast beforehand), in one run
+(interleaved rounds; CUDA events on a GPU, the wall clock on a CPU; medians over the rounds). "op" rows
+return y channels-last; "+ NCDHW" adds a copy to NCDHW (what D's tail read before its channels-last kernels); the
+parity rows include their stacking copy and return channels-last too. Each result is checked against the float64 transposed convolution (on
+the device): the normwise max relative error max|got - ref| / max|ref|. Then D's training step (x
+needing no gradient), float32 and under bf16 autocast: the rewrite (its forward as its rule says), the
+rewrite with the parity-class forward and with the op's, and the original eager.
+
+Sizes and table as bench_conv_transpose3d_weight_grad.py's (D's convolution at --size spec, reduced or
+tiny, --batch N; time, TFLOP/s, the time over the faster cuDNN row of the same dtype, the error).
+
+    cd bench && python3 bench_conv_transpose3d_stride1_channels_last.py [--size spec] [--batch N] [--rounds 5]
+"""
+import argparse
+import contextlib
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from fused_ops import architectures, autotune, conv_transpose3d_stride1_channels_last, reference, rewrites
+from fused_ops import nn as fnn
+from fused_ops.ops import conv_transpose3d_stride1_channels_last_path
+from timing import device_name, interleaved_medians, module_training_step, print_against_cudnn
+
+D = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
+C_OUT, KERNEL = D.args[1], D.args[2]
+
+
+def parity_forward(x, weight, bias):
+    """D's rewrite's forward by the parity-class convolution with P = 1 (channels-last, its output's own layout)."""
+    axes = tuple([rewrites._transposed_axis(KERNEL, 1, 0)] * 3)
+    out_size = tuple([s + KERNEL - 1 for s in x.shape[2:]])
+    return rewrites._TransposedConv3dStride1.apply(x, weight, bias, [0] * 3, axes, out_size, False)
+
+
+@contextlib.contextmanager
+def rewrite_forward_by_op(dtypes):
+    """D's rewrite with its forward by the op in `dtypes` (where it takes CUTLASS), by the
+    parity-class convolution in the others, inside the block."""
+    rule = rewrites._STRIDE1_BY_CUTLASS
+    rewrites._STRIDE1_BY_CUTLASS = dtypes
+    try:
+        yield
+    finally:
+        rewrites._STRIDE1_BY_CUTLASS = rule
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=architectures.SIZES, default=None,
+                        help="D's input size (spec on a GPU, reduced on a CPU)")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per row and round (20 GPU, 3 CPU)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    shape = D.input_shape(args.size or ("spec" if device.type == "cuda" else "reduced"), args.batch)
+    torch.backends.cudnn.allow_tf32 = True
+    n, c_in, *size = shape
+    torch.manual_seed(0)
+    x = torch.rand(shape, device=device)
+    conv = torch.nn.ConvTranspose3d(c_in, C_OUT, KERNEL).to(device)
+    weight, bias = conv.weight.detach(), conv.bias.detach()
+    with torch.no_grad():
+        expected = F.conv_transpose3d(x.double(), weight.double(), bias.double())
+    scale = expected.abs().max().item()
+
+    rows = {}  # name -> (call, group, checked)
+    paths = {}
+    for dtype, suffix in ((torch.float32, "tf32"), (torch.bfloat16, "bf16")):
+        xs, ws, bs = x.to(dtype), weight.to(dtype), bias.to(dtype)
+        xc, wc = xs.contiguous(memory_format=torch.channels_last_3d), ws.contiguous(memory_format=torch.channels_last_3d)
+        paths[suffix] = conv_transpose3d_stride1_channels_last_path(xs, ws, bs)
+        rows[f"op {suffix}"] = (lambda xs=xs, ws=ws, bs=bs: conv_transpose3d_stride1_channels_last(xs, ws, bs),
+                                suffix, True)
+        rows[f"op + NCDHW {suffix}"] = (
+            lambda xs=xs, ws=ws, bs=bs: conv_transpose3d_stride1_channels_last(xs, ws, bs).contiguous(), suffix, True)
+        rows[f"op channels_last x {suffix}"] = (
+            lambda xc=xc, ws=ws, bs=bs: conv_transpose3d_stride1_channels_last(xc, ws, bs), suffix, True)
+        rows[f"parity-class {suffix}"] = (lambda xs=xs, ws=ws, bs=bs: parity_forward(xs, ws, bs), suffix, True)
+        rows[f"cuDNN NCDHW {suffix}"] = (lambda xs=xs, ws=ws, bs=bs: F.conv_transpose3d(xs, ws, bs), suffix, True)
+        rows[f"cuDNN channels_last {suffix}"] = (lambda xc=xc, wc=wc, bs=bs: F.conv_transpose3d(xc, wc, bs), suffix,
+                                                 True)
+
+    torch.manual_seed(0)
+    original = reference.ConvTranspose3dScaleBatchNormGAP(*D.args).to(device).train()
+    fused = fnn.ConvTranspose3dScaleBatchNormGAP.from_module(original)
+    step_grad = torch.rand(n, C_OUT, 1, 1, 1, device=device)
+    forced = {"parity forward": (), "op forward": (torch.float32, torch.bfloat16)}
+    for suffix in ("f32", "bf16"):
+        rows[f"D step {suffix}, rewrite"] = (module_training_step(fused, x, step_grad, "rewrite"), "step", False)
+        for how in forced:
+            rows[f"D step {suffix}, rewrite, {how}"] = (module_training_step(fused, x, step_grad, "rewrite"), "step",
+                                                       False)
+        rows[f"D step {suffix}, original"] = (module_training_step(original, x, step_grad), "step", False)
+
+    def settings(name):
+        stack = contextlib.ExitStack()
+        for how, dtypes in forced.items():
+            if name.endswith(how):
+                stack.enter_context(rewrite_forward_by_op(dtypes))
+        if name.startswith("D step bf16"):
+            stack.enter_context(torch.autocast(device.type, torch.bfloat16))
+        return stack
+
+    errors = {}
+    with torch.no_grad():
+        for name, (call, _, checked) in rows.items():
+            if checked:
+                errors[name] = ((call().double() - expected).abs().max() / scale).item()
+    reps = args.reps or (20 if device.type == "cuda" else 3)
+    times = interleaved_medians({name: call for name, (call, _, _) in rows.items()}, device,
+                                {name: reps for name in rows}, args.rounds, settings)
+    autotune.clear()
+
+    ms = {name: statistics.median(rounds) for name, rounds in times.items()}
+    flop = 2 * n * c_in * C_OUT * size[0] * size[1] * size[2] * KERNEL ** 3
+    print(f"{device_name(device)}; x {tuple(x.shape)}, y {tuple(expected.shape)}, kernel {KERNEL}; "
+          f"{flop / 1e9:.0f} GFLOP; torch {torch.__version__}; medians of {args.rounds} rounds of {reps} calls")
+    print(f"the op's path: float32 (TF32) {paths['tf32']}; bfloat16 {paths['bf16']}")
+    print_against_cudnn(rows, ms, errors, flop)
+
+
+if __name__ == "__main__":
+    main()

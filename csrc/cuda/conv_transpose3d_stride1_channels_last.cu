@@ -1,0 +1,157 @@
+// CUDA kernel of conv_transpose3d_stride1_channels_last (the math:
+// ../conv_transpose3d_stride1_channels_last.h).
+//
+// On an sm_90 device, in a build with CUTLASS (cutlass_conv.cuh), CUTLASS's Hopper implicit-GEMM
+// 3-D fprop: the convolution of x (NDHWC, GEMM K = (C, S, R, T) by im2col TMA loads, zeros
+// outside x: the padding k - 1 - p) with the flipped, transposed kernel w' (KTRSC), its output y
+// (NDHWC: GEMM M = (Q, P, Z, N), N = O) in x's dtype, the bias added in the epilogue; TF32 for
+// float32 where PyTorch's convolutions round to TF32 (cuDNN enabled, its TF32 allowed for
+// convolutions), bfloat16 operands for bfloat16, sums in float32. A 128 x 128 tile of (positions,
+// output channels) per CTA. x is read in place where it is channels_last_3d and 16-byte aligned,
+// else from an NDHWC copy; w' is a copy (the weight's size). Everything else -- float16, float64,
+// float32 without TF32, another device, channels not a multiple of 16 bytes, sizes CUTLASS
+// refuses (can_implement) or over 2^31 - 1 elements -- by aten.conv_transpose3d, as does a build
+// without CUTLASS.
+
+#ifdef FUSED_OPS_CUTLASS
+#ifndef NDEBUG
+#define NDEBUG  // before any header (cutlass_conv.cuh says why)
+#endif
+#endif
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+
+#include "../conv_transpose3d_stride1_channels_last.h"
+
+#ifdef FUSED_OPS_CUTLASS
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "cutlass_conv.cuh"
+#endif
+
+namespace fused_ops {
+namespace {
+
+#ifdef FUSED_OPS_CUTLASS
+
+constexpr const char* kWhat = "conv_transpose3d_stride1_channels_last";
+
+using FpropTf32 = CutlassConv<Operator::kFprop, 3, float, float, 128, 128, 32, /*kBias=*/true>;
+using FpropBf16 = CutlassConv<Operator::kFprop, 3, cutlass::bfloat16_t, cutlass::bfloat16_t, 128, 128, 64, true>;
+
+// fprop's problem: x (N, D, H, W, I) by the filter w' (O, kt, kr, ks, I), padded by k - 1 - p.
+template <class K>
+typename K::ProblemShape fprop_problem(const TransposedConvStride1& g) {
+  using PS = typename K::ProblemShape;
+  using Extent = typename PS::TensorExtent;
+  using Spatial = typename PS::SpatialExtent;
+  const Spatial pad = make_array<Spatial>(int(g.kernel[0] - 1 - g.padding[0]), int(g.kernel[1] - 1 - g.padding[1]),
+                                          int(g.kernel[2] - 1 - g.padding[2]));
+  return PS(cutlass::conv::Mode::kCrossCorrelation,
+            make_array<Extent>(int(g.batch), int(g.in[0]), int(g.in[1]), int(g.in[2]), int(g.in_channels)),
+            make_array<Extent>(int(g.out_channels), int(g.kernel[0]), int(g.kernel[1]), int(g.kernel[2]),
+                               int(g.in_channels)),
+            pad, pad, make_array<Spatial>(1, 1, 1), make_array<Spatial>(1, 1, 1), 1);
+}
+
+// fprop's output strides: M modes (q, p, z, n) of y (N, D', H', W', O), packed; N (o) is 1.
+template <class K>
+typename K::StrideD fprop_stride_d(const TransposedConvStride1& g) {
+  typename K::StrideD stride{};
+  cute::get<0, 0>(stride) = g.out_channels;
+  cute::get<0, 1>(stride) = g.out(2) * g.out_channels;
+  cute::get<0, 2>(stride) = g.out(1) * g.out(2) * g.out_channels;
+  cute::get<0, 3>(stride) = g.out(0) * g.out(1) * g.out(2) * g.out_channels;
+  return stride;
+}
+
+// Calls f(K) for the CUTLASS kernel these (checked) arguments take, and returns whether one does.
+template <class F>
+bool with_cutlass_kernel(const at::Tensor& x, const TransposedConvStride1& g, F&& f) {
+  if (!runs_sm90a(x.get_device())) return false;
+  constexpr int64_t kMaxIndexed = std::numeric_limits<int32_t>::max();  // CUTLASS's extents are int32
+  const int64_t y_numel = g.batch * g.out_channels * g.out(0) * g.out(1) * g.out(2);
+  const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
+  if (x.numel() == 0 || x.numel() > kMaxIndexed || y_numel > kMaxIndexed || filter_numel > kMaxIndexed) return false;
+  const auto take = [&](auto kernel) {
+    using K = decltype(kernel);
+    // 16-byte rows: x's and w''s channels (TMA), y's (the epilogue's stores)
+    if (g.in_channels % K::kAlignment || g.out_channels % K::kAlignmentD) return false;
+    if (!K::can_implement(fprop_problem<K>(g), fprop_stride_d<K>(g))) return false;
+    f(kernel);
+    return true;
+  };
+  const at::Context& context = at::globalContext();
+  if (x.scalar_type() == at::kFloat && context.userEnabledCuDNN() && context.allowTF32CuDNN(at::Float32Op::CONV)) {
+    return take(FpropTf32{});
+  }
+  if (x.scalar_type() == at::kBFloat16) return take(FpropBf16{});
+  return false;
+}
+
+template <class K>
+std::string kernel_name() {
+  return std::string("cutlass ") + (std::is_same_v<typename K::Element, float> ? "tf32" : "bf16") + " fprop3d " +
+         std::to_string(K::kTileM) + "x" + std::to_string(K::kTileN) + "x" + std::to_string(K::kTileK);
+}
+
+template <class K>
+at::Tensor run_cutlass(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                       const TransposedConvStride1& g) {
+  const at::Tensor x_ndhwc = relayout(x, {0, 2, 3, 4, 1});  // (no copy for an aligned channels_last_3d x)
+  const at::Tensor filter = relayout(weight.flip({2, 3, 4}), {1, 2, 3, 4, 0});  // (O, kt, kr, ks, I)
+  const std::optional<at::Tensor> bias_values = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  at::Tensor y = transposed_conv_stride1_output(x, g);  // (memory (N, D', H', W', O))
+  using ElementD = typename K::ElementD;
+  K::launch(kWhat, fprop_problem<K>(g), x_ndhwc.const_data_ptr(), filter.const_data_ptr(),
+            static_cast<ElementD*>(y.data_ptr()), fprop_stride_d<K>(g), c10::cuda::getCurrentCUDAStream(),
+            bias_values ? static_cast<const ElementD*>(bias_values->const_data_ptr()) : nullptr);
+  return y;
+}
+
+#endif  // FUSED_OPS_CUTLASS
+
+at::Tensor conv_transpose3d_stride1_channels_last_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                       const std::optional<at::Tensor>& bias,
+                                                       at::IntArrayRef padding) {
+  const TransposedConvStride1 g = transposed_conv_stride1_setup(x, weight, bias, padding);
+  const c10::cuda::CUDAGuard guard(x.device());
+#ifdef FUSED_OPS_CUTLASS
+  at::Tensor y;
+  if (with_cutlass_kernel(x, g, [&](auto kernel) { y = run_cutlass<decltype(kernel)>(x, weight, bias, g); })) {
+    return y;
+  }
+#endif
+  return transposed_conv_stride1_by_aten(x, weight, bias, g);
+}
+
+std::string conv_transpose3d_stride1_channels_last_path_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                             const std::optional<at::Tensor>& bias,
+                                                             at::IntArrayRef padding) {
+  [[maybe_unused]] const TransposedConvStride1 g = transposed_conv_stride1_setup(x, weight, bias, padding);
+  const c10::cuda::CUDAGuard guard(x.device());
+#ifdef FUSED_OPS_CUTLASS
+  std::string name = kStride1ByAten;
+  with_cutlass_kernel(x, g, [&](auto kernel) { name = kernel_name<decltype(kernel)>(); });
+  return name;
+#else
+  return std::string(kStride1ByAten) + " (built without CUTLASS)";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
+  m.impl("conv_transpose3d_stride1_channels_last", &conv_transpose3d_stride1_channels_last_cuda);
+  m.impl("conv_transpose3d_stride1_channels_last_path", &conv_transpose3d_stride1_channels_last_path_cuda);
+}
+
+}  // namespace fused_ops
