@@ -4,8 +4,8 @@ convolution (NCDHW and channels_last_3d operands) and against the parity-class c
 rewrite ran before (the kernel flipped, cuDNN's 2-D convolution over the depth-stacked input), in
 float32 with TF32 allowed (PyTorch's default) and in bfloat16 (operands cast beforehand), in one run
 (interleaved rounds; CUDA events on a GPU, the wall clock on a CPU; medians over the rounds). "op" rows
-return y channels-last; "+ NCDHW" adds a copy to NCDHW (what D's tail read before its channels-last kernels); the
-parity rows include their stacking copy and return channels-last too. Each result is checked against the float64 transposed convolution (on
+return y channels-last; "+ NCDHW" adds a copy to NCDHW; the parity rows include their stacking copy and the copy of their
+channels-last output to NCDHW (what D's float32 rewrite returns). Each result is checked against the float64 transposed convolution (on
 the device): the normwise max relative error max|got - ref| / max|ref|. Then D's training step (x
 needing no gradient), float32 and under bf16 autocast: the rewrite (its forward as its rule says), the
 rewrite with the parity-class forward and with the op's, and the original eager.
@@ -32,7 +32,7 @@ C_OUT, KERNEL = D.args[1], D.args[2]
 
 
 def parity_forward(x, weight, bias):
-    """D's rewrite's forward by the parity-class convolution with P = 1 (channels-last, its output's own layout)."""
+    """D's rewrite's forward by the parity-class convolution with P = 1, NCDHW."""
     axes = tuple([rewrites._transposed_axis(KERNEL, 1, 0)] * 3)
     out_size = tuple([s + KERNEL - 1 for s in x.shape[2:]])
     return rewrites._TransposedConv3dStride1.apply(x, weight, bias, [0] * 3, axes, out_size, False)

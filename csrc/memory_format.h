@@ -1,5 +1,5 @@
 // The memory format the CPU kernels read in vectors over channels and write
-// gradients in (host only).
+// gradients in, as batch_norm_gap's CUDA kernels do too (host only).
 #pragma once
 
 #include <ATen/core/Tensor.h>

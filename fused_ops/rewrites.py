@@ -443,9 +443,10 @@ def _tf32_convolutions() -> Hashable:
 def _stride1_path(device: torch.device, dtype: torch.dtype, x_shape, weight_shape, has_bias: bool, padding,
                   tf32: Hashable) -> str:
     """conv_transpose3d_stride1_channels_last_path for operands of these shapes in dtype (asked
-    of uninitialized tensors once per key: the answer depends on nothing else)."""
-    x, weight = torch.empty(x_shape, dtype=dtype, device=device), torch.empty(weight_shape, dtype=dtype, device=device)
-    bias = torch.empty(weight_shape[1], dtype=dtype, device=device) if has_bias else None
+    once per key of tensors that are one uninitialized element expanded: the answer depends on
+    nothing else; the TF32 setting matters for float32 alone)."""
+    x, weight = [torch.empty((), dtype=dtype, device=device).expand(shape) for shape in (x_shape, weight_shape)]
+    bias = torch.empty((), dtype=dtype, device=device).expand(weight_shape[1]) if has_bias else None
     return conv_transpose3d_stride1_channels_last_path(x, weight, bias, padding)
 
 
@@ -459,11 +460,14 @@ _STRIDE1_BY_CUTLASS = (torch.bfloat16,)
 
 def _stride1_by_cutlass(x: Tensor, conv: nn.ConvTranspose3d, dtype: torch.dtype) -> bool:
     """Whether D's rewrite runs conv(x) in dtype by conv_transpose3d_stride1_channels_last: a dtype of
-    _STRIDE1_BY_CUTLASS, and the op taking a CUTLASS kernel (an sm_90 GPU, channels a multiple of 16
-    bytes, a build with CUTLASS). Not while compiling or under a fake mode (the path is asked of
-    real tensors; a compiled graph takes the parity-class convolution, which the compiler sees
+    _STRIDE1_BY_CUTLASS, a padding the op takes (below the kernel size; the rewrite takes larger
+    ones too), and the op taking a CUTLASS kernel (an sm_90 GPU, channels a multiple of 16 bytes, a
+    build with CUTLASS). Not while compiling or under a fake mode (the path is asked of real
+    tensors; a compiled graph takes the parity-class convolution, which the compiler sees
     through)."""
     if dtype not in _STRIDE1_BY_CUTLASS or not x.is_cuda:
+        return False
+    if not all([0 <= p < k for p, k in zip(_triple(conv.padding), _triple(conv.kernel_size))]):
         return False
     if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
         return False
@@ -508,7 +512,8 @@ class _TransposedConv3dStride1(torch.autograd.Function):
         first_order = not torch.is_grad_enabled()
         weight_op = needs[1] and x.is_cuda and tuple(ctx.padding) == (0, 0, 0) and first_order
         # (PyTorch's bias gradient copies a channels-last grad_y to NCDHW first: 0.56 ms for D's in bf16)
-        bias_sums = ctx.has_bias and needs[2] and first_order and _is_channels_last_3d(grad_y)
+        bias_sums = (ctx.has_bias and needs[2] and first_order and grad_y.is_cuda
+                     and grad_y.dtype in (torch.float16, torch.bfloat16) and _is_channels_last_3d(grad_y))
         mask = [needs[0], needs[1] and not weight_op, ctx.has_bias and needs[2] and not bias_sums]
         grad_x = grad_weight = grad_bias = None
         if any(mask):
@@ -523,15 +528,12 @@ class _TransposedConv3dStride1(torch.autograd.Function):
 
 
 def _channels_last_channel_sums(t: Tensor) -> Tensor:
-    """A channels_last_3d CUDA t (N, C, D, H, W) summed over every dim but C, (C) in t's dtype: a
-    vector-matrix product over its memory as an (N D H W) x C matrix by cuBLAS, 16-bit values summed
-    into float32 (torch.sum's reduction over the outer dims takes 5 times as long: D's bf16 grad_y
-    on an H200, 0.18 against 0.03 ms)."""
+    """A channels_last_3d 16-bit CUDA t (N, C, D, H, W) summed over every dim but C, (C) in t's
+    dtype: a vector-matrix product over its memory as an (N D H W) x C matrix by cuBLAS, summed into
+    float32 (torch.sum's reduction over the outer dims takes 5 times as long: D's bf16 grad_y on an
+    H200, 0.18 against 0.03 ms)."""
     rows = t.permute(0, 2, 3, 4, 1).reshape(-1, t.shape[1])
-    ones = rows.new_ones(1, rows.shape[0])
-    if t.dtype in (torch.float16, torch.bfloat16):
-        return torch.mm(ones, rows, out_dtype=torch.float32).view(t.shape[1]).to(t.dtype)
-    return torch.mm(ones, rows).view(t.shape[1])
+    return torch.mm(rows.new_ones(1, rows.shape[0]), rows, out_dtype=torch.float32).view(t.shape[1]).to(t.dtype)
 
 
 def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import (DTYPES, LAYOUTS_5D, RTOL, assert_close_to_reference, grad_memory_format, in_layout_5d,
-                      make_input, poison_cuda_allocator, requires_cuda)
+                      make_input, misaligned, poison_cuda_allocator, requires_cuda)
 from fused_ops import batch_norm_gap
 
 OP = torch.ops.fused_ops.batch_norm_gap.default
@@ -298,6 +298,21 @@ def test_cuda_large_and_tiled():
         x = make_input(shape, dtype, "cuda").to(memory_format=fmt)
         for training in (True, False):
             check_forward_backward(x, 2.0, make_params(shape[1], dtype, "cuda"), training, 0.1, dtype)
+
+
+@requires_cuda
+def test_cuda_channels_last_edges():
+    """The channels-last kernels where a chunk ends with fewer positions than a warp has rows (a
+    lane a row: 32 rows; 257 positions, so the last chunk holds one and 31 lanes none), and where
+    x's data is not 16-byte aligned (vectors of one element)."""
+    xs = [make_input((2, 4, 1, 1, 257), torch.float32, "cuda").to(memory_format=torch.channels_last_3d),
+          make_input((3, 8, 1, 1, 257), torch.bfloat16, "cuda").to(memory_format=torch.channels_last_3d),
+          misaligned(make_input((2, 16, 3, 5, 7), torch.float32, "cuda"), (0, 2, 3, 4, 1))]
+    for x in xs:
+        assert not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last_3d)
+        for training in (True, False):
+            grad_x = check_forward_backward(x, 2.0, make_params(x.shape[1], x.dtype, "cuda"), training, 0.1, x.dtype)
+            assert grad_x.is_contiguous(memory_format=bn_grad_memory_format(x, training))
 
 
 @requires_cuda

@@ -172,6 +172,10 @@ def test_autocast_casts_as_conv_transpose3d(device):
         y64 = conv_transpose3d_stride1_channels_last(x.double(), weight.double(), bias.double())
     assert y.dtype == expected_dtype == torch.bfloat16 and y64.dtype == torch.float64
     check(y, *[t.to(torch.bfloat16) for t in (x, weight, bias)], (0, 0, 0), torch.bfloat16)
+    # the path op names the path of the call autocast makes
+    with torch.autocast(device, dtype=torch.bfloat16):
+        path = conv_transpose3d_stride1_channels_last_path(x, weight, bias)
+    assert path == conv_transpose3d_stride1_channels_last_path(*[t.to(torch.bfloat16) for t in (x, weight, bias)])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -356,3 +360,34 @@ def test_d_rewrite_is_the_original(device, autocast, tf32):
         assert fused_g.dtype == p.dtype, name
         bound = max(2 * relative_error(g, exact_g, largest), resolution) + 1e-6
         assert relative_error(fused_g, exact_g, largest) <= bound, f"grad {name}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_d_rewrite_with_padding_past_the_kernel(device):
+    """A padding the op refuses (at least the kernel size; nn.ConvTranspose3d takes it where the
+    output stays non-empty): D's rewrite under bf16 autocast takes the parity-class convolution
+    and gives the original's output."""
+    original, fused = build_pair("ConvTranspose3dScaleBatchNormGAP", (16, 64, 3, 2.0))
+    for m in (original, fused):
+        m.conv_transpose.padding = (3, 1, 3)
+        m.to(device).train()
+    x = torch.rand(2, 16, 8, 6, 10, generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        assert not rewrites._stride1_by_cutlass(x, fused.conv_transpose, torch.bfloat16)
+        expected = original(x)
+        with autotune.force("rewrite"):
+            out = fused(x)
+    torch.testing.assert_close(out, expected, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLAS's float32 sums of 16-bit values (CUDA only)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_channels_last_channel_sums(dtype):
+    """The conv bias's gradient over a channels-last 16-bit grad_y (the rewrite's backward): every
+    channel's sum, within one rounding to the dtype of the float64 sum."""
+    t = (torch.randn(3, 40, 5, 6, 7, generator=torch.Generator().manual_seed(0)) + 0.5).to("cuda", dtype)
+    t = t.contiguous(memory_format=torch.channels_last_3d)
+    got = rewrites._channels_last_channel_sums(t)
+    expected = t.double().sum((0, 2, 3, 4))
+    assert got.dtype == dtype and got.shape == (40,)
+    torch.testing.assert_close(got.double(), expected, rtol=torch.finfo(dtype).eps, atol=1e-3)

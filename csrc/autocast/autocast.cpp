@@ -87,7 +87,7 @@ void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stac
 
 // conv_transpose3d_stride1_channels_last as autocast runs aten.conv_transpose3d: x, weight and
 // bias cast to autocast's dtype (where x is float32 or 16-bit; float64 is left alone), the result
-// in that dtype.
+// in that dtype; its _path op alike (the path of the call autocast would make).
 template <c10::DispatchKey autocast_key>
 void lower_precision_operands(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ...
@@ -104,8 +104,9 @@ void register_autocast_kernels(torch::Library& m) {
   for (const char* name : {"conv2d_sigmoid_sum", "conv3d_max_pool3d_mean"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key>>());
   }
-  m.impl("conv_transpose3d_stride1_channels_last",
-         torch::CppFunction::makeFromBoxedFunction<&lower_precision_operands<autocast_key>>());
+  for (const char* name : {"conv_transpose3d_stride1_channels_last", "conv_transpose3d_stride1_channels_last_path"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lower_precision_operands<autocast_key>>());
+  }
 }
 
 }  // namespace

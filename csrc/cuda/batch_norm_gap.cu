@@ -21,6 +21,13 @@
 // grad_x, channel_grad_kernel (a warp per channel) gives the weight and bias
 // gradients alone.
 //
+// A channels_last_3d x (memory (B, S, C)) is read in vectors over channels
+// instead: plane_moments_channels_last_kernel's items (b, chunk of 256
+// positions, group of channels) write the same partials (the chunks' moments
+// merged by Chan's formula in registers), and through batch statistics the
+// backward is two launches: channel_grad_kernel with grad_x's coefficients
+// per (b, c), then grad_x_channels_last_kernel, grad_x laid out as x.
+//
 // batch_norm_update_running_stats: one block (update_running_stats_kernel).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -179,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks<FLAT>())
 // chunk (rows = 32 / lanes): each load instruction of the warp reads `rows`
 // runs of lanes x VEC contiguous channels.
 constexpr int kChunkPositions = 256;
-// A lane's vectors held at once: 16, at most 64 values
+// A lane's vectors held at once: 16, or 64 / VEC for VEC > 4 (64 values)
 template <int VEC>
 constexpr int pass_positions() {
   return VEC > 4 ? 64 / VEC : 16;

@@ -8,7 +8,7 @@
 // float32 where PyTorch's convolutions round to TF32 (cuDNN enabled, its TF32 allowed for
 // convolutions), bfloat16 operands for bfloat16, sums in float32. A 128 x 128 tile of (positions,
 // output channels) per CTA. x is read in place where it is channels_last_3d and 16-byte aligned,
-// else from an NDHWC copy; w' is a copy (the weight's size). Everything else -- float16, float64,
+// else from an NDHWC copy; w' is made by copies (the weight's size). Everything else -- float16, float64,
 // float32 without TF32, another device, channels not a multiple of 16 bytes, sizes CUTLASS
 // refuses (can_implement) or over 2^31 - 1 elements -- by aten.conv_transpose3d, as does a build
 // without CUTLASS.
@@ -80,7 +80,10 @@ bool with_cutlass_kernel(const at::Tensor& x, const TransposedConvStride1& g, F&
   constexpr int64_t kMaxIndexed = std::numeric_limits<int32_t>::max();  // CUTLASS's extents are int32
   const int64_t y_numel = g.batch * g.out_channels * g.out(0) * g.out(1) * g.out(2);
   const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
-  if (x.numel() == 0 || x.numel() > kMaxIndexed || y_numel > kMaxIndexed || filter_numel > kMaxIndexed) return false;
+  if (x.numel() == 0 || y_numel == 0 || x.numel() > kMaxIndexed || y_numel > kMaxIndexed ||
+      filter_numel > kMaxIndexed) {
+    return false;
+  }
   const auto take = [&](auto kernel) {
     using K = decltype(kernel);
     // 16-byte rows: x's and w''s channels (TMA), y's (the epilogue's stores)
