@@ -15,7 +15,6 @@ TFLOP/s of 2 N C_in C_out D H W k^3, the time over the faster cuDNN row of the s
 
     cd bench && python3 bench_conv_transpose3d_weight_grad.py [--size spec] [--batch N] [--rounds 5]
 """
-import argparse
 import contextlib
 import statistics
 
@@ -24,7 +23,8 @@ import torch
 from fused_ops import architectures, autotune, conv_transpose3d_weight_grad, reference, rewrites
 from fused_ops import nn as fnn
 from fused_ops.ops import conv_transpose3d_weight_grad_path
-from timing import device_name, interleaved_medians, module_training_step, print_against_cudnn
+from timing import (d_convolution_arguments, device_name, interleaved_medians, module_training_step,
+                    print_against_cudnn)
 
 D = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
 C_OUT, KERNEL = D.args[1], D.args[2]
@@ -51,17 +51,7 @@ def rewrite_weight_grad_by_aten():
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--size", choices=architectures.SIZES, default=None,
-                        help="D's input size (spec on a GPU, reduced on a CPU)")
-    parser.add_argument("--batch", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--reps", type=int, default=None, help="timed calls per row and round (20 GPU, 3 CPU)")
-    args = parser.parse_args()
-    device = torch.device(args.device)
-    shape = D.input_shape(args.size or ("spec" if device.type == "cuda" else "reduced"), args.batch)
-    torch.backends.cudnn.allow_tf32 = True
+    args, device, shape = d_convolution_arguments(__doc__.splitlines()[0])
     kernel = [KERNEL] * 3
     n, c_in, *size = shape
     torch.manual_seed(0)

@@ -126,3 +126,25 @@ def print_against_cudnn(rows: dict, ms: dict, errors: dict, flop: float) -> None
         error = f"{errors[name]:>13.1e}" if checked else f"{'':>13}"
         print(f"{name:<{width}}{ms[name]:>9.3f}{tflops}{ratio}{error}")
     print("vs cuDNN: the time over the faster cuDNN row of the same dtype (above 1: slower)")
+
+
+def d_convolution_arguments(description: str) -> tuple:
+    """The command line of the benchmarks of D's convolutions (--device, --size, --batch, --rounds,
+    --reps), parsed: (args, device, D's input shape: spec on a GPU, reduced on a CPU by default);
+    TF32 convolutions allowed (PyTorch's default)."""
+    import argparse
+
+    from fused_ops import architectures
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=architectures.SIZES, default=None,
+                        help="D's input size (spec on a GPU, reduced on a CPU)")
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=None, help="timed calls per row and round (20 GPU, 3 CPU)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    d = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
+    torch.backends.cudnn.allow_tf32 = True
+    return args, device, d.input_shape(args.size or ("spec" if device.type == "cuda" else "reduced"), args.batch)
