@@ -649,10 +649,13 @@ def _batch_norm_gap_backward_fake(grad_out, x, input_size, scale, weight, plane_
     batch, channels = plane_dev.shape
     # (laid out as the kernels lay it out: a channels_last_3d x's gradient channels_last_3d on the CPU,
     # and on a GPU where it goes through batch statistics)
-    channels_last = x is not None and x.is_cuda and batch_stats and _is_channels_last_3d(x)
-    grad_x = (_empty_5d((batch, channels, *input_size), grad_out, x) if grad_input and not channels_last
-              else torch.empty((batch, channels, *input_size), dtype=grad_out.dtype, device=grad_out.device,
-                               memory_format=torch.channels_last_3d) if grad_input else grad_out.new_empty((0,)))
+    shape = (batch, channels, *input_size)
+    if not grad_input:
+        grad_x = grad_out.new_empty((0,))
+    elif x is not None and x.is_cuda and batch_stats and _is_channels_last_3d(x):
+        grad_x = torch.empty(shape, dtype=grad_out.dtype, device=grad_out.device, memory_format=torch.channels_last_3d)
+    else:
+        grad_x = _empty_5d(shape, grad_out, x)
     param_dtype = grad_out.dtype if weight is None else weight.dtype
     return grad_x, grad_out.new_empty((channels,), dtype=param_dtype), grad_out.new_empty((channels,), dtype=param_dtype)
 

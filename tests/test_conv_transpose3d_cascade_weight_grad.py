@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICES, DTYPES, assert_close_to_reference, requires_cuda
+from conftest import DEVICES, DTYPES, assert_close_to_reference, misaligned, requires_cuda
 from fused_ops import autotune, conv_transpose3d_cascade_weight_grad, reference, rewrites
 from fused_ops import nn as fnn
 
@@ -135,7 +135,7 @@ def test_window_reads_x_as_given(layout, device):
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last_3d)
     else:
-        x = torch.empty(x.numel() + 1, device=device)[1:].view_as(x).copy_(x)
+        x = misaligned(x, tuple(range(5)))
     grad_w = window_kernel_call(device, grad_out.float(), picks, x, *geometry[4:8], out_size)
     expected = dense_weight_grad(grad_out.float(), picks, x, *geometry[4:8], out_size)
     assert_close_to_reference(grad_w, expected, torch.float32, layout, normwise=True)

@@ -198,16 +198,15 @@ struct ChannelsLast {
   int vec;  // VEC (the launch's)
 };
 
+// (mean, m2) of `count` values merged with those of `count_b` others (Chan's formula; an empty
+// side leaves the other); the caller adds count_b to its count.
 template <typename acc_t>
-__device__ __forceinline__ void merge_moments(acc_t& count, acc_t& mean, acc_t& m2, acc_t count_b, acc_t mean_b,
+__device__ __forceinline__ void merge_moments(acc_t count, acc_t& mean, acc_t& m2, acc_t count_b, acc_t mean_b,
                                               acc_t m2_b) {
-  // Chan's formula; an empty side leaves the other
-  const acc_t total = count + count_b;
   if (count_b == acc_t(0)) return;
-  const acc_t delta = mean_b - mean, weight_b = count_b / total;
+  const acc_t delta = mean_b - mean, weight_b = count_b / (count + count_b);
   mean += delta * weight_b;
   m2 += m2_b + delta * delta * count * weight_b;
-  count = total;
 }
 
 // Calls f(b, chunk, c0) for each of a warp's items of a ChannelsLast (a
@@ -270,8 +269,7 @@ __global__ void __launch_bounds__(kThreads)
           const acc_t delta = scaled(multiply, in[j].v[e]) - shift[e] - pass_mean;
           pass_m2 += j < inside ? delta * delta : acc_t(0);
         }
-        acc_t c = count;
-        merge_moments(c, mean[e], m2[e], n, pass_mean, pass_m2);
+        merge_moments(count, mean[e], m2[e], n, pass_mean, pass_m2);
       }
       count += n;
     }
@@ -281,8 +279,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < VEC; ++e) {
         const acc_t mean_b = __shfl_xor_sync(0xffffffffu, mean[e], offset);
         const acc_t m2_b = __shfl_xor_sync(0xffffffffu, m2[e], offset);
-        acc_t c = count;
-        merge_moments(c, mean[e], m2[e], count_b, mean_b, m2_b);
+        merge_moments(count, mean[e], m2[e], count_b, mean_b, m2_b);
       }
       count += count_b;
     }
@@ -625,7 +622,7 @@ ChannelsLast channels_last_access(const at::Tensor& x) {
   const int64_t C = x.size(1), S = x.size(2) * x.size(3) * x.size(4);
   const int vec = aligned_vector_width<scalar_t>(x.const_data_ptr(), {C});
   const int64_t vectors = (C + vec - 1) / vec;
-  const int lanes = static_cast<int>(std::min<int64_t>(32, pow2_at_least(static_cast<int>(std::min<int64_t>(vectors, 32)))));
+  const int lanes = pow2_at_least(static_cast<int>(std::min<int64_t>(vectors, 32)));
   const int groups = static_cast<int>((vectors + lanes - 1) / lanes);
   const int chunks = static_cast<int>((S + kChunkPositions - 1) / kChunkPositions);
   return {S * C, static_cast<int>(C), static_cast<int>(S), lanes, groups, chunks, vec};

@@ -31,7 +31,6 @@
 
 #ifdef FUSED_OPS_CUTLASS
 #include <cstdint>
-#include <limits>
 #include <type_traits>
 
 #include "cutlass_conv.cuh"
@@ -77,13 +76,9 @@ typename K::StrideD fprop_stride_d(const TransposedConvStride1& g) {
 template <class F>
 bool with_cutlass_kernel(const at::Tensor& x, const TransposedConvStride1& g, F&& f) {
   if (!runs_sm90a(x.get_device())) return false;
-  constexpr int64_t kMaxIndexed = std::numeric_limits<int32_t>::max();  // CUTLASS's extents are int32
   const int64_t y_numel = g.batch * g.out_channels * g.out(0) * g.out(1) * g.out(2);
   const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
-  if (x.numel() == 0 || y_numel == 0 || x.numel() > kMaxIndexed || y_numel > kMaxIndexed ||
-      filter_numel > kMaxIndexed) {
-    return false;
-  }
+  if (!fits_cutlass_extents({x.numel(), y_numel, filter_numel})) return false;
   const auto take = [&](auto kernel) {
     using K = decltype(kernel);
     // 16-byte rows: x's and w''s channels (TMA), y's (the epilogue's stores)
@@ -92,10 +87,7 @@ bool with_cutlass_kernel(const at::Tensor& x, const TransposedConvStride1& g, F&
     f(kernel);
     return true;
   };
-  const at::Context& context = at::globalContext();
-  if (x.scalar_type() == at::kFloat && context.userEnabledCuDNN() && context.allowTF32CuDNN(at::Float32Op::CONV)) {
-    return take(FpropTf32{});
-  }
+  if (tf32_convolution(x)) return take(FpropTf32{});
   if (x.scalar_type() == at::kBFloat16) return take(FpropBf16{});
   return false;
 }

@@ -52,7 +52,6 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
-#include <limits>
 #include <optional>
 #include <vector>
 
@@ -199,16 +198,9 @@ std::optional<CutlassPlan> cutlass_plan(const at::Tensor& grad_y, const at::Tens
                                         const TransposedConvWeightGrad& g) {
   const int device = x.get_device();
   if (!runs_sm90a(device)) return std::nullopt;
-  constexpr int64_t kMaxIndexed = std::numeric_limits<int32_t>::max();  // CUTLASS's extents are int32
   const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
-  if (x.numel() == 0 || grad_y.numel() == 0 || x.numel() > kMaxIndexed || grad_y.numel() > kMaxIndexed ||
-      filter_numel > kMaxIndexed) {
-    return std::nullopt;
-  }
-  const at::Context& context = at::globalContext();
-  if (x.scalar_type() == at::kFloat && context.userEnabledCuDNN() && context.allowTF32CuDNN(at::Float32Op::CONV)) {
-    return fprop2d_plan(g, device_attribute(cudaDevAttrMultiProcessorCount, device));
-  }
+  if (!fits_cutlass_extents({x.numel(), grad_y.numel(), filter_numel})) return std::nullopt;
+  if (tf32_convolution(x)) return fprop2d_plan(g, device_attribute(cudaDevAttrMultiProcessorCount, device));
   if (x.scalar_type() == at::kBFloat16) return wgrad_plan(g);
   return std::nullopt;
 }

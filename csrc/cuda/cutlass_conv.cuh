@@ -11,12 +11,15 @@
 #define NDEBUG
 #endif
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <initializer_list>
+#include <limits>
 
 // (in this order: the conv collective headers use KernelHardwareInfo without including it)
 #include "cutlass/cutlass.h"
@@ -127,6 +130,22 @@ inline at::Tensor relayout(const at::Tensor& t, at::IntArrayRef dims) {
 inline bool runs_sm90a(int device) {
   return device_attribute(cudaDevAttrComputeCapabilityMajor, device) == 9 &&
          device_attribute(cudaDevAttrComputeCapabilityMinor, device) == 0;
+}
+
+// Whether a convolution's tensors of these element counts suit the kernels: none empty, each
+// indexable by CUTLASS's int32 extents.
+inline bool fits_cutlass_extents(std::initializer_list<int64_t> numels) {
+  for (const int64_t n : numels) {
+    if (n == 0 || n > std::numeric_limits<int32_t>::max()) return false;
+  }
+  return true;
+}
+
+// Whether PyTorch's convolutions of a float32 x round to TF32 (cuDNN enabled, its TF32 allowed for
+// convolutions): where the kernels take float32 operands as TF32.
+inline bool tf32_convolution(const at::Tensor& x) {
+  const at::Context& context = at::globalContext();
+  return x.scalar_type() == at::kFloat && context.userEnabledCuDNN() && context.allowTF32CuDNN(at::Float32Op::CONV);
 }
 
 }  // namespace fused_ops
