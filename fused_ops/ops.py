@@ -721,8 +721,8 @@ def conv_transpose3d_weight_grad(grad_y: Tensor, x: Tensor, kernel_size) -> Tens
     kernels (csrc/cuda/conv_transpose3d_weight_grad.cu), sums in float32: float32 where PyTorch's
     convolutions use TF32 (``torch.backends.cudnn.allow_tf32``) as per-depth-tap TF32 2-D
     convolutions, bfloat16 as a 3-D weight-gradient convolution; SPEC's D on an H200, the op
-    (its layout copies included): 3.08 ms against cuDNN's 6.41 in TF32, 1.09 against 2.37 in
-    bfloat16 (bench/bench_conv_transpose3d_weight_grad.py). Everything else (float16, float64,
+    (its layout copies included): 3.04 ms against cuDNN's 6.40 in TF32 (2.94 from channels-last
+    operands), 1.08 against 2.30 in bfloat16 (bench/bench_conv_transpose3d_weight_grad.py). Everything else (float16, float64,
     float32 without TF32, other devices, sizes the kernels do not take, a build without CUTLASS:
     ``conv_transpose3d_weight_grad_path`` says which) by ``aten.convolution_backward`` (cuDNN's
     on a GPU). Not differentiable.

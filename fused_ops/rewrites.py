@@ -475,19 +475,31 @@ def _stride1_by_cutlass(x: Tensor, conv: nn.ConvTranspose3d, dtype: torch.dtype)
                          _triple(conv.padding), _tf32_convolutions()).startswith("cutlass")
 
 
+def _stride1_layout(x: Tensor) -> torch.memory_format:
+    """The layout of _TransposedConv3dStride1's parity-class y: channels_last_3d on a GPU (the
+    convolution's own; its class docstring says why), contiguous on a CPU, and while compiling or
+    under a fake mode: with a channels-last y, a compiled D's backward on a GPU gave the
+    convolution's inputs zero gradients (torch 2.11; test_compile_fullgraph in
+    tests/test_nn_convtranspose3d_scale_batchnorm_gap.py). Cause not found: batch_norm_gap alone
+    compiles right on a channels-last CUDA input, as does D on a CPU with y forced channels-last."""
+    if not x.is_cuda or torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+        return torch.contiguous_format
+    return torch.channels_last_3d
+
+
 class _TransposedConv3dStride1(torch.autograd.Function):
     """A stride-1 transposed convolution in float32, float64 or bfloat16 (the last only where
     by_cutlass), (N, O, D', H', W'): where by_cutlass by conv_transpose3d_stride1_channels_last's
-    CUTLASS kernel, channels_last_3d (batch_norm_gap reads it so in place, and writes its gradient
-    so, which the bfloat16 weight gradient reads in place); else as a convolution with the kernel
-    flipped (the parity-class convolution with P = 1; on an H200 3.2 ms against cuDNN's 4.5 for
-    architecture D), contiguous (the TF32 weight gradient's operand copies take 0.5 ms from
-    NCDHW, 1.4 from channels-last); backward by
+    CUTLASS kernel; else as a convolution with the kernel flipped (the parity-class convolution
+    with P = 1; on an H200 3.2 ms against cuDNN's 4.5 for architecture D). On a GPU y is
+    channels_last_3d, as both convolutions write it (batch_norm_gap reads it so in place and
+    writes its gradient so, which the weight gradient reads in place in bfloat16, and relayouts
+    by a kernel of its own in TF32), but for _stride1_layout's exceptions. Backward by
     PyTorch's own transposed-convolution backward (its TF32 weight gradient, 6.2 ms, is faster
     than the rewritten convolution's, 7.9), but for the weight's gradient of an unpadded one on a
     GPU: ``conv_transpose3d_weight_grad`` (CUTLASS's kernels on an H100/H200: for D's at SPEC's
-    size 2.6 ms, plus ~0.5 ms of layout copies, against cuDNN's 6.4 on an H200 in TF32; 1.09
-    against 2.37 in bfloat16, less from channels-last operands; cuDNN's elsewhere). A backward
+    size 2.6 ms, plus 0.25 of its operands' relayout, against cuDNN's 6.4 on an H200 in TF32; 1.08
+    against 2.30 in bfloat16, 0.74 from channels-last operands; cuDNN's elsewhere). A backward
     that records a graph (create_graph) takes PyTorch's backward alone, which autograd
     differentiates."""
 
@@ -496,7 +508,7 @@ class _TransposedConv3dStride1(torch.autograd.Function):
         if by_cutlass:
             return conv_transpose3d_stride1_channels_last(x, weight, bias, padding)
         y = _parity_conv3d(x, _transposed_parity_kernel(weight, axes, weight.dtype), bias, axes, out_size)
-        return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous()
+        return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous(memory_format=_stride1_layout(x))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -512,8 +524,7 @@ class _TransposedConv3dStride1(torch.autograd.Function):
         first_order = not torch.is_grad_enabled()
         weight_op = needs[1] and x.is_cuda and tuple(ctx.padding) == (0, 0, 0) and first_order
         # (PyTorch's bias gradient copies a channels-last grad_y to NCDHW first: 0.56 ms for D's in bf16)
-        bias_sums = (ctx.has_bias and needs[2] and first_order and grad_y.is_cuda
-                     and grad_y.dtype in (torch.float16, torch.bfloat16) and _is_channels_last_3d(grad_y))
+        bias_sums = ctx.has_bias and needs[2] and first_order and grad_y.is_cuda and _is_channels_last_3d(grad_y)
         mask = [needs[0], needs[1] and not weight_op, ctx.has_bias and needs[2] and not bias_sums]
         grad_x = grad_weight = grad_bias = None
         if any(mask):
@@ -528,11 +539,15 @@ class _TransposedConv3dStride1(torch.autograd.Function):
 
 
 def _channels_last_channel_sums(t: Tensor) -> Tensor:
-    """A channels_last_3d 16-bit CUDA t (N, C, D, H, W) summed over every dim but C, (C) in t's
-    dtype: a vector-matrix product over its memory as an (N D H W) x C matrix by cuBLAS, summed into
-    float32 (torch.sum's reduction over the outer dims takes 5 times as long: D's bf16 grad_y on an
-    H200, 0.18 against 0.03 ms)."""
+    """A channels_last_3d CUDA t (N, C, D, H, W) summed over every dim but C, (C) in t's dtype: a
+    product of the ones vector and t's memory as an (N D H W) x C matrix by cuBLAS, 16-bit summed
+    into float32 by a matrix product, else by a matrix-vector product (cuBLAS's gemv: no TF32,
+    where a float32 matrix product may round to it). torch.sum's reduction over the outer dims
+    takes 4 to 6 times as long (D's grad_y on an H200: bf16 0.18 against 0.03 ms, float32 0.23
+    against 0.056)."""
     rows = t.permute(0, 2, 3, 4, 1).reshape(-1, t.shape[1])
+    if t.dtype not in (torch.float16, torch.bfloat16):
+        return torch.mv(rows.t(), rows.new_ones(rows.shape[0]))
     return torch.mm(rows.new_ones(1, rows.shape[0]), rows, out_dtype=torch.float32).view(t.shape[1]).to(t.dtype)
 
 

@@ -230,6 +230,21 @@ def test_cutlass_paths(geometry, dtype, path, tf32, cutlass):
 
 
 @requires_sm90
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
+def test_tf32_operand_relayout_tiles(layout, tf32, cutlass):
+    """The TF32 path's operands relayout to (C, H, W, D, N) by its own kernel, in tiles of 128 (d, n)
+    pairs by 32 values along W (NCDHW) or C (channels-last): here grad_y's 160 pairs take two
+    tiles, the last partial, as do x's 40 and grad_y's 48 channels when channels-last; W (10 and
+    12) one partial tile."""
+    geometry = (8, 40, 48, (16, 6, 10), (5, 3, 3))
+    grad_y, x = case(geometry, torch.float32, "cuda")
+    if layout == "channels_last_3d":
+        grad_y, x = (t.contiguous(memory_format=torch.channels_last_3d) for t in (grad_y, x))
+    assert conv_transpose3d_weight_grad_path(grad_y, x, geometry[4]).startswith("cutlass tf32 fprop2d")
+    check(conv_transpose3d_weight_grad(grad_y, x, geometry[4]), grad_y, x, geometry[4], torch.float32, tf32=True)
+
+
+@requires_sm90
 def test_what_the_cutlass_paths_leave_to_aten(tf32, cutlass):
     """float16, float64, float32 without TF32, and sizes the kernels do not take run
     aten.convolution_backward."""

@@ -22,8 +22,8 @@
 //   bfloat16: CUTLASS's kWgrad, 3-D, x NDHWC as the convolution's "output" (GEMM M = I), grad_y
 //   NDHWC as its input (im2col, GEMM N = (O, ks, kr, kt)), no padding; out (I, kt, kr, ks, O).
 //
-// Sums in float32. The operands' layouts are ATen copies, out is permuted back to (I, O, kt, kr,
-// ks) in x's dtype. The concurrent launches run on side streams of c10's pool, forked from and
+// Sums in float32. The operands' layouts are copies (fprop2d's by chwdn_relayout_kernel, wgrad's
+// by ATen) where they do not lie so already; out is permuted back to (I, O, kt, kr, ks) in x's dtype. The concurrent launches run on side streams of c10's pool, forked from and
 // joined back to the current stream by events (a CUDA graph capture follows them). Everything
 // else -- float16, float64, float32 without TF32, another device, sizes CUTLASS refuses
 // (can_implement) or the path does not take (alignment, tiles, over 2^31 - 1 elements) -- by
@@ -52,7 +52,9 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "cutlass_conv.cuh"
@@ -80,6 +82,77 @@ __global__ void add_partials_kernel(float* __restrict__ out, const float* __rest
     }
     reinterpret_cast<float4*>(out)[v] = sum;
   }
+}
+
+// out (C, H, W, D, N) contiguous = t (N, C, D, H, W) of any strides, float32: fprop2d's operand layout
+// (x', gy'), whose innermost pairs (d, n) are t's outermost and most strided dims. A block stages a
+// kRows x 32 tile through shared memory: 32 consecutive values along the lane dim (C where t has
+// unit stride there -- channels-last --, else W) at one value of the other two of (C, H, W), and
+// kRows consecutive (d, n) pairs; it reads 32 values along the lane dim per row (one 128-byte line
+// where that dim has unit stride) and writes each lane value's kRows pairs as one run of out.
+struct ChwdnRelayout {
+  int64_t size[5], stride[5];  // t's, in (N, C, D, H, W) order
+  bool lane_is_c;              // else W
+};
+
+constexpr int kChwdnRows = 128, kChwdnLanes = 32, kChwdnWarps = 8;
+
+__global__ void __launch_bounds__(kChwdnLanes * kChwdnWarps)
+    chwdn_relayout_kernel(const float* __restrict__ t, float* __restrict__ out, const ChwdnRelayout r) {
+  __shared__ float tile[kChwdnRows][kChwdnLanes + 1];  // (+1: the column reads hit 32 banks)
+  const int64_t n = r.size[0], c = r.size[1], h = r.size[3], w = r.size[4], rows = r.size[2] * n;
+  const int64_t lanes = r.lane_is_c ? c : w, lane_tiles = (lanes + kChwdnLanes - 1) / kChwdnLanes;
+  const int64_t row_tiles = (rows + kChwdnRows - 1) / kChwdnRows;
+  int64_t block = blockIdx.x;
+  const int64_t row0 = block % row_tiles * kChwdnRows;
+  block /= row_tiles;
+  const int64_t lane0 = block % lane_tiles * kChwdnLanes;
+  block /= lane_tiles;
+  // block: the other two of (C, H, W), (h, w) with lanes along C, (c, h) along W
+  const int64_t hh = r.lane_is_c ? block / w : block % h;
+  const int64_t fixed = r.lane_is_c ? block % w : block / h;  // w, or c
+  const int64_t lane = lane0 + threadIdx.x;
+  const auto base = [&](int64_t l) {  // t's offset and out's (c, h, w) row for lane value l
+    const int64_t cc = r.lane_is_c ? l : fixed, ww = r.lane_is_c ? fixed : l;
+    return std::pair<int64_t, int64_t>{cc * r.stride[1] + hh * r.stride[3] + ww * r.stride[4], (cc * h + hh) * w + ww};
+  };
+  if (lane < lanes) {
+    const float* from = t + base(lane).first;
+    // pair (d, n) = row0 + i, stepped by kChwdnWarps without a division per step (n < 2^31: the
+    // CUTLASS paths' int32 extents)
+    int d = static_cast<int>((row0 + threadIdx.y) / n), nn = static_cast<int>((row0 + threadIdx.y) % n);
+    for (int i = threadIdx.y; i < kChwdnRows && row0 + i < rows; i += kChwdnWarps) {
+      tile[i][threadIdx.x] = from[d * r.stride[2] + nn * r.stride[0]];
+      for (nn += kChwdnWarps; nn >= n; nn -= static_cast<int>(n)) ++d;
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.y; j < kChwdnLanes && lane0 + j < lanes; j += kChwdnWarps) {
+    float* run = out + base(lane0 + j).second * rows + row0;
+    for (int i = threadIdx.x; i < kChwdnRows && row0 + i < rows; i += kChwdnLanes) run[i] = tile[i][j];
+  }
+}
+
+// t (N, C, D, H, W) float32 as (C, H, W, D, N) contiguous, 16-byte aligned: t's own memory where it
+// lies so, else a copy by chwdn_relayout_kernel.
+at::Tensor to_chwdn(const at::Tensor& t) {
+  const at::Tensor permuted = t.permute({1, 3, 4, 2, 0});
+  if (permuted.is_contiguous() && reinterpret_cast<uintptr_t>(permuted.const_data_ptr()) % 16 == 0) return permuted;
+  at::Tensor out = at::empty(permuted.sizes(), t.options());
+  ChwdnRelayout r{};
+  for (int d = 0; d < 5; ++d) {
+    r.size[d] = t.size(d);
+    r.stride[d] = t.stride(d);
+  }
+  r.lane_is_c = t.stride(1) == 1 && t.stride(4) != 1;
+  const int64_t lanes = r.lane_is_c ? r.size[1] : r.size[4];
+  const int64_t blocks = (r.size[2] * r.size[0] + kChwdnRows - 1) / kChwdnRows *
+                         ((lanes + kChwdnLanes - 1) / kChwdnLanes) * (r.size[1] * r.size[3] * r.size[4] / lanes);
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kWhat, ": too many blocks for the operands' relayout");
+  chwdn_relayout_kernel<<<static_cast<unsigned>(blocks), dim3(kChwdnLanes, kChwdnWarps), 0,
+                          c10::cuda::getCurrentCUDAStream()>>>(t.const_data_ptr<float>(), out.mutable_data_ptr<float>(), r);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
 }
 
 using Fprop2dTf32Tile128 = CutlassConv<Operator::kFprop, 2, float, float, 128, 64, 32>;
@@ -274,8 +347,8 @@ at::Tensor run_cutlass(const CutlassPlan& plan, const at::Tensor& grad_y, const 
   const int64_t kt = g.kernel[0], kr = g.kernel[1], ks = g.kernel[2];
   if (plan.fprop2d) {
     // x (N, I, D, H, W) -> (I, H, W, D, N), grad_y (N, O, Z, P, Q) -> (O, P, Q, Z, N)
-    const at::Tensor x_chwdn = relayout(x, {1, 3, 4, 2, 0});
-    const at::Tensor grad_y_kpqzn = relayout(grad_y, {1, 3, 4, 2, 0});
+    const at::Tensor x_chwdn = to_chwdn(x);
+    const at::Tensor grad_y_kpqzn = to_chwdn(grad_y);
     at::Tensor out = at::empty({g.out_channels, kt, kr, ks, g.in_channels}, x.options());
     if (plan.tile_m == 256) {
       run_fprop2d<Fprop2dTf32Tile256>(g, plan.splits, x_chwdn, grad_y_kpqzn, out);
