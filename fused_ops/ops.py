@@ -29,6 +29,13 @@ def _pair(value, name: str) -> list[int]:
     return _expand(value, 2, name)
 
 
+def _check_tensors(op: str, **tensors) -> None:
+    """A TypeError naming op and the argument where one of `tensors` (name=value) is not a Tensor."""
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+
+
 def _is_channels_last(x: Tensor) -> bool:
     # The C++ kernels' rule (csrc/avg_pool2d_sigmoid_sum.h, is_channels_last).
     return not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
@@ -113,8 +120,7 @@ def avg_pool2d_sigmoid_sum(
     type, float32 for a 16-bit x. Returns (B,) in that dtype, accumulated in
     float32 (float64 for float64 input). Differentiable in x.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"avg_pool2d_sigmoid_sum: x must be a Tensor, got {type(x).__name__}")
+    _check_tensors("avg_pool2d_sigmoid_sum", x=x)
     kernel_size = _pair(kernel_size, "kernel_size")
     stride = kernel_size if stride is None or (isinstance(stride, Sequence) and len(stride) == 0) else _pair(stride, "stride")
     padding = _pair(padding, "padding")
@@ -170,8 +176,7 @@ def conv2d_sigmoid_sum(x: Tensor, weight: Tensor, bias: Tensor | None = None, st
     gradients (on Hopper, where the forward's kernel ran on rows of whole 16-byte chunks, the
     weight's and bias's in one tensor-core kernel; else PyTorch's convolution backward).
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"conv2d_sigmoid_sum: x must be a Tensor, got {type(x).__name__}")
+    _check_tensors("conv2d_sigmoid_sum", x=x)
     save = torch.is_grad_enabled() and (x.requires_grad or (isinstance(weight, Tensor) and weight.requires_grad)
                                         or (isinstance(bias, Tensor) and bias.requires_grad))
     out, _ = _ops.conv2d_sigmoid_sum(x, weight, bias, _pair(stride, "stride"), _pair(padding, "padding"), save,
@@ -250,8 +255,7 @@ def conv3d_max_pool3d_mean(x: Tensor, weight: Tensor, bias: Tensor | None = None
     saves each window's pick (one byte), from which the backward routes the gradient to the
     picks and runs PyTorch's convolution backward.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"conv3d_max_pool3d_mean: x must be a Tensor, got {type(x).__name__}")
+    _check_tensors("conv3d_max_pool3d_mean", x=x)
     save = torch.is_grad_enabled() and (x.requires_grad or (isinstance(weight, Tensor) and weight.requires_grad)
                                         or (isinstance(bias, Tensor) and bias.requires_grad))
     mean, _ = _ops.conv3d_max_pool3d_mean(x, weight, bias, _triple(padding, "padding"), _triple(pool, "pool"),
@@ -332,8 +336,7 @@ def max_pool3d_mean(x: Tensor, kernel_size, stride=None, padding=0, ceil_mode: b
     saves one byte per pooled element when x requires grad (kernel volumes up
     to 256; larger ones make the backward recompute the picks from x).
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"max_pool3d_mean: x must be a Tensor, got {type(x).__name__}")
+    _check_tensors("max_pool3d_mean", x=x)
     if isinstance(divisor, bool) or not isinstance(divisor, (int, float)):
         raise TypeError(f"max_pool3d_mean: divisor must be a number, got {divisor!r}")
     kernel_size, stride, padding = _pool_triples(kernel_size, stride, padding)
@@ -387,8 +390,7 @@ def max_pool3d_cascade_sum(x: Tensor, kernel_size1, kernel_size2, *, stride1=Non
     volumes whose product is at most 256; past it the backward recomputes
     the picks from x).
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"max_pool3d_cascade_sum: x must be a Tensor, got {type(x).__name__}")
+    _check_tensors("max_pool3d_cascade_sum", x=x)
     first = _pool_triples(kernel_size1, stride1, padding1)
     second = _pool_triples(kernel_size2, stride2, padding2)
     volume = math.prod(first[0]) * math.prod(second[0])
@@ -463,8 +465,7 @@ def parity_max_pool3d_mean(y: Tensor, *, dtype: torch.dtype | None = None) -> Te
     Differentiable in y: each window's gradient goes to the element PyTorch's
     max-pool picks (the first maximum; NaN propagates, the last NaN wins).
     """
-    if not isinstance(y, Tensor):
-        raise TypeError(f"parity_max_pool3d_mean: y must be a Tensor, got {type(y).__name__}")
+    _check_tensors("parity_max_pool3d_mean", y=y)
     mean, _ = _ops.parity_max_pool3d_mean(y, torch.is_grad_enabled() and y.requires_grad, dtype)
     return mean
 
@@ -497,8 +498,7 @@ def parity_max_pool3d_cascade_sum(y: Tensor, kernel_size2, *, dtype: torch.dtype
     element PyTorch's cascade picks. Needs kernel volume * Q <= 256 (one byte
     per saved pick).
     """
-    if not isinstance(y, Tensor):
-        raise TypeError(f"parity_max_pool3d_cascade_sum: y must be a Tensor, got {type(y).__name__}")
+    _check_tensors("parity_max_pool3d_cascade_sum", y=y)
     kernel2 = _expand(kernel_size2, 3, "kernel_size2")
     out, _ = _ops.parity_max_pool3d_cascade_sum(y, kernel2, torch.is_grad_enabled() and y.requires_grad, dtype)
     return out
@@ -545,8 +545,7 @@ def depth_stacked_channels_last(x: Tensor, taps: int, stride: int, start, size, 
     Under autocast it runs as called. Not differentiable (no autograd formula): for an x
     that needs no gradient.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"depth_stacked_channels_last: x must be a Tensor, got {type(x).__name__}")
+    _check_tensors("depth_stacked_channels_last", x=x)
     if torch.is_grad_enabled() and x.requires_grad:
         raise RuntimeError("depth_stacked_channels_last: not differentiable, and x requires grad "
                            "(run it under torch.no_grad() or on a detached x)")
@@ -604,8 +603,7 @@ def batch_norm_gap(x: Tensor, scale=1.0, weight: Tensor | None = None, bias: Ten
     channel) in float32 (float64 for float64 x). Differentiable in x, weight
     and bias, through the batch statistics where it uses them.
     """
-    if not isinstance(x, Tensor):
-        raise TypeError(f"batch_norm_gap: x must be a Tensor, got {type(x).__name__}")
+    _check_tensors("batch_norm_gap", x=x)
     _check_number("scale", scale)
     _check_number("momentum", momentum, optional=True)
     _check_number("eps", eps)
@@ -684,9 +682,7 @@ def conv_transpose3d_cascade_weight_grad(grad_out: Tensor, picks: Tensor, x: Ten
     picks (NaN where that one meets a non-finite x with a zero: csrc/conv_transpose3d_cascade_weight_grad.h).
     Not differentiable.
     """
-    for name, t in (("grad_out", grad_out), ("picks", picks), ("x", x)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"conv_transpose3d_cascade_weight_grad: {name} must be a Tensor, got {type(t).__name__}")
+    _check_tensors("conv_transpose3d_cascade_weight_grad", grad_out=grad_out, picks=picks, x=x)
     return _ops.conv_transpose3d_cascade_weight_grad(
         grad_out, picks, x, _expand(kernel_size, 3, "kernel_size"), _expand(stride, 3, "stride"),
         _expand(padding, 3, "padding"), _expand(kernel_size2, 3, "kernel_size2"),
@@ -727,9 +723,7 @@ def conv_transpose3d_weight_grad(grad_y: Tensor, x: Tensor, kernel_size) -> Tens
     ``conv_transpose3d_weight_grad_path`` says which) by ``aten.convolution_backward`` (cuDNN's
     on a GPU). Not differentiable.
     """
-    for name, t in (("grad_y", grad_y), ("x", x)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"conv_transpose3d_weight_grad: {name} must be a Tensor, got {type(t).__name__}")
+    _check_tensors("conv_transpose3d_weight_grad", grad_y=grad_y, x=x)
     return _ops.conv_transpose3d_weight_grad(grad_y, x, _expand(kernel_size, 3, "kernel_size"))
 
 
@@ -776,9 +770,7 @@ def conv_transpose3d_stride1_channels_last(x: Tensor, weight: Tensor, bias: Tens
     a multiple of 16 bytes, a build without CUTLASS: ``conv_transpose3d_stride1_channels_last_path``
     says which) by ``aten.conv_transpose3d``. Not differentiable.
     """
-    for name, t in (("x", x), ("weight", weight)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"conv_transpose3d_stride1_channels_last: {name} must be a Tensor, got {type(t).__name__}")
+    _check_tensors("conv_transpose3d_stride1_channels_last", x=x, weight=weight)
     return _ops.conv_transpose3d_stride1_channels_last(x, weight, bias, _expand(padding, 3, "padding"))
 
 
@@ -821,8 +813,7 @@ def box_fold2d(weight: Tensor, box, divisor: float, *, dtype: torch.dtype | None
     converts a float64 tensor.
     Differentiable (twice and more: linear both ways); one kernel launch each way on a GPU.
     """
-    if not isinstance(weight, Tensor):
-        raise TypeError(f"box_fold2d: weight must be a Tensor, got {type(weight).__name__}")
+    _check_tensors("box_fold2d", weight=weight)
     # the weight's own dtype passed as None, the schema's default: torch 2.11's AOTInductor hands a
     # custom op a dtype argument as another type (float32 as float64: pytorch/pytorch#169157)
     return _ops.box_fold2d(weight, _pair(box, "box"), float(divisor), None if dtype == weight.dtype else dtype)
