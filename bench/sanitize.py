@@ -106,10 +106,12 @@ def main():
     for dtype in (torch.float32, torch.bfloat16):
         fused_ops.conv_transpose3d_weight_grad(rand(8, 64, 12, 9, 13, dtype=dtype), rand(8, 16, 8, 6, 6, dtype=dtype),
                                                (5, 4, 8))
-    # the TF32 path's operand relayout from channels-last (lanes along C): two tiles of (d, n) pairs and of channels
+    # the TF32 path's operand relayout: from channels-last (lanes along C), two tiles of (d, n) pairs and of
+    # channels; from NCDHW (lanes along W) with a batch of 12, two tiles of pairs and of widths
     cl = torch.channels_last_3d
     fused_ops.conv_transpose3d_weight_grad(rand(8, 48, 20, 8, 12).contiguous(memory_format=cl),
                                            rand(8, 40, 16, 6, 10).contiguous(memory_format=cl), (5, 3, 3))
+    fused_ops.conv_transpose3d_weight_grad(rand(12, 16, 12, 4, 38), rand(12, 8, 8, 3, 36), (5, 2, 3))
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv_transpose3d_weight_grad: ok")

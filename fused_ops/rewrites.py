@@ -552,9 +552,11 @@ def _channels_last_channel_sums(t: Tensor) -> Tensor:
 
 
 def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:
-    """``conv(x)`` for a stride-1 transposed convolution, (N, O, D', H', W'): channels_last_3d by
-    conv_transpose3d_stride1_channels_last's CUTLASS kernel (_stride1_by_cutlass), else contiguous
-    as a convolution with the kernel flipped; None for other configurations."""
+    """``conv(x)`` for a stride-1 transposed convolution, (N, O, D', H', W'): by
+    conv_transpose3d_stride1_channels_last's CUTLASS kernel (_stride1_by_cutlass), else as a
+    convolution with the kernel flipped; channels_last_3d on a GPU (but for _stride1_layout's
+    exceptions, and 16-bit without the CUTLASS kernel: contiguous), contiguous on a CPU; None for
+    other configurations."""
     if not (_is_plain_conv(conv, x) and _triple(conv.stride) == (1, 1, 1) and _triple(conv.output_padding) == (0, 0, 0)):
         return None
     kernel, padding = _triple(conv.kernel_size), _triple(conv.padding)

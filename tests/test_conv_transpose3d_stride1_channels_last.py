@@ -381,8 +381,8 @@ def test_d_rewrite_with_padding_past_the_kernel(device):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the sums of a CUDA grad_y (CUDA only)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
-                         ids=["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
+                         ids=["bfloat16", "float16", "float32", "float64"])
 def test_channels_last_channel_sums(dtype):
     """The conv bias's gradient over a channels-last grad_y (the rewrite's backward): every
     channel's sum, within one rounding to the dtype of the float64 sum; float32's with TF32

@@ -233,10 +233,11 @@ def test_cutlass_paths(geometry, dtype, path, tf32, cutlass):
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
 def test_tf32_operand_relayout_tiles(layout, tf32, cutlass):
     """The TF32 path's operands relayout to (C, H, W, D, N) by its own kernel, in tiles of 128 (d, n)
-    pairs by 32 values along W (NCDHW) or C (channels-last): here grad_y's 160 pairs take two
-    tiles, the last partial, as do x's 40 and grad_y's 48 channels when channels-last; W (10 and
-    12) one partial tile."""
-    geometry = (8, 40, 48, (16, 6, 10), (5, 3, 3))
+    pairs by 32 values along W (NCDHW) or C (channels-last), each warp stepping through the pairs 8
+    at a time: here a batch of 12 (the step wraps n unevenly), x's 192 and grad_y's 240 pairs two
+    tiles each, the last partial and not a multiple of 32; x's 40 and grad_y's 48 channels (when
+    channels-last) and W 36 and 38 (NCDHW) two tiles, the last partial."""
+    geometry = (12, 40, 48, (16, 6, 36), (5, 3, 3))
     grad_y, x = case(geometry, torch.float32, "cuda")
     if layout == "channels_last_3d":
         grad_y, x = (t.contiguous(memory_format=torch.channels_last_3d) for t in (grad_y, x))

@@ -25,9 +25,11 @@ def with_channel_bias(y, channel_bias):
 
 
 def assert_same_function(rewritten, plain, inputs):
-    """Values and the gradients of every input (tensors requiring grad) equal to float64 rounding."""
+    """Values and the gradients of every input (tensors requiring grad) equal to float64 rounding,
+    for a gradient laid out as the rewritten output (as a fused tail gives it: channels-last where
+    the rewrite's output is, so its backward's channels-last paths run)."""
     torch.testing.assert_close(rewritten, plain, rtol=1e-10, atol=1e-12)
-    grad = torch.rand_like(plain)
+    grad = torch.rand_like(rewritten)
     for a, b in zip(torch.autograd.grad(rewritten, inputs, grad), torch.autograd.grad(plain, inputs, grad)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 

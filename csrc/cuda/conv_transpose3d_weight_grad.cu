@@ -23,8 +23,9 @@
 //   NDHWC as its input (im2col, GEMM N = (O, ks, kr, kt)), no padding; out (I, kt, kr, ks, O).
 //
 // Sums in float32. The operands' layouts are copies (fprop2d's by chwdn_relayout_kernel, wgrad's
-// by ATen) where they do not lie so already; out is permuted back to (I, O, kt, kr, ks) in x's dtype. The concurrent launches run on side streams of c10's pool, forked from and
-// joined back to the current stream by events (a CUDA graph capture follows them). Everything
+// by ATen) where they do not lie so already; out is permuted back to (I, O, kt, kr, ks) in x's
+// dtype. The concurrent launches run on side streams of c10's pool, forked from and joined back
+// to the current stream by events (a CUDA graph capture follows them). Everything
 // else -- float16, float64, float32 without TF32, another device, sizes CUTLASS refuses
 // (can_implement) or the path does not take (alignment, tiles, over 2^31 - 1 elements) -- by
 // aten.convolution_backward, as does a build without CUTLASS.
@@ -150,7 +151,8 @@ at::Tensor to_chwdn(const at::Tensor& t) {
                          ((lanes + kChwdnLanes - 1) / kChwdnLanes) * (r.size[1] * r.size[3] * r.size[4] / lanes);
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kWhat, ": too many blocks for the operands' relayout");
   chwdn_relayout_kernel<<<static_cast<unsigned>(blocks), dim3(kChwdnLanes, kChwdnWarps), 0,
-                          c10::cuda::getCurrentCUDAStream()>>>(t.const_data_ptr<float>(), out.mutable_data_ptr<float>(), r);
+                          c10::cuda::getCurrentCUDAStream()>>>(t.const_data_ptr<float>(),
+                                                               out.mutable_data_ptr<float>(), r);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
