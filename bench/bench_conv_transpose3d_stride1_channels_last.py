@@ -16,16 +16,14 @@ tiny, --batch N; time, TFLOP/s, the time over the faster cuDNN row of the same d
     cd bench && python3 bench_conv_transpose3d_stride1_channels_last.py [--size spec] [--batch N] [--rounds 5]
 """
 import contextlib
-import statistics
 
 import torch
 import torch.nn.functional as F
 
-from fused_ops import architectures, autotune, conv_transpose3d_stride1_channels_last, reference, rewrites
+from fused_ops import architectures, conv_transpose3d_stride1_channels_last, reference, rewrites
 from fused_ops import nn as fnn
 from fused_ops.ops import conv_transpose3d_stride1_channels_last_path
-from timing import (d_convolution_arguments, device_name, interleaved_medians, module_training_step,
-                    print_against_cudnn)
+from timing import d_convolution_arguments, module_training_step, run_against_cudnn
 
 D = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
 C_OUT, KERNEL = D.args[1], D.args[2]
@@ -59,7 +57,6 @@ def main():
     weight, bias = conv.weight.detach(), conv.bias.detach()
     with torch.no_grad():
         expected = F.conv_transpose3d(x.double(), weight.double(), bias.double())
-    scale = expected.abs().max().item()
 
     rows = {}  # name -> (call, group, checked)
     paths = {}
@@ -99,22 +96,9 @@ def main():
             stack.enter_context(torch.autocast(device.type, torch.bfloat16))
         return stack
 
-    errors = {}
-    with torch.no_grad():
-        for name, (call, _, checked) in rows.items():
-            if checked:
-                errors[name] = ((call().double() - expected).abs().max() / scale).item()
-    reps = args.reps or (20 if device.type == "cuda" else 3)
-    times = interleaved_medians({name: call for name, (call, _, _) in rows.items()}, device,
-                                {name: reps for name in rows}, args.rounds, settings)
-    autotune.clear()
-
-    ms = {name: statistics.median(rounds) for name, rounds in times.items()}
-    flop = 2 * n * c_in * C_OUT * size[0] * size[1] * size[2] * KERNEL ** 3
-    print(f"{device_name(device)}; x {tuple(x.shape)}, y {tuple(expected.shape)}, kernel {KERNEL}; "
-          f"{flop / 1e9:.0f} GFLOP; torch {torch.__version__}; medians of {args.rounds} rounds of {reps} calls")
-    print(f"the op's path: float32 (TF32) {paths['tf32']}; bfloat16 {paths['bf16']}")
-    print_against_cudnn(rows, ms, errors, flop)
+    run_against_cudnn(rows, expected, args, device, settings,
+                      f"x {tuple(x.shape)}, y {tuple(expected.shape)}, kernel {KERNEL}", paths,
+                      2 * n * c_in * C_OUT * size[0] * size[1] * size[2] * KERNEL ** 3)
 
 
 if __name__ == "__main__":

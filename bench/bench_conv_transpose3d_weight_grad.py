@@ -16,15 +16,13 @@ TFLOP/s of 2 N C_in C_out D H W k^3, the time over the faster cuDNN row of the s
     cd bench && python3 bench_conv_transpose3d_weight_grad.py [--size spec] [--batch N] [--rounds 5]
 """
 import contextlib
-import statistics
 
 import torch
 
-from fused_ops import architectures, autotune, conv_transpose3d_weight_grad, reference, rewrites
+from fused_ops import architectures, conv_transpose3d_weight_grad, reference, rewrites
 from fused_ops import nn as fnn
 from fused_ops.ops import conv_transpose3d_weight_grad_path
-from timing import (d_convolution_arguments, device_name, interleaved_medians, module_training_step,
-                    print_against_cudnn)
+from timing import d_convolution_arguments, module_training_step, run_against_cudnn
 
 D = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
 C_OUT, KERNEL = D.args[1], D.args[2]
@@ -59,7 +57,6 @@ def main():
     grad_y = torch.randn(n, C_OUT, *[s + KERNEL - 1 for s in size], device=device)
     with torch.no_grad():
         expected = by_aten(grad_y.double(), x.double(), kernel)
-    scale = expected.abs().max().item()
 
     rows = {}  # name -> (call, dtype, checked)
     paths = {}
@@ -84,24 +81,10 @@ def main():
     rows["D step, rewrite, cuDNN weight grad"] = (module_training_step(fused, x, step_grad, "rewrite"), "step", False)
     rows["D step, original"] = (module_training_step(original, x, step_grad), "step", False)
 
-    errors = {}
-    with torch.no_grad():
-        for name, (call, _, checked) in rows.items():
-            if checked:
-                errors[name] = ((call().double() - expected).abs().max() / scale).item()
     settings = {"D step, rewrite, cuDNN weight grad": rewrite_weight_grad_by_aten}
-    reps = args.reps or (20 if device.type == "cuda" else 3)
-    times = interleaved_medians({name: call for name, (call, _, _) in rows.items()}, device,
-                                {name: reps for name in rows}, args.rounds,
-                                lambda name: settings.get(name, contextlib.nullcontext)())
-    autotune.clear()
-
-    ms = {name: statistics.median(rounds) for name, rounds in times.items()}
-    flop = 2 * n * c_in * C_OUT * size[0] * size[1] * size[2] * KERNEL ** 3
-    print(f"{device_name(device)}; x {tuple(x.shape)}, grad_y {tuple(grad_y.shape)}, kernel {KERNEL}; "
-          f"{flop / 1e9:.0f} GFLOP; torch {torch.__version__}; medians of {args.rounds} rounds of {reps} calls")
-    print(f"the op's path: float32 (TF32) {paths['tf32']}; bfloat16 {paths['bf16']}")
-    print_against_cudnn(rows, ms, errors, flop)
+    run_against_cudnn(rows, expected, args, device, lambda name: settings.get(name, contextlib.nullcontext)(),
+                      f"x {tuple(x.shape)}, grad_y {tuple(grad_y.shape)}, kernel {KERNEL}", paths,
+                      2 * n * c_in * C_OUT * size[0] * size[1] * size[2] * KERNEL ** 3)
 
 
 if __name__ == "__main__":

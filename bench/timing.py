@@ -128,6 +128,32 @@ def print_against_cudnn(rows: dict, ms: dict, errors: dict, flop: float) -> None
     print("vs cuDNN: the time over the faster cuDNN row of the same dtype (above 1: slower)")
 
 
+def run_against_cudnn(rows: dict, expected, args, device, settings: Callable, operands: str, paths: dict,
+                      flop: float) -> None:
+    """The last part of the benchmarks of D's convolutions: each checked row of rows {name: (call,
+    group, checked)} checked against `expected` (float64: its normwise error, max |got - exact| /
+    max |exact|), every row timed in interleaved rounds, each call inside settings(name) (a context
+    manager), then a header line (`operands` says their shapes), the op's paths {"tf32", "bf16"}
+    and print_against_cudnn's table."""
+    from fused_ops import autotune
+
+    scale = expected.abs().max().item()
+    errors = {}
+    with torch.no_grad():
+        for name, (call, _, checked) in rows.items():
+            if checked:
+                errors[name] = ((call().double() - expected).abs().max() / scale).item()
+    reps = args.reps or (20 if device.type == "cuda" else 3)
+    times = interleaved_medians({name: call for name, (call, _, _) in rows.items()}, device,
+                                {name: reps for name in rows}, args.rounds, settings)
+    autotune.clear()
+    ms = {name: statistics.median(rounds) for name, rounds in times.items()}
+    print(f"{device_name(device)}; {operands}; {flop / 1e9:.0f} GFLOP; torch {torch.__version__}; "
+          f"medians of {args.rounds} rounds of {reps} calls")
+    print(f"the op's path: float32 (TF32) {paths['tf32']}; bfloat16 {paths['bf16']}")
+    print_against_cudnn(rows, ms, errors, flop)
+
+
 def d_convolution_arguments(description: str) -> tuple:
     """The command line of the benchmarks of D's convolutions (--device, --size, --batch, --rounds,
     --reps), parsed: (args, device, D's input shape: spec on a GPU, reduced on a CPU by default);

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _autocast
-from ._derived import derived
+from ._derived import derived, traced
 from .ops import (_accumulation_dtype, _expand, _is_channels_last_3d, _pool_triples, _pooled_size, box_fold2d,
                   conv2d_sigmoid_sum, conv3d_max_pool3d_mean, conv_transpose3d_cascade_weight_grad,
                   conv_transpose3d_stride1_channels_last, conv_transpose3d_stride1_channels_last_path,
@@ -462,14 +462,14 @@ def _stride1_by_cutlass(x: Tensor, conv: nn.ConvTranspose3d, dtype: torch.dtype)
     """Whether D's rewrite runs conv(x) in dtype by conv_transpose3d_stride1_channels_last: a dtype of
     _STRIDE1_BY_CUTLASS, a padding the op takes (below the kernel size; the rewrite takes larger
     ones too), and the op taking a CUTLASS kernel (an sm_90 GPU, channels a multiple of 16 bytes, a
-    build with CUTLASS). Not while compiling or under a fake mode (the path is asked of real
-    tensors; a compiled graph takes the parity-class convolution, which the compiler sees
-    through)."""
+    build with CUTLASS). Not in a trace (_derived.traced: while compiling or under a fake mode; the
+    path is asked of real tensors; a compiled graph takes the parity-class convolution, which the
+    compiler sees through)."""
     if dtype not in _STRIDE1_BY_CUTLASS or not x.is_cuda:
         return False
     if not all([0 <= p < k for p, k in zip(_triple(conv.padding), _triple(conv.kernel_size))]):
         return False
-    if torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+    if traced(x):
         return False
     return _stride1_path(x.device, dtype, tuple(x.shape), tuple(conv.weight.shape), conv.bias is not None,
                          _triple(conv.padding), _tf32_convolutions()).startswith("cutlass")
@@ -477,12 +477,12 @@ def _stride1_by_cutlass(x: Tensor, conv: nn.ConvTranspose3d, dtype: torch.dtype)
 
 def _stride1_layout(x: Tensor) -> torch.memory_format:
     """The layout of _TransposedConv3dStride1's parity-class y: channels_last_3d on a GPU (the
-    convolution's own; its class docstring says why), contiguous on a CPU, and while compiling or
-    under a fake mode: with a channels-last y, a compiled D's backward on a GPU gave the
+    convolution's own; its class docstring says why), contiguous on a CPU, and in a trace
+    (_derived.traced: while compiling or under a fake mode): with a channels-last y, a compiled D's backward on a GPU gave the
     convolution's inputs zero gradients (torch 2.11; test_compile_fullgraph in
     tests/test_nn_convtranspose3d_scale_batchnorm_gap.py). Cause not found: batch_norm_gap alone
     compiles right on a channels-last CUDA input, as does D on a CPU with y forced channels-last."""
-    if not x.is_cuda or torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None:
+    if not x.is_cuda or traced(x):
         return torch.contiguous_format
     return torch.channels_last_3d
 

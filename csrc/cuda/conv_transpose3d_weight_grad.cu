@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kChwdnLanes * kChwdnWarps)
 // lies so, else a copy by chwdn_relayout_kernel.
 at::Tensor to_chwdn(const at::Tensor& t) {
   const at::Tensor permuted = t.permute({1, 3, 4, 2, 0});
-  if (permuted.is_contiguous() && reinterpret_cast<uintptr_t>(permuted.const_data_ptr()) % 16 == 0) return permuted;
+  if (permuted.is_contiguous() && aligned_for_tma(permuted)) return permuted;
   at::Tensor out = at::empty(permuted.sizes(), t.options());
   ChwdnRelayout r{};
   for (int d = 0; d < 5; ++d) {

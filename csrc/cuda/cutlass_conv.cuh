@@ -120,10 +120,15 @@ Array make_array(T... values) {
   return a;
 }
 
-// t permuted by dims, contiguous, its data 16-byte aligned (TMA's): a copy unless t lies so in memory.
+// Whether t's data is 16-byte aligned (TMA's requirement).
+inline bool aligned_for_tma(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+// t permuted by dims, contiguous, its data 16-byte aligned: a copy unless t lies so in memory.
 inline at::Tensor relayout(const at::Tensor& t, at::IntArrayRef dims) {
   const at::Tensor permuted = t.permute(dims).contiguous();
-  return reinterpret_cast<uintptr_t>(permuted.const_data_ptr()) % 16 == 0 ? permuted : permuted.clone();
+  return aligned_for_tma(permuted) ? permuted : permuted.clone();
 }
 
 // Whether the device is an sm_90 one (the kernels' sm_90a code runs there alone).
