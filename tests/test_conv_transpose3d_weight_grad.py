@@ -198,21 +198,31 @@ def cutlass():
         pytest.skip("this build has no CUTLASS kernels")
 
 
-# (geometry, dtype, the path on an H100 or H200): each TF32 tile and split, as the path's cost model
-# (fprop2d_plan: waves of CTAs x a CTA's work, ties to the larger tile and fewer splits) picks them on
-# 80 to 132 multiprocessors
+# (geometry, dtype, the path on an H100 or H200, or its prefix): TF32 with ks <= 5 by the shifted rows
+# (its split, as many K ranges as fill the multiprocessors, depends on their count), each fprop2d tile
+# and split (ks > 5) as the path's cost model (fprop2d_plan: waves of CTAs x a CTA's work, ties to the
+# larger tile and fewer splits) picks them on 80 to 132 multiprocessors
+ROWS = "tf32 shifted rows split"
 CUTLASS_CASES = [
-    (SPEC_LIKE, torch.float32, "cutlass tf32 fprop2d 128x64x32 split1"),  # D * N = 32: no split
-    ((8, 16, 64, (8, 6, 10), (5, 3, 4)), torch.float32, "cutlass tf32 fprop2d 128x64x32 split2"),
-    ((8, 16, 32, (16, 6, 10), (5, 3, 4)), torch.float32, "cutlass tf32 fprop2d 128x64x32 split4"),
+    (SPEC_LIKE, torch.float32, ROWS),
+    ((8, 16, 64, (8, 6, 10), (5, 3, 4)), torch.float32, ROWS),
+    ((8, 16, 32, (16, 6, 10), (5, 3, 4)), torch.float32, ROWS),
     ((4, 16, 64, (8, 6, 6), (5, 8, 8)), torch.float32, "cutlass tf32 fprop2d 256x64x32 split1"),
     ((8, 16, 64, (8, 6, 6), (5, 4, 8)), torch.float32, "cutlass tf32 fprop2d 256x64x32 split2"),
-    ((8, 16, 64, (16, 6, 6), (5, 4, 4)), torch.float32, "cutlass tf32 fprop2d 256x64x32 split4"),
-    ((8, 8, 64, (4, 6, 10), (1, 7, 3)), torch.float32, "cutlass tf32 fprop2d 128x64x32 split1"),  # one depth tap
-    ((4, 72, 40, (8, 5, 7), (3, 2, 3)), torch.float32, "cutlass tf32 fprop2d 128x64x32 split1"),  # I over a tile
+    ((8, 16, 64, (16, 6, 6), (5, 4, 4)), torch.float32, ROWS),
+    ((8, 8, 64, (4, 6, 10), (1, 7, 3)), torch.float32, ROWS),  # one depth tap
+    ((4, 72, 40, (8, 5, 7), (3, 2, 3)), torch.float32, ROWS),  # I over a tile
     (SPEC_LIKE, torch.bfloat16, "cutlass bf16 wgrad 64x128x64"),
     ((2, 8, 128, (3, 5, 4), (5, 5, 5)), torch.bfloat16, "cutlass bf16 wgrad 64x128x64"),
     ((3, 72, 192, (2, 3, 4), (2, 3, 1)), torch.bfloat16, "cutlass bf16 wgrad 64x128x64"),  # partial M and N tiles
+    # shifted rows: odd batch, channels and rows (no alignment asked), each ks, O over a tile
+    ((3, 16, 64, (8, 6, 10), (5, 3, 4)), torch.float32, ROWS),
+    ((4, 6, 64, (8, 6, 10), (5, 3, 4)), torch.float32, ROWS),
+    ((4, 16, 64, (7, 6, 10), (5, 3, 4)), torch.float32, ROWS),
+    ((3, 5, 7, (4, 7, 9), (2, 3, 5)), torch.float32, ROWS),
+    ((2, 70, 130, (3, 8, 10), (3, 3, 3)), torch.float32, ROWS),
+    ((1, 9, 64, (2, 5, 6), (1, 2, 2)), torch.float32, ROWS),
+    ((2, 8, 9, (5, 6, 7), (4, 1, 1)), torch.float32, ROWS),
 ]
 IDS_CUTLASS = [f"{str(d).removeprefix('torch.')}-{'x'.join(map(str, g[:3]))}-{p.split()[-1]}"
                for g, d, p in CUTLASS_CASES]
@@ -224,7 +234,7 @@ def test_cutlass_paths(geometry, dtype, path, tf32, cutlass):
     """On an sm_90 GPU in a build with CUTLASS, these sizes take the CUTLASS kernels, within
     TF32's (or bfloat16's) bound."""
     grad_y, x = case(geometry, dtype, "cuda")
-    assert conv_transpose3d_weight_grad_path(grad_y, x, geometry[4]) == path
+    assert conv_transpose3d_weight_grad_path(grad_y, x, geometry[4]).startswith(path)
     check(conv_transpose3d_weight_grad(grad_y, x, geometry[4]), grad_y, x, geometry[4], dtype,
           tf32=dtype == torch.float32, what=path)
 
@@ -232,16 +242,31 @@ def test_cutlass_paths(geometry, dtype, path, tf32, cutlass):
 @requires_sm90
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
 def test_tf32_operand_relayout_tiles(layout, tf32, cutlass):
-    """The TF32 path's operands relayout to (C, H, W, D, N) by its own kernel, in tiles of 128 (d, n)
-    pairs by 32 values along W (NCDHW) or C (channels-last), each warp stepping through the pairs 8
-    at a time: here a batch of 12 (the step wraps n unevenly), x's 192 and grad_y's 240 pairs two
-    tiles each, the last partial and not a multiple of 32; x's 40 and grad_y's 48 channels (when
-    channels-last) and W 36 and 38 (NCDHW) two tiles, the last partial."""
-    geometry = (12, 40, 48, (16, 6, 36), (5, 3, 3))
+    """fprop2d's operands (ks > 5) relayout to (C, H, W, D, N) by its own kernel, in tiles of 128
+    (d, n) pairs by 32 values along W (NCDHW) or C (channels-last), each warp stepping through the
+    pairs 8 at a time: here a batch of 12 (the step wraps n unevenly), x's 192 and grad_y's 240 pairs
+    two tiles each, the last partial and not a multiple of 32; x's 40 and grad_y's 48 channels (when
+    channels-last) and W 36 and 41 (NCDHW) two tiles, the last partial."""
+    geometry = (12, 40, 48, (16, 6, 36), (5, 3, 6))
     grad_y, x = case(geometry, torch.float32, "cuda")
     if layout == "channels_last_3d":
         grad_y, x = (t.contiguous(memory_format=torch.channels_last_3d) for t in (grad_y, x))
     assert conv_transpose3d_weight_grad_path(grad_y, x, geometry[4]).startswith("cutlass tf32 fprop2d")
+    check(conv_transpose3d_weight_grad(grad_y, x, geometry[4]), grad_y, x, geometry[4], torch.float32, tf32=True)
+
+
+@requires_sm90
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
+def test_shifted_rows_relayout_tiles(layout, tf32, cutlass):
+    """The shifted rows' operands relayout to (shifts, C, N, D, H, L) by their own kernel, in tiles
+    of 32 channels by 64 row positions and a halo of 4 for the shifts: here rows of L = 76 (two
+    tiles, the second reading the first's last columns for its shifts), x's 40 and grad_y's 36
+    channels (two tiles, the last partial), from NCDHW and channels-last operands."""
+    geometry = (3, 40, 36, (2, 3, 70), (2, 2, 5))
+    grad_y, x = case(geometry, torch.float32, "cuda")
+    if layout == "channels_last_3d":
+        grad_y, x = (t.contiguous(memory_format=torch.channels_last_3d) for t in (grad_y, x))
+    assert conv_transpose3d_weight_grad_path(grad_y, x, geometry[4]).startswith(ROWS)
     check(conv_transpose3d_weight_grad(grad_y, x, geometry[4]), grad_y, x, geometry[4], torch.float32, tf32=True)
 
 
@@ -251,16 +276,15 @@ def test_what_the_cutlass_paths_leave_to_aten(tf32, cutlass):
     aten.convolution_backward."""
     batch, c_in, c_out, size, kernel = SPEC_LIKE
     cases = {"float16": case(SPEC_LIKE, torch.float16, "cuda"), "float64": case(SPEC_LIKE, torch.float64, "cuda"),
-             "batch 3": case((3, c_in, c_out, size, kernel), torch.float32, "cuda"),
-             "C_in 6": case((batch, 6, c_out, size, kernel), torch.float32, "cuda"),
-             "D * N 28": case((batch, c_in, c_out, (7, *size[1:]), kernel), torch.float32, "cuda"),
+             "fprop2d's batch 3": case((3, c_in, c_out, size, (5, 3, 6)), torch.float32, "cuda"),
              "bf16 C_out 32": case((batch, c_in, 32, size, kernel), torch.bfloat16, "cuda"),
              "bf16 C_in 12": case((batch, 12, c_out, size, kernel), torch.bfloat16, "cuda"),
              "empty": case((0, c_in, c_out, size, kernel), torch.float32, "cuda")}
     for what, (grad_y, x) in cases.items():
-        assert conv_transpose3d_weight_grad_path(grad_y, x, kernel) == BY_ATEN, what
+        taps = tuple([y - s + 1 for y, s in zip(grad_y.shape[2:], x.shape[2:])])
+        assert conv_transpose3d_weight_grad_path(grad_y, x, taps) == BY_ATEN, what
         if x.numel():
-            check(conv_transpose3d_weight_grad(grad_y, x, kernel), grad_y, x, kernel, x.dtype,
+            check(conv_transpose3d_weight_grad(grad_y, x, taps), grad_y, x, taps, x.dtype,
                   tf32=x.dtype == torch.float32, what=what)
     grad_y, x = case(SPEC_LIKE, torch.float32, "cuda")
     cudnn = torch.backends.cudnn
@@ -269,12 +293,13 @@ def test_what_the_cutlass_paths_leave_to_aten(tf32, cutlass):
 
 
 @requires_sm90
-@pytest.mark.parametrize("geometry,dtype,path", [CUTLASS_CASES[i] for i in (4, 8)], ids=["tf32-split2", "bf16"])
+@pytest.mark.parametrize("geometry,dtype,path", [CUTLASS_CASES[i] for i in (0, 4, 8)],
+                         ids=["shifted-rows", "tf32-split2", "bf16"])
 def test_cuda_graph_capture(geometry, dtype, path, tf32, cutlass):
     """Captured in a CUDA graph (the concurrent launches' side streams forked and joined inside it),
     a replay on new values gives the eager call's result."""
     grad_y, x = case(geometry, dtype, "cuda")
-    assert conv_transpose3d_weight_grad_path(grad_y, x, geometry[4]) == path
+    assert conv_transpose3d_weight_grad_path(grad_y, x, geometry[4]).startswith(path)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # (warm up outside the capture, as torch.cuda.graph's documentation asks)

@@ -235,9 +235,12 @@ struct StageRing {
 // A tensor map of `rank` dimensions over `base` (16-byte aligned): sizes
 // `dims` and byte strides `strides` (of dimensions 1..rank-1, multiples of 16)
 // innermost first, boxes of `box` elements (box[0] times the element size a
-// multiple of 16 bytes, each at most 256), no swizzle, zeros outside the tensor.
+// multiple of 16 bytes, each at most 256), zeros outside the tensor; unswizzled, or
+// `swizzle`d (then box[0] times the element size at most the swizzle's span, and
+// the box's destination aligned to its atom: 1024 bytes for 128-byte swizzling).
 inline CUtensorMap tiled_tensor_map(CUtensorMapDataType type, const void* base, int rank, const cuuint64_t* dims,
-                                    const cuuint64_t* strides, const cuuint32_t* box) {
+                                    const cuuint64_t* strides, const cuuint32_t* box,
+                                    CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
   static const auto encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -249,7 +252,7 @@ inline CUtensorMap tiled_tensor_map(CUtensorMapDataType type, const void* base, 
   const cuuint32_t unit[5] = {1, 1, 1, 1, 1};
   CUtensorMap map;
   const CUresult result = encode(&map, type, static_cast<cuuint32_t>(rank), const_cast<void*>(base), dims, strides,
-                                 box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                                 box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   TORCH_CHECK(result == CUDA_SUCCESS, "fused_ops: cuTensorMapEncodeTiled failed (CUresult ", static_cast<int>(result),
               ")");
@@ -259,8 +262,9 @@ inline CUtensorMap tiled_tensor_map(CUtensorMapDataType type, const void* base, 
 // tiled_tensor_map's map over a contiguous float32 tensor x (up to 5
 // dimensions, at a 16-byte aligned address, rows of whole 16-byte chunks),
 // its dimensions innermost first, boxes of `box` (one size per dimension,
-// innermost first).
-inline CUtensorMap contiguous_float_tensor_map(const at::Tensor& x, c10::ArrayRef<cuuint32_t> box) {
+// innermost first), `swizzle`d as tiled_tensor_map's.
+inline CUtensorMap contiguous_float_tensor_map(const at::Tensor& x, c10::ArrayRef<cuuint32_t> box,
+                                               CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
   const int rank = static_cast<int>(x.dim());
   TORCH_INTERNAL_ASSERT(rank <= 5 && static_cast<int>(box.size()) == rank && x.is_contiguous());
   cuuint64_t dims[5], strides[4];
@@ -269,7 +273,8 @@ inline CUtensorMap contiguous_float_tensor_map(const at::Tensor& x, c10::ArrayRe
     dims[d] = static_cast<cuuint64_t>(x.size(rank - 1 - d));
     if (d + 1 < rank) strides[d] = stride *= dims[d];
   }
-  return tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, x.const_data_ptr(), rank, dims, strides, box.data());
+  return tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, x.const_data_ptr(), rank, dims, strides, box.data(),
+                          swizzle);
 }
 
 // Whether `kernel` runs on the current device as code built for sm_90 or

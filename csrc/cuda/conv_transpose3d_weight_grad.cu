@@ -1,13 +1,20 @@
 // CUDA kernel of conv_transpose3d_weight_grad (the math: ../conv_transpose3d_weight_grad.h).
 //
 // On an sm_90 device, in a build with CUTLASS (FUSED_OPS_CUTLASS: setup.py defines it where it
-// finds CUTLASS's headers and compiles for sm_90a), CUTLASS 3.x Hopper implicit-GEMM convolutions
-// (TMA loads, im2col for the sliding operand, wgmma; one producer and one consumer warp group, a
-// CTA per output tile; chosen among CUTLASS's formulations and tiles by a baseline library,
-// bench/results/d_weight_grad_cutlass-nvidia-h200.log):
+// finds CUTLASS's headers and compiles for sm_90a):
+//
+//   float32 where PyTorch's convolutions round to TF32 and ks <= 5: "shifted rows", a TF32 wgmma
+//   kernel of our own (shifted_rows_weight_grad.cuh: the math, the tiles), with two consumer warp
+//   groups, over operand copies in (C, N, D, H, L) rows by rows_relayout_kernel, its K ranges'
+//   partial sums added after. SPEC's D on an H200 (2026-11-27): kernel 1.49 ms, the op 2.26-2.30
+//   with its relayouts, against 2.88-3.06 for fprop2d below and 6.4 for cuDNN.
+//
+// Else CUTLASS 3.x Hopper implicit-GEMM convolutions (TMA loads, im2col for the sliding operand,
+// wgmma; one producer and one consumer warp group, a CTA per output tile; chosen among CUTLASS's
+// formulations and tiles by a baseline library, bench/results/d_weight_grad_cutlass-nvidia-h200.log):
 //
 //   float32 where PyTorch's convolutions round to TF32 (cuDNN enabled, its TF32 allowed for
-//   convolutions): "fprop2d". With x' = x as (I, H, W, D, N) and gy' = grad_y as (O, P, Q, Z, N),
+//   convolutions), ks > 5: "fprop2d". With x' = x as (I, H, W, D, N) and gy' = grad_y as (O, P, Q, Z, N),
 //     grad_w[i, o, t, r, s] = sum over h, w and the pairs (z, n) of
 //                             gy'[o, h + r, w + s, (z + t, n)] * x'[i, h, w, (z, n)],
 //   per depth tap t a 2-D convolution (CUTLASS's kFprop) whose channels are the (depth, batch)
@@ -58,7 +65,10 @@
 #include <utility>
 #include <vector>
 
+// (bulk_copy.cuh before CUTLASS's headers, which include cudaTypedefs.h inside their namespace)
+#include "bulk_copy.cuh"
 #include "cutlass_conv.cuh"
+#include "shifted_rows_weight_grad.cuh"
 #endif
 
 namespace fused_ops {
@@ -83,6 +93,17 @@ __global__ void add_partials_kernel(float* __restrict__ out, const float* __rest
     }
     reinterpret_cast<float4*>(out)[v] = sum;
   }
+}
+
+// out += the partial sums of slices 1.. of a split (slice 0 wrote out): partials holds
+// slices - 1 of out's numel (a multiple of 4) each.
+void add_partials(at::Tensor& out, const at::Tensor& partials, int slices) {
+  constexpr int kThreads = 256;
+  const int64_t count = out.numel();
+  const int64_t blocks = std::min<int64_t>((count / 4 + kThreads - 1) / kThreads, 4096);
+  add_partials_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      out.mutable_data_ptr<float>(), partials.const_data_ptr<float>(), count, slices - 1);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // out (C, H, W, D, N) contiguous = t (N, C, D, H, W) of any strides, float32: fprop2d's operand layout
@@ -214,16 +235,46 @@ WgradBf16::StrideD wgrad_stride_d(const TransposedConvWeightGrad& g) {
   return stride;
 }
 
-// A CUTLASS path for a problem: fprop2d (TF32) with tile_m rows and `splits` depth slices, or wgrad (bf16).
+// A CUTLASS path for a problem: shifted rows (TF32) with `splits` K ranges, fprop2d (TF32) with
+// tile_m rows and `splits` depth slices, or wgrad (bf16).
 struct CutlassPlan {
-  bool fprop2d;
+  enum Kind { kShiftedRows, kFprop2d, kWgrad } kind;
   int tile_m, splits;
 
   std::string name() const {
-    if (!fprop2d) return "cutlass bf16 wgrad 64x128x64";
-    return "cutlass tf32 fprop2d " + std::to_string(tile_m) + "x64x32 split" + std::to_string(splits);
+    switch (kind) {
+      case kShiftedRows:
+        return "tf32 shifted rows split" + std::to_string(splits);
+      case kFprop2d:
+        return "cutlass tf32 fprop2d " + std::to_string(tile_m) + "x64x32 split" + std::to_string(splits);
+      default:
+        return "cutlass bf16 wgrad 64x128x64";
+    }
   }
 };
+
+// The shifted-rows operands' row length L: grad_y's width Q rounded up to 4 (16-byte planes).
+int64_t shifted_rows_length(const TransposedConvWeightGrad& g) { return (g.out(2) + 3) / 4 * 4; }
+
+// The shifted-rows path's plan (shifted_rows_weight_grad.cuh) for the device's `sms`
+// multiprocessors, or none: ks <= 5 (its column tile), operands whose elements int32 indexes. A
+// CTA per output tile -- tap (t, r), 128 output channels, 64 input channels -- times `splits`
+// ranges of K, as many as fill the multiprocessors once.
+std::optional<CutlassPlan> shifted_rows_plan(const TransposedConvWeightGrad& g, int sms) {
+  if (g.kernel[2] > 5) return std::nullopt;
+  const int64_t row = shifted_rows_length(g);
+  if (!fits_cutlass_extents({g.kernel[2] * g.in_channels * g.batch * g.in[0] * g.in[1] * row,
+                             g.out_channels * g.batch * g.out(0) * g.out(1) * row})) {
+    return std::nullopt;
+  }
+  const int64_t tiles = g.kernel[0] * g.kernel[1] * ((g.in_channels + 63) / 64) * ((g.out_channels + 127) / 128);
+  const int64_t k_tiles = g.batch * g.in[0] * ((g.in[1] * row + 31) / 32);
+  const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
+  // (partial sums are added 4 at a time: add_partials_kernel)
+  const int64_t splits = filter_numel % 4 ? 1 : std::clamp<int64_t>(sms / tiles, 1, k_tiles);
+  if (tiles * splits > std::numeric_limits<int32_t>::max()) return std::nullopt;
+  return CutlassPlan{CutlassPlan::kShiftedRows, 0, static_cast<int>(splits)};
+}
 
 // fprop2d's tile and split for the device's `sms` multiprocessors, or none. A CTA (~200 KB of
 // shared memory: one per multiprocessor) takes tile_m x 64 of the (O kr ks) x I outputs of a tap
@@ -244,7 +295,7 @@ std::optional<CutlassPlan> fprop2d_plan(const TransposedConvWeightGrad& g, int s
                            ((g.in_channels + 63) / 64);
       const int64_t cost = (ctas + sms - 1) / sms * tile_m * (4 / splits);  // waves x tile_m / splits, x 4
       if (!best || cost < best_cost) {  // (ties: the first, the larger tile and fewer splits)
-        best = CutlassPlan{true, tile_m, splits};
+        best = CutlassPlan{CutlassPlan::kFprop2d, tile_m, splits};
         best_cost = cost;
       }
     }
@@ -265,7 +316,7 @@ std::optional<CutlassPlan> wgrad_plan(const TransposedConvWeightGrad& g) {
   // (c, s, r, t) N mode: a box must not run past a tap's channels
   if (g.in_channels % 8 || g.out_channels % 64) return std::nullopt;
   if (!WgradBf16::can_implement(wgrad_problem(g), wgrad_stride_d(g))) return std::nullopt;
-  return CutlassPlan{false, WgradBf16::kTileM, 1};
+  return CutlassPlan{CutlassPlan::kWgrad, WgradBf16::kTileM, 1};
 }
 
 // The CUTLASS path for these (checked) arguments, or none.
@@ -275,7 +326,11 @@ std::optional<CutlassPlan> cutlass_plan(const at::Tensor& grad_y, const at::Tens
   if (!runs_sm90a(device)) return std::nullopt;
   const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
   if (!fits_cutlass_extents({x.numel(), grad_y.numel(), filter_numel})) return std::nullopt;
-  if (tf32_convolution(x)) return fprop2d_plan(g, device_attribute(cudaDevAttrMultiProcessorCount, device));
+  if (tf32_convolution(x)) {
+    const int sms = device_attribute(cudaDevAttrMultiProcessorCount, device);
+    if (auto plan = shifted_rows_plan(g, sms)) return plan;
+    return fprop2d_plan(g, sms);
+  }
   if (x.scalar_type() == at::kBFloat16) return wgrad_plan(g);
   return std::nullopt;
 }
@@ -335,19 +390,103 @@ void run_fprop2d(const TransposedConvWeightGrad& g, int splits, const at::Tensor
     }
   }
   run_concurrently(jobs);
-  if (splits > 1) {
-    constexpr int kThreads = 256;
-    const int64_t blocks = std::min<int64_t>((filter_numel / 4 + kThreads - 1) / kThreads, 4096);
-    add_partials_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        out.mutable_data_ptr<float>(), partials.const_data_ptr<float>(), filter_numel, splits - 1);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1) add_partials(out, partials, splits);
+}
+
+// out (shifts, C, N, D, H, row) float32 from t (N, C, D, H, W) float32 of any strides: its rows
+// shifted by 0 .. shifts - 1, padded with zeros (rows_relayout_kernel).
+at::Tensor to_rows(const at::Tensor& t, int64_t row, int shifts) {
+  at::Tensor out = at::empty({shifts, t.size(1), t.size(0), t.size(2), t.size(3), row}, t.options());
+  RowsRelayout r{};
+  for (int d = 0; d < 5; ++d) {
+    r.size[d] = t.size(d);
+    r.stride[d] = t.stride(d);
   }
+  r.row = row;
+  r.shifts = shifts;
+  r.channels_inner = t.stride(1) == 1 && t.stride(4) != 1;
+  const int64_t blocks = t.size(0) * t.size(2) * t.size(3) *
+                         ((t.size(1) + kRowsRelayoutChannels - 1) / kRowsRelayoutChannels) *
+                         ((row + kRowsRelayoutWidth - 1) / kRowsRelayoutWidth);
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kWhat, ": too many blocks for the operands' relayout");
+  rows_relayout_kernel<<<static_cast<unsigned>(blocks), kRowsRelayoutThreads, 0,
+                         c10::cuda::getCurrentCUDAStream()>>>(t.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
+                                                              r);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+// A tensor map over `t` (S, C, N, D, H, L) contiguous float32 (to_rows') as (H L, D, N, C, S)
+// innermost first, boxes of 32 positions x `channels`, 128-byte swizzled (shifted_rows_weight_grad_kernel's).
+CUtensorMap shifted_rows_map(const at::Tensor& t, cuuint32_t channels) {
+  const cuuint64_t plane = t.size(4) * t.size(5);
+  const cuuint64_t dims[5] = {plane, cuuint64_t(t.size(3)), cuuint64_t(t.size(2)), cuuint64_t(t.size(1)),
+                              cuuint64_t(t.size(0))};
+  cuuint64_t strides[4];
+  strides[0] = plane * sizeof(float);
+  for (int d = 1; d < 4; ++d) strides[d] = strides[d - 1] * dims[d];
+  const cuuint32_t box[5] = {32, 1, 1, channels, 1};
+  return tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, t.const_data_ptr(), 5, dims, strides, box,
+                          CU_TENSOR_MAP_SWIZZLE_128B);
+}
+
+// The shifted-rows path (shifted_rows_weight_grad.cuh): out (I, O, kt, kr, ks) float32.
+template <int KS>
+at::Tensor run_shifted_rows(const TransposedConvWeightGrad& g, int splits, const at::Tensor& grad_y,
+                            const at::Tensor& x) {
+  using Config = ShiftedRowsConfig<KS>;
+  const int64_t row = shifted_rows_length(g);
+  const at::Tensor x_rows = to_rows(x, row, KS), grad_y_rows = to_rows(grad_y, row, 1);
+  const CUtensorMap g_map = shifted_rows_map(grad_y_rows, Config::kRowsG);
+  const CUtensorMap x_map = shifted_rows_map(x_rows, Config::kRowsX);
+  ShiftedRows p{};
+  p.depth = static_cast<int>(g.in[0]);
+  p.kt = static_cast<int>(g.kernel[0]);
+  p.kr = static_cast<int>(g.kernel[1]);
+  p.row = static_cast<int>(row);
+  p.in_channels = static_cast<int>(g.in_channels);
+  p.out_channels = static_cast<int>(g.out_channels);
+  p.in_blocks = static_cast<int>((g.in_channels + Config::kRowsX - 1) / Config::kRowsX);
+  p.out_blocks = static_cast<int>((g.out_channels + Config::kRowsG - 1) / Config::kRowsG);
+  p.plane_tiles = static_cast<int>((g.in[1] * row + Config::kTileK - 1) / Config::kTileK);
+  p.k_tiles = g.batch * g.in[0] * p.plane_tiles;
+  p.splits = splits;
+  at::Tensor out = at::empty({g.in_channels, g.out_channels, g.kernel[0], g.kernel[1], KS}, x.options());
+  p.filter_numel = out.numel();
+  at::Tensor partials = at::empty({(splits - 1) * p.filter_numel}, out.options());
+  static const bool configured = [] {  // (per KS: its own kernel)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(shifted_rows_weight_grad_kernel<KS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        Config::kSmemBytes));
+    return true;
+  }();
+  (void)configured;
+  const int64_t blocks = int64_t{p.kt} * p.kr * p.in_blocks * p.out_blocks * splits;
+  shifted_rows_weight_grad_kernel<KS><<<static_cast<unsigned>(blocks), Config::kThreads, Config::kSmemBytes,
+                                        c10::cuda::getCurrentCUDAStream()>>>(
+      g_map, x_map, out.mutable_data_ptr<float>(), partials.mutable_data_ptr<float>(), p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (splits > 1) add_partials(out, partials, splits);
+  return out;
 }
 
 at::Tensor run_cutlass(const CutlassPlan& plan, const at::Tensor& grad_y, const at::Tensor& x,
                        const TransposedConvWeightGrad& g) {
   const int64_t kt = g.kernel[0], kr = g.kernel[1], ks = g.kernel[2];
-  if (plan.fprop2d) {
+  if (plan.kind == CutlassPlan::kShiftedRows) {
+    switch (ks) {
+      case 1:
+        return run_shifted_rows<1>(g, plan.splits, grad_y, x);
+      case 2:
+        return run_shifted_rows<2>(g, plan.splits, grad_y, x);
+      case 3:
+        return run_shifted_rows<3>(g, plan.splits, grad_y, x);
+      case 4:
+        return run_shifted_rows<4>(g, plan.splits, grad_y, x);
+      default:
+        return run_shifted_rows<5>(g, plan.splits, grad_y, x);
+    }
+  }
+  if (plan.kind == CutlassPlan::kFprop2d) {
     // x (N, I, D, H, W) -> (I, H, W, D, N), grad_y (N, O, Z, P, Q) -> (O, P, Q, Z, N)
     const at::Tensor x_chwdn = to_chwdn(x);
     const at::Tensor grad_y_kpqzn = to_chwdn(grad_y);

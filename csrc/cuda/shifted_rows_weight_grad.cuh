@@ -1,0 +1,267 @@
+// The TF32 kernels of conv_transpose3d_weight_grad's "shifted rows" path (launched by
+// conv_transpose3d_weight_grad.cu; included only in a build with CUTLASS, whose sm_90a code they
+// need: wgmma by CuTe's instructions, TMA by bulk_copy.cuh).
+//
+// The math (../conv_transpose3d_weight_grad.h), with u = w + s the gradient's column:
+//   grad_w[i, o, t, r, s] = sum over n, d, h and u in [0, Q) of X_s[i, n, d, h L + u] * G[o, n, d + t, (h + r) L + u]
+// for G = grad_y as (O, N, Z, P, L) and X_s[i, n, d, h, u] = x[n, i, d, h, u - s] as (I, N, D, H, L)
+// for each shift s < ks, rows of L >= Q = W + ks - 1 (a multiple of 4: 16-byte planes) padded with
+// zeros where u - s falls outside [0, W) (x's shifted copies: a swizzled TMA box cannot start
+// between 16-byte chunks). Over each (n, d) plane it is a GEMM whose K is the plane's H L
+// positions: one per tap (t, r) over (O rows) x (ks shifts x I) columns. A CTA takes one tap
+// (t, r), 128 output channels, 64 input channels, all ks shifts, and a range of the K tiles (32
+// positions) of every plane: per tile one TMA box of G (128 x 32, at the row shifted by r L, depth
+// d + t) and one of each X_s (64 x 32), 128-byte swizzled, K-major as TF32's wgmma wants them.
+// One G box serves ks boxes of X (46.8 flop per byte loaded for ks = 5, where a CTA per tap would
+// get 25.6). One producer warp group (a thread issues the copies) fills a ring of stages; two
+// consumer warp groups take 64 output channels each.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "bulk_copy.cuh"
+#include "cute/arch/mma_sm90_desc.hpp"
+#include "cute/arch/mma_sm90_gmma.hpp"
+#include "cute/arch/mma_sm90_gmma_ext.hpp"
+#include "cutlass/arch/reg_reconfig.h"
+
+namespace fused_ops {
+
+// rows_relayout_kernel's tile: channels x row positions (and a halo for the shifts), and its threads
+constexpr int kRowsRelayoutChannels = 32, kRowsRelayoutWidth = 64, kRowsRelayoutHalo = 4, kRowsRelayoutThreads = 256;
+
+// The problem as the kernel reads it (the host fills it: conv_transpose3d_weight_grad.cu).
+struct ShiftedRows {
+  int depth, kt, kr;                   // D, and the taps in depth and height
+  int row;                             // L
+  int in_channels, out_channels;       // I, O
+  int in_blocks, out_blocks;           // ceil(I / 64), ceil(O / 128)
+  int plane_tiles;                     // K tiles per (n, d) plane: ceil(H L / 32)
+  int64_t k_tiles;                     // N D plane_tiles
+  int splits;                          // CTAs along K per output tile
+  int64_t filter_numel;                // I O kt kr ks
+};
+
+template <int KS>
+struct ShiftedRowsConfig {
+  static constexpr int kThreads = 384;                           // the producer warp group, two consumers
+  static constexpr int kTileK = 32;                              // 128 bytes of TF32: the swizzle's row
+  static constexpr int kRowsG = 128, kRowsX = 64;                // output, input channels per CTA
+  static constexpr int kColumns = KS * kRowsX;                   // the GEMM's N: (shift, input channel)
+  static constexpr int kGBytes = kRowsG * kTileK * 4;            // a stage's G box
+  static constexpr int kXBytes = kRowsX * kTileK * 4;            // one of its X boxes
+  static constexpr int kStageBytes = kGBytes + KS * kXBytes;     // a multiple of 1024 (the swizzle's atom)
+  static constexpr int kStages = (225 * 1024) / kStageBytes < 8 ? (225 * 1024) / kStageBytes : 8;
+  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
+  // wgmma m64 n(kMmaN) k8 instructions per K step of 8: N up to 256 in one, else halves
+  static constexpr int kMmaN = kColumns <= 256 ? kColumns : kColumns / 2;
+  static constexpr int kMmas = kColumns / kMmaN;
+  static constexpr int kAccumulators = kColumns / 2;             // per thread: 64 x kColumns over 128 threads
+  static_assert(KS >= 1 && KS <= 5 && KS - 1 <= kRowsRelayoutHalo && kStages >= 3 && kStageBytes % 1024 == 0);
+};
+
+// wgmma's m64 nN k8 TF32 instruction, both operands K-major in shared memory, f32 accumulators.
+template <int N>
+struct Tf32Wgmma;
+template <>
+struct Tf32Wgmma<64> : cute::SM90::GMMA::MMA_64x64x8_F32TF32TF32_SS_TN<> {};
+template <>
+struct Tf32Wgmma<128> : cute::SM90::GMMA::MMA_64x128x8_F32TF32TF32_SS_TN<> {};
+template <>
+struct Tf32Wgmma<160> : cute::SM90::GMMA::MMA_64x160x8_F32TF32TF32_SS_TN<> {};
+template <>
+struct Tf32Wgmma<192> : cute::SM90::GMMA::MMA_64x192x8_F32TF32TF32_SS_TN<> {};
+template <>
+struct Tf32Wgmma<256> : cute::SM90::GMMA::MMA_64x256x8_F32TF32TF32_SS_TN<> {};
+
+// acc += A B^T by one wgmma: the descriptors' tiles, acc the instruction's N / 2 accumulators.
+template <int N, size_t... I>
+__device__ __forceinline__ void tf32_wgmma(uint64_t a, uint64_t b, float* acc, std::index_sequence<I...>) {
+  Tf32Wgmma<N>::fma(a, b, acc[I]...);
+}
+
+// The descriptor of a K-major tile in shared memory at `tile` (1024-byte aligned): rows of 128
+// bytes, 128-byte swizzled (as a TMA box of 32 floats' rows writes it), 8-row groups 1024 apart.
+// Adding b / 16 moves it b bytes along K (32 per step of 8) or along the rows (a multiple of 1024).
+__device__ __forceinline__ uint64_t swizzled_tile_descriptor(const void* tile) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>(shared_address(tile) >> 4);
+  d.bitfield.leading_byte_offset_ = 1;  // (unused by swizzled K-major layouts)
+  d.bitfield.stride_byte_offset_ = 1024 >> 4;
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
+  return d.desc_;
+}
+
+// out (I, O, kt, kr, ks) += the CTA's share (module comment); its K range's sum goes to `out` for
+// split 0, else to partials + (split - 1) filter_numel. g_map: G as (L P, Z, N, O, 1) innermost
+// first, boxes (32, 1, 1, 128, 1); x_map: the X_s as (L H, D, N, I, ks), boxes (32, 1, 1, 64, 1);
+// both 128-byte swizzled.
+template <int KS>
+__global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
+    shifted_rows_weight_grad_kernel(const __grid_constant__ CUtensorMap g_map, const __grid_constant__ CUtensorMap x_map,
+                                    float* __restrict__ out, float* __restrict__ partials, const ShiftedRows p) {
+  using C = ShiftedRowsConfig<KS>;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + C::kStages * C::kStageBytes);
+  uint64_t* const empty = full + C::kStages;
+
+  int64_t block = blockIdx.x;
+  const int taps = p.kt * p.kr;
+  const int tap = static_cast<int>(block % taps), t = tap / p.kr, r = tap % p.kr;
+  block /= taps;
+  const int in_block = static_cast<int>(block % p.in_blocks);
+  block /= p.in_blocks;
+  const int out_block = static_cast<int>(block % p.out_blocks);
+  const int split = static_cast<int>(block / p.out_blocks);
+  const int64_t k_begin = p.k_tiles * split / p.splits, k_end = p.k_tiles * (split + 1) / p.splits;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kStages; ++s) {
+      barrier_init(&full[s]);
+      barrier_init(&empty[s], 2 * 128);  // every consumer thread
+    }
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // the producer
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int64_t k = k_begin; k < k_end; ++k) {
+        barrier_wait(&empty[stage], phase ^ 1);
+        const int64_t plane = k / p.plane_tiles;
+        const int t0 = static_cast<int>(k % p.plane_tiles) * C::kTileK;
+        const int n = static_cast<int>(plane / p.depth), d = static_cast<int>(plane % p.depth);
+        unsigned char* const tiles = smem + stage * C::kStageBytes;
+        barrier_arrive_expect(&full[stage], C::kStageBytes);
+        tensor_load_5d(tiles, g_map, t0 + r * p.row, d + t, n, out_block * C::kRowsG, 0, &full[stage]);
+        for (int s = 0; s < KS; ++s) {
+          tensor_load_5d(tiles + C::kGBytes + s * C::kXBytes, x_map, t0, d, n, in_block * C::kRowsX, s, &full[stage]);
+        }
+        if (++stage == C::kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int consumer = threadIdx.x / 128 - 1;  // its 64 of the CTA's 128 output channels
+  float acc[C::kAccumulators];
+#pragma unroll
+  for (int j = 0; j < C::kAccumulators; ++j) acc[j] = 0.f;
+  int stage = 0, previous = -1;
+  uint32_t phase = 0;
+  for (int64_t k = k_begin; k < k_end; ++k) {
+    barrier_wait(&full[stage], phase);
+    const unsigned char* const tiles = smem + stage * C::kStageBytes;
+    const uint64_t a = swizzled_tile_descriptor(tiles + consumer * (C::kGBytes / 2));
+    const uint64_t b = swizzled_tile_descriptor(tiles + C::kGBytes);
+#pragma unroll
+    for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int step = 0; step < C::kTileK / 8; ++step) {
+#pragma unroll
+      for (int m = 0; m < C::kMmas; ++m) {
+        tf32_wgmma<C::kMmaN>(a + 2 * step, b + m * C::kMmaN * 128 / 16 + 2 * step, acc + m * (C::kMmaN / 2),
+                             std::make_index_sequence<C::kMmaN / 2>{});
+      }
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();  // the previous tile's instructions are done: its stage is free
+#pragma unroll
+    for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
+    if (previous >= 0) barrier_arrive(&empty[previous]);
+    previous = stage;
+    if (++stage == C::kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
+
+  // accumulator j of instruction m: row 16 warp + lane / 4 (+ 8 for j % 4 >= 2), column
+  // m kMmaN + 8 (j / 4) + 2 (lane % 4) + j % 2 -- the column is (shift s, input channel)
+  float* const to = split == 0 ? out : partials + (split - 1) * p.filter_numel;
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  const int o_base = out_block * C::kRowsG + consumer * 64 + 16 * warp + lane / 4;
+#pragma unroll
+  for (int j = 0; j < C::kAccumulators; ++j) {
+    const int m = j / (C::kMmaN / 2), jj = j % (C::kMmaN / 2);
+    const int o = o_base + (jj % 4 >= 2 ? 8 : 0);
+    const int column = m * C::kMmaN + 8 * (jj / 4) + 2 * (lane % 4) + jj % 2;
+    const int s = column / C::kRowsX, i = in_block * C::kRowsX + column % C::kRowsX;
+    if (o < p.out_channels && i < p.in_channels) {
+      to[(((int64_t{i} * p.out_channels + o) * p.kt + t) * p.kr + r) * KS + s] = acc[j];
+    }
+  }
+}
+
+// out (shifts, C, N, D, H, L) float32: out[s, c, n, d, h, u] = t[n, c, d, h, u - s] where 0 <= u - s
+// < W, else 0 (W + shifts - 1 <= L), from t (N, C, D, H, W) of any strides: the shifted-rows operands
+// G (one shift) and the X_s. A block stages 32 channels x (64 + the shifts' halo) row positions of
+// one (n, d, h) through shared memory, read along t's unit-stride dim (C for a channels-last t,
+// else W), and writes 64 positions of each shifted row.
+struct RowsRelayout {
+  int64_t size[5], stride[5];  // t's, (N, C, D, H, W)
+  int64_t row;                 // L
+  int shifts;
+  bool channels_inner;         // t's C has unit stride (and its W not)
+};
+
+__global__ void __launch_bounds__(kRowsRelayoutThreads)
+    rows_relayout_kernel(const float* __restrict__ t, float* __restrict__ out, const RowsRelayout r) {
+  constexpr int kSpan = kRowsRelayoutWidth + kRowsRelayoutHalo;  // t's columns [u0 - halo, u0 + width)
+  __shared__ float tile[kSpan][kRowsRelayoutChannels + 1];
+  const int64_t channels = r.size[1], width = r.size[4];
+  const int64_t width_tiles = (r.row + kRowsRelayoutWidth - 1) / kRowsRelayoutWidth;
+  const int64_t channel_tiles = (channels + kRowsRelayoutChannels - 1) / kRowsRelayoutChannels;
+  int64_t block = blockIdx.x;
+  const int64_t u0 = block % width_tiles * kRowsRelayoutWidth;
+  block /= width_tiles;
+  const int64_t c0 = block % channel_tiles * kRowsRelayoutChannels;
+  block /= channel_tiles;
+  const int64_t h = block % r.size[3], d = block / r.size[3] % r.size[2], n = block / r.size[3] / r.size[2];
+  const float* const from = t + n * r.stride[0] + d * r.stride[2] + h * r.stride[3];
+  const int thread = threadIdx.x, threads = blockDim.x;
+  const int64_t span = r.row - u0 + kRowsRelayoutHalo < kSpan ? r.row - u0 + kRowsRelayoutHalo : kSpan;  // the columns this block needs
+  const auto value = [&](int64_t c, int w) {  // t's (c, u0 - halo + w), or 0 outside
+    const int64_t column = u0 - kRowsRelayoutHalo + w;
+    return c < channels && column >= 0 && column < width ? from[c * r.stride[1] + column * r.stride[4]] : 0.f;
+  };
+  // (each loop flattened over its 2-D range, consecutive threads along the unit-stride dim)
+  if (r.channels_inner) {
+    for (int e = thread; e < span * kRowsRelayoutChannels; e += threads) {
+      const int w = e / kRowsRelayoutChannels, c = e % kRowsRelayoutChannels;
+      tile[w][c] = value(c0 + c, w);
+    }
+  } else {
+    for (int e = thread; e < span * kRowsRelayoutChannels; e += threads) {
+      const int c = static_cast<int>(e / span), w = static_cast<int>(e % span);
+      tile[w][c] = value(c0 + c, w);
+    }
+  }
+  __syncthreads();
+  const int run_length = static_cast<int>(span) - kRowsRelayoutHalo;  // out's positions [u0, u0 + run_length)
+  const int tile_channels = static_cast<int>(channels - c0 < kRowsRelayoutChannels ? channels - c0
+                                                                                   : kRowsRelayoutChannels);
+  for (int e = thread; e < r.shifts * tile_channels * run_length; e += threads) {
+    const int sc = e / run_length, w = e % run_length;
+    const int64_t s = sc / tile_channels, c = sc % tile_channels;
+    out[((((s * channels + c0 + c) * r.size[0] + n) * r.size[2] + d) * r.size[3] + h) * r.row + u0 + w] =
+        tile[kRowsRelayoutHalo + w - s][c];
+  }
+}
+
+}  // namespace fused_ops
