@@ -258,10 +258,10 @@ def test_tf32_operand_relayout_tiles(layout, tf32, cutlass):
 @requires_sm90
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
 def test_shifted_rows_relayout_tiles(layout, tf32, cutlass):
-    """The shifted rows' operands relayout to (shifts, C, N, D, H, L) by their own kernel, in tiles
-    of 32 channels by 64 row positions and a halo of 4 for the shifts: here rows of L = 76 (two
-    tiles, the second reading the first's last columns for its shifts), x's 40 and grad_y's 36
-    channels (two tiles, the last partial), from NCDHW and channels-last operands."""
+    """The shifted rows' operands relayout to (shifts, C, N, D, H, L) by kernels of their own: from
+    channels-last operands in tiles of 32 positions (across the ends of rows of L = 76, 5 shifts of
+    x) by 32 channels (x's 40 and grad_y's 36: two tiles, the last partial); from NCDHW ones a row
+    at a time, 4 positions a thread (x's shifts reaching before its rows' starts)."""
     geometry = (3, 40, 36, (2, 3, 70), (2, 2, 5))
     grad_y, x = case(geometry, torch.float32, "cuda")
     if layout == "channels_last_3d":

@@ -5,7 +5,7 @@
 //
 //   float32 where PyTorch's convolutions round to TF32 and ks <= 5: "shifted rows", a TF32 wgmma
 //   kernel of our own (shifted_rows_weight_grad.cuh: the math, the tiles), with two consumer warp
-//   groups, over operand copies in (C, N, D, H, L) rows by rows_relayout_kernel, its K ranges'
+//   groups, over operand copies in (C, N, D, H, L) rows by kernels of its own, its K ranges'
 //   partial sums added after. SPEC's D on an H200 (2026-11-27): kernel 1.49 ms, the op 2.26-2.30
 //   with its relayouts, against 2.88-3.06 for fprop2d below and 6.4 for cuDNN.
 //
@@ -394,7 +394,8 @@ void run_fprop2d(const TransposedConvWeightGrad& g, int splits, const at::Tensor
 }
 
 // out (shifts, C, N, D, H, row) float32 from t (N, C, D, H, W) float32 of any strides: its rows
-// shifted by 0 .. shifts - 1, padded with zeros (rows_relayout_kernel).
+// shifted by 0 .. shifts - 1, padded with zeros (shifted_rows_weight_grad.cuh's RowsRelayout): by
+// channels_last_rows_kernel where t's C has unit stride (and its W not), else by rows_copy_kernel.
 at::Tensor to_rows(const at::Tensor& t, int64_t row, int shifts) {
   at::Tensor out = at::empty({shifts, t.size(1), t.size(0), t.size(2), t.size(3), row}, t.options());
   RowsRelayout r{};
@@ -402,16 +403,21 @@ at::Tensor to_rows(const at::Tensor& t, int64_t row, int shifts) {
     r.size[d] = t.size(d);
     r.stride[d] = t.stride(d);
   }
-  r.row = row;
+  r.row = static_cast<int>(row);
   r.shifts = shifts;
-  r.channels_inner = t.stride(1) == 1 && t.stride(4) != 1;
-  const int64_t blocks = t.size(0) * t.size(2) * t.size(3) *
-                         ((t.size(1) + kRowsRelayoutChannels - 1) / kRowsRelayoutChannels) *
-                         ((row + kRowsRelayoutWidth - 1) / kRowsRelayoutWidth);
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kWhat, ": too many blocks for the operands' relayout");
-  rows_relayout_kernel<<<static_cast<unsigned>(blocks), kRowsRelayoutThreads, 0,
-                         c10::cuda::getCurrentCUDAStream()>>>(t.const_data_ptr<float>(), out.mutable_data_ptr<float>(),
-                                                              r);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  int64_t blocks;
+  if (t.stride(1) == 1 && t.stride(4) != 1) {
+    blocks = (t.size(3) * row + 31) / 32 * ((t.size(1) + 31) / 32) * t.size(0) * t.size(2);
+    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kWhat, ": too many blocks for the operands' relayout");
+    channels_last_rows_kernel<<<static_cast<unsigned>(blocks), dim3(32, 8), 0, stream>>>(
+        t.const_data_ptr<float>(), out.mutable_data_ptr<float>(), r);
+  } else {
+    blocks = shifts * t.size(1) * t.size(0) * t.size(2);
+    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kWhat, ": too many blocks for the operands' relayout");
+    rows_copy_kernel<<<static_cast<unsigned>(blocks), kRowsRelayoutThreads, 0, stream>>>(
+        t.const_data_ptr<float>(), out.mutable_data_ptr<float>(), r);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -30,8 +30,8 @@
 
 namespace fused_ops {
 
-// rows_relayout_kernel's tile: channels x row positions (and a halo for the shifts), and its threads
-constexpr int kRowsRelayoutChannels = 32, kRowsRelayoutWidth = 64, kRowsRelayoutHalo = 4, kRowsRelayoutThreads = 256;
+// rows_copy_kernel's threads
+constexpr int kRowsRelayoutThreads = 256;
 
 // The problem as the kernel reads it (the host fills it: conv_transpose3d_weight_grad.cu).
 struct ShiftedRows {
@@ -60,7 +60,7 @@ struct ShiftedRowsConfig {
   static constexpr int kMmaN = kColumns <= 256 ? kColumns : kColumns / 2;
   static constexpr int kMmas = kColumns / kMmaN;
   static constexpr int kAccumulators = kColumns / 2;             // per thread: 64 x kColumns over 128 threads
-  static_assert(KS >= 1 && KS <= 5 && KS - 1 <= kRowsRelayoutHalo && kStages >= 3 && kStageBytes % 1024 == 0);
+  static_assert(KS >= 1 && KS <= 5 && kStages >= 3 && kStageBytes % 1024 == 0);
 };
 
 // wgmma's m64 nN k8 TF32 instruction, both operands K-major in shared memory, f32 accumulators.
@@ -208,59 +208,66 @@ __global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
   }
 }
 
-// out (shifts, C, N, D, H, L) float32: out[s, c, n, d, h, u] = t[n, c, d, h, u - s] where 0 <= u - s
-// < W, else 0 (W + shifts - 1 <= L), from t (N, C, D, H, W) of any strides: the shifted-rows operands
-// G (one shift) and the X_s. A block stages 32 channels x (64 + the shifts' halo) row positions of
-// one (n, d, h) through shared memory, read along t's unit-stride dim (C for a channels-last t,
-// else W), and writes 64 positions of each shifted row.
+// The shifted-rows operands' copies, out (shifts, C, N, D, H, L) float32 from t (N, C, D, H, W) of
+// any strides: out[s, c, n, d, h, u] = t[n, c, d, h, u - s] where 0 <= u - s < W, else 0 (G: one
+// shift; the X_s: ks). Two kernels, each reading along one of t's dims: rows_copy_kernel along W
+// (NCDHW: no transpose), channels_last_rows_kernel along C (channels-last: a transpose).
 struct RowsRelayout {
   int64_t size[5], stride[5];  // t's, (N, C, D, H, W)
-  int64_t row;                 // L
+  int row;                     // L, a multiple of 4
   int shifts;
-  bool channels_inner;         // t's C has unit stride (and its W not)
 };
 
+// A block per output plane (s, c, n, d) (blockIdx.x, row-major), a thread per 4 consecutive positions
+// of its H rows (one 16-byte store), read from t's row.
 __global__ void __launch_bounds__(kRowsRelayoutThreads)
-    rows_relayout_kernel(const float* __restrict__ t, float* __restrict__ out, const RowsRelayout r) {
-  constexpr int kSpan = kRowsRelayoutWidth + kRowsRelayoutHalo;  // t's columns [u0 - halo, u0 + width)
-  __shared__ float tile[kSpan][kRowsRelayoutChannels + 1];
-  const int64_t channels = r.size[1], width = r.size[4];
-  const int64_t width_tiles = (r.row + kRowsRelayoutWidth - 1) / kRowsRelayoutWidth;
-  const int64_t channel_tiles = (channels + kRowsRelayoutChannels - 1) / kRowsRelayoutChannels;
-  int64_t block = blockIdx.x;
-  const int64_t u0 = block % width_tiles * kRowsRelayoutWidth;
-  block /= width_tiles;
-  const int64_t c0 = block % channel_tiles * kRowsRelayoutChannels;
-  block /= channel_tiles;
-  const int64_t h = block % r.size[3], d = block / r.size[3] % r.size[2], n = block / r.size[3] / r.size[2];
-  const float* const from = t + n * r.stride[0] + d * r.stride[2] + h * r.stride[3];
-  const int thread = threadIdx.x, threads = blockDim.x;
-  const int64_t span = r.row - u0 + kRowsRelayoutHalo < kSpan ? r.row - u0 + kRowsRelayoutHalo : kSpan;  // the columns this block needs
-  const auto value = [&](int64_t c, int w) {  // t's (c, u0 - halo + w), or 0 outside
-    const int64_t column = u0 - kRowsRelayoutHalo + w;
-    return c < channels && column >= 0 && column < width ? from[c * r.stride[1] + column * r.stride[4]] : 0.f;
-  };
-  // (each loop flattened over its 2-D range, consecutive threads along the unit-stride dim)
-  if (r.channels_inner) {
-    for (int e = thread; e < span * kRowsRelayoutChannels; e += threads) {
-      const int w = e / kRowsRelayoutChannels, c = e % kRowsRelayoutChannels;
-      tile[w][c] = value(c0 + c, w);
-    }
-  } else {
-    for (int e = thread; e < span * kRowsRelayoutChannels; e += threads) {
-      const int c = static_cast<int>(e / span), w = static_cast<int>(e % span);
-      tile[w][c] = value(c0 + c, w);
-    }
+    rows_copy_kernel(const float* __restrict__ t, float* __restrict__ out, const RowsRelayout r) {
+  int64_t plane = blockIdx.x;
+  const int64_t d = plane % r.size[2], n = plane / r.size[2] % r.size[0];
+  const int64_t c = plane / r.size[2] / r.size[0] % r.size[1];
+  const int s = static_cast<int>(plane / r.size[2] / r.size[0] / r.size[1]);
+  const float* const from = t + n * r.stride[0] + c * r.stride[1] + d * r.stride[2];
+  float4* const to = reinterpret_cast<float4*>(out + plane * r.size[3] * r.row);
+  const int quads = r.row / 4, width = static_cast<int>(r.size[4]);
+  for (int e = threadIdx.x; e < r.size[3] * quads; e += blockDim.x) {
+    const int h = e / quads, u = e % quads * 4 - s;
+    const float* const source = from + h * r.stride[3];
+    float v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = u + k >= 0 && u + k < width ? source[(u + k) * r.stride[4]] : 0.f;
+    to[e] = make_float4(v[0], v[1], v[2], v[3]);
   }
-  __syncthreads();
-  const int run_length = static_cast<int>(span) - kRowsRelayoutHalo;  // out's positions [u0, u0 + run_length)
-  const int tile_channels = static_cast<int>(channels - c0 < kRowsRelayoutChannels ? channels - c0
-                                                                                   : kRowsRelayoutChannels);
-  for (int e = thread; e < r.shifts * tile_channels * run_length; e += threads) {
-    const int sc = e / run_length, w = e % run_length;
-    const int64_t s = sc / tile_channels, c = sc % tile_channels;
-    out[((((s * channels + c0 + c) * r.size[0] + n) * r.size[2] + d) * r.size[3] + h) * r.row + u0 + w] =
-        tile[kRowsRelayoutHalo + w - s][c];
+}
+
+// A block per (32 output positions of a plane's H L, 32 channels, (n, d)), its 32 x 8 threads
+// staging the tile through shared memory for each shift: read with lanes along C, written with
+// lanes along the positions.
+__global__ void __launch_bounds__(32 * 8)
+    channels_last_rows_kernel(const float* __restrict__ t, float* __restrict__ out, const RowsRelayout r) {
+  __shared__ float tile[32][33];
+  const int64_t positions = r.size[3] * r.row, channels = r.size[1];
+  const int64_t position_tiles = (positions + 31) / 32, channel_tiles = (channels + 31) / 32;
+  int64_t block = blockIdx.x;
+  const int64_t p0 = block % position_tiles * 32;
+  block /= position_tiles;
+  const int64_t c0 = block % channel_tiles * 32;
+  block /= channel_tiles;
+  const int64_t d = block % r.size[2], n = block / r.size[2];
+  const float* const from = t + n * r.stride[0] + d * r.stride[2];
+  const int lane = threadIdx.x, warp = threadIdx.y;
+  for (int s = 0; s < r.shifts; ++s) {
+    for (int i = warp; i < 32; i += 8) {
+      const int position = static_cast<int>(p0) + i, h = position / r.row, u = position % r.row - s;
+      const bool inside = position < positions && u >= 0 && u < r.size[4] && c0 + lane < channels;
+      tile[i][lane] = inside ? from[(c0 + lane) * r.stride[1] + h * r.stride[3] + u * r.stride[4]] : 0.f;
+    }
+    __syncthreads();
+    for (int i = warp; i < 32 && c0 + i < channels; i += 8) {
+      if (p0 + lane < positions) {
+        out[(((s * channels + c0 + i) * r.size[0] + n) * r.size[2] + d) * positions + p0 + lane] = tile[lane][i];
+      }
+    }
+    __syncthreads();
   }
 }
 
