@@ -102,18 +102,16 @@ def main():
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv_transpose3d_cascade_weight_grad: ok")
-    # D's weight gradient: sizes that CUTLASS's TF32 (fprop2d, split, side streams) and bf16 kernels take (ks 8)
+    # D's weight gradient: the TF32 shifted rows with ks 8 and 6 (two CTAs' shift blocks, the last loading a
+    # shift again), bf16 by CUTLASS's wgrad
     for dtype in (torch.float32, torch.bfloat16):
         fused_ops.conv_transpose3d_weight_grad(rand(8, 64, 12, 9, 13, dtype=dtype), rand(8, 16, 8, 6, 6, dtype=dtype),
                                                (5, 4, 8))
-    # fprop2d's operand relayout (ks > 5): from channels-last (lanes along C), two tiles of (d, n) pairs and of
-    # channels; from NCDHW (lanes along W) with a batch of 12, two tiles of pairs and of widths
     cl = torch.channels_last_3d
     fused_ops.conv_transpose3d_weight_grad(rand(8, 48, 20, 8, 15).contiguous(memory_format=cl),
                                            rand(8, 40, 16, 6, 10).contiguous(memory_format=cl), (5, 3, 6))
-    fused_ops.conv_transpose3d_weight_grad(rand(12, 16, 12, 4, 41), rand(12, 8, 8, 3, 36), (5, 2, 6))
-    # the shifted rows (TF32, ks <= 5): ks 5 and 3, a split, partial channel tiles (I 40, O 130), rows of
-    # 76 (two relayout tiles and the halo), from NCDHW and channels-last operands
+    # the shifted rows: ks 5 and 3, a split, partial channel tiles (I 40, O 130), rows of 76 (x's shifts
+    # reaching before a row's start), from NCDHW and channels-last operands
     fused_ops.conv_transpose3d_weight_grad(rand(3, 130, 3, 4, 74), rand(3, 40, 2, 3, 70), (2, 2, 5))
     fused_ops.conv_transpose3d_weight_grad(rand(2, 36, 5, 7, 9).contiguous(memory_format=cl),
                                            rand(2, 70, 3, 5, 7).contiguous(memory_format=cl), (3, 3, 3))

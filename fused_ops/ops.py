@@ -729,7 +729,7 @@ def conv_transpose3d_weight_grad(grad_y: Tensor, x: Tensor, kernel_size) -> Tens
 
 def conv_transpose3d_weight_grad_path(grad_y: Tensor, x: Tensor, kernel_size) -> str:
     """Which implementation conv_transpose3d_weight_grad takes for these arguments (under the
-    current TF32 setting): a CUTLASS kernel's name ("cutlass tf32 fprop2d 256x64x32 split2",
+    current TF32 setting): a kernel's name ("tf32 shifted rows 5 shifts split5",
     "cutlass bf16 wgrad 64x128x64"), or "aten.convolution_backward" (on a GPU, with " (built
     without CUTLASS)" where the build has no CUTLASS kernels)."""
     return _ops.conv_transpose3d_weight_grad_path(grad_y, x, _expand(kernel_size, 3, "kernel_size"))

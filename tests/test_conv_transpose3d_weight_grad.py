@@ -198,17 +198,15 @@ def cutlass():
         pytest.skip("this build has no CUTLASS kernels")
 
 
-# (geometry, dtype, the path on an H100 or H200, or its prefix): TF32 with ks <= 5 by the shifted rows
-# (its split, as many K ranges as fill the multiprocessors, depends on their count), each fprop2d tile
-# and split (ks > 5) as the path's cost model (fprop2d_plan: waves of CTAs x a CTA's work, ties to the
-# larger tile and fewer splits) picks them on 80 to 132 multiprocessors
-ROWS = "tf32 shifted rows split"
+# (geometry, dtype, the path on an H100 or H200, or its prefix): TF32 by the shifted rows (its shifts
+# a CTA and split, as many K ranges as fill the multiprocessors, depend on ks and their count)
+ROWS = "tf32 shifted rows"
 CUTLASS_CASES = [
     (SPEC_LIKE, torch.float32, ROWS),
     ((8, 16, 64, (8, 6, 10), (5, 3, 4)), torch.float32, ROWS),
     ((8, 16, 32, (16, 6, 10), (5, 3, 4)), torch.float32, ROWS),
-    ((4, 16, 64, (8, 6, 6), (5, 8, 8)), torch.float32, "cutlass tf32 fprop2d 256x64x32 split1"),
-    ((8, 16, 64, (8, 6, 6), (5, 4, 8)), torch.float32, "cutlass tf32 fprop2d 256x64x32 split2"),
+    ((4, 16, 64, (8, 6, 6), (5, 8, 8)), torch.float32, ROWS),  # ks 8: two CTAs of 4 shifts
+    ((8, 16, 64, (8, 6, 6), (5, 4, 7)), torch.float32, ROWS),  # ks 7: 4 and 3 shifts
     ((8, 16, 64, (16, 6, 6), (5, 4, 4)), torch.float32, ROWS),
     ((8, 8, 64, (4, 6, 10), (1, 7, 3)), torch.float32, ROWS),  # one depth tap
     ((4, 72, 40, (8, 5, 7), (3, 2, 3)), torch.float32, ROWS),  # I over a tile
@@ -241,22 +239,6 @@ def test_cutlass_paths(geometry, dtype, path, tf32, cutlass):
 
 @requires_sm90
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
-def test_tf32_operand_relayout_tiles(layout, tf32, cutlass):
-    """fprop2d's operands (ks > 5) relayout to (C, H, W, D, N) by its own kernel, in tiles of 128
-    (d, n) pairs by 32 values along W (NCDHW) or C (channels-last), each warp stepping through the
-    pairs 8 at a time: here a batch of 12 (the step wraps n unevenly), x's 192 and grad_y's 240 pairs
-    two tiles each, the last partial and not a multiple of 32; x's 40 and grad_y's 48 channels (when
-    channels-last) and W 36 and 41 (NCDHW) two tiles, the last partial."""
-    geometry = (12, 40, 48, (16, 6, 36), (5, 3, 6))
-    grad_y, x = case(geometry, torch.float32, "cuda")
-    if layout == "channels_last_3d":
-        grad_y, x = (t.contiguous(memory_format=torch.channels_last_3d) for t in (grad_y, x))
-    assert conv_transpose3d_weight_grad_path(grad_y, x, geometry[4]).startswith("cutlass tf32 fprop2d")
-    check(conv_transpose3d_weight_grad(grad_y, x, geometry[4]), grad_y, x, geometry[4], torch.float32, tf32=True)
-
-
-@requires_sm90
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d"])
 def test_shifted_rows_relayout_tiles(layout, tf32, cutlass):
     """The shifted rows' operands relayout to (shifts, C, N, D, H, L) by kernels of their own: from
     channels-last operands in tiles of 32 positions (across the ends of rows of L = 76, 5 shifts of
@@ -276,7 +258,6 @@ def test_what_the_cutlass_paths_leave_to_aten(tf32, cutlass):
     aten.convolution_backward."""
     batch, c_in, c_out, size, kernel = SPEC_LIKE
     cases = {"float16": case(SPEC_LIKE, torch.float16, "cuda"), "float64": case(SPEC_LIKE, torch.float64, "cuda"),
-             "fprop2d's batch 3": case((3, c_in, c_out, size, (5, 3, 6)), torch.float32, "cuda"),
              "bf16 C_out 32": case((batch, c_in, 32, size, kernel), torch.bfloat16, "cuda"),
              "bf16 C_in 12": case((batch, 12, c_out, size, kernel), torch.bfloat16, "cuda"),
              "empty": case((0, c_in, c_out, size, kernel), torch.float32, "cuda")}
@@ -294,7 +275,7 @@ def test_what_the_cutlass_paths_leave_to_aten(tf32, cutlass):
 
 @requires_sm90
 @pytest.mark.parametrize("geometry,dtype,path", [CUTLASS_CASES[i] for i in (0, 4, 8)],
-                         ids=["shifted-rows", "tf32-split2", "bf16"])
+                         ids=["tf32", "tf32-ks8", "bf16"])
 def test_cuda_graph_capture(geometry, dtype, path, tf32, cutlass):
     """Captured in a CUDA graph (the concurrent launches' side streams forked and joined inside it),
     a replay on new values gives the eager call's result."""

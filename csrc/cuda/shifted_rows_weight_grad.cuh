@@ -9,12 +9,13 @@
 // zeros where u - s falls outside [0, W) (x's shifted copies: a swizzled TMA box cannot start
 // between 16-byte chunks). Over each (n, d) plane it is a GEMM whose K is the plane's H L
 // positions: one per tap (t, r) over (O rows) x (ks shifts x I) columns. A CTA takes one tap
-// (t, r), 128 output channels, 64 input channels, all ks shifts, and a range of the K tiles (32
-// positions) of every plane: per tile one TMA box of G (128 x 32, at the row shifted by r L, depth
-// d + t) and one of each X_s (64 x 32), 128-byte swizzled, K-major as TF32's wgmma wants them.
-// One G box serves ks boxes of X (46.8 flop per byte loaded for ks = 5, where a CTA per tap would
-// get 25.6). One producer warp group (a thread issues the copies) fills a ring of stages; two
-// consumer warp groups take 64 output channels each.
+// (t, r), 128 output channels, 64 input channels, KS <= 5 of the shifts (the accumulators of
+// 5 x 64 columns fill a consumer's registers), and a range of the K tiles (32 positions) of every
+// plane: per tile one TMA box of G (128 x 32, at the row shifted by r L, depth d + t) and one of
+// each of its X_s (64 x 32), 128-byte swizzled, K-major as TF32's wgmma wants them. One G box
+// serves KS boxes of X (46.8 flop per byte loaded for KS = 5, where a CTA per tap would get 25.6).
+// One producer warp group (a thread issues the copies) fills a ring of stages; two consumer warp
+// groups take 64 output channels each.
 #pragma once
 
 #include <cuda.h>
@@ -35,7 +36,8 @@ constexpr int kRowsRelayoutThreads = 256;
 
 // The problem as the kernel reads it (the host fills it: conv_transpose3d_weight_grad.cu).
 struct ShiftedRows {
-  int depth, kt, kr;                   // D, and the taps in depth and height
+  int depth, kt, kr, ks;               // D, and the taps in depth, height and width
+  int shift_blocks;                    // ceil(ks / the CTA's shifts)
   int row;                             // L
   int in_channels, out_channels;       // I, O
   int in_blocks, out_blocks;           // ceil(I / 64), ceil(O / 128)
@@ -114,6 +116,8 @@ __global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
   const int taps = p.kt * p.kr;
   const int tap = static_cast<int>(block % taps), t = tap / p.kr, r = tap % p.kr;
   block /= taps;
+  const int s0 = static_cast<int>(block % p.shift_blocks) * KS;  // the CTA's shifts s0 .. s0 + KS - 1
+  block /= p.shift_blocks;
   const int in_block = static_cast<int>(block % p.in_blocks);
   block /= p.in_blocks;
   const int out_block = static_cast<int>(block % p.out_blocks);
@@ -141,8 +145,9 @@ __global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
         unsigned char* const tiles = smem + stage * C::kStageBytes;
         barrier_arrive_expect(&full[stage], C::kStageBytes);
         tensor_load_5d(tiles, g_map, t0 + r * p.row, d + t, n, out_block * C::kRowsG, 0, &full[stage]);
-        for (int s = 0; s < KS; ++s) {
-          tensor_load_5d(tiles + C::kGBytes + s * C::kXBytes, x_map, t0, d, n, in_block * C::kRowsX, s, &full[stage]);
+        for (int s = 0; s < KS; ++s) {  // (shifts past ks load the last one again: their columns are not stored)
+          tensor_load_5d(tiles + C::kGBytes + s * C::kXBytes, x_map, t0, d, n, in_block * C::kRowsX,
+                         s0 + s < p.ks ? s0 + s : p.ks - 1, &full[stage]);
         }
         if (++stage == C::kStages) {
           stage = 0;
@@ -201,9 +206,9 @@ __global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
     const int m = j / (C::kMmaN / 2), jj = j % (C::kMmaN / 2);
     const int o = o_base + (jj % 4 >= 2 ? 8 : 0);
     const int column = m * C::kMmaN + 8 * (jj / 4) + 2 * (lane % 4) + jj % 2;
-    const int s = column / C::kRowsX, i = in_block * C::kRowsX + column % C::kRowsX;
-    if (o < p.out_channels && i < p.in_channels) {
-      to[(((int64_t{i} * p.out_channels + o) * p.kt + t) * p.kr + r) * KS + s] = acc[j];
+    const int s = s0 + column / C::kRowsX, i = in_block * C::kRowsX + column % C::kRowsX;
+    if (o < p.out_channels && i < p.in_channels && s < p.ks) {
+      to[(((int64_t{i} * p.out_channels + o) * p.kt + t) * p.kr + r) * p.ks + s] = acc[j];
     }
   }
 }
