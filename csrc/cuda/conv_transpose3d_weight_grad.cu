@@ -184,12 +184,13 @@ at::Tensor to_rows(const at::Tensor& t, int64_t row, int shifts) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   int64_t blocks;
   if (t.stride(1) == 1 && t.stride(4) != 1) {
-    blocks = (t.size(3) * row + 31) / 32 * ((t.size(1) + 31) / 32) * t.size(0) * t.size(2);
+    blocks = (t.size(3) * row + kChannelsLastPositions - 1) / kChannelsLastPositions * ((t.size(1) + 31) / 32) *
+             t.size(0) * t.size(2);
     TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kWhat, ": too many blocks for the operands' relayout");
     channels_last_rows_kernel<<<static_cast<unsigned>(blocks), dim3(32, 8), 0, stream>>>(
         t.const_data_ptr<float>(), out.mutable_data_ptr<float>(), r);
   } else {
-    blocks = shifts * t.size(1) * t.size(0) * t.size(2);
+    blocks = shifts * t.size(1) * t.size(0);
     TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kWhat, ": too many blocks for the operands' relayout");
     rows_copy_kernel<<<static_cast<unsigned>(blocks), kRowsRelayoutThreads, 0, stream>>>(
         t.const_data_ptr<float>(), out.mutable_data_ptr<float>(), r);

@@ -223,53 +223,75 @@ struct RowsRelayout {
   int shifts;
 };
 
-// A block per output plane (s, c, n, d) (blockIdx.x, row-major), a thread per 4 consecutive positions
-// of its H rows (one 16-byte store), read from t's row.
+// A block per (s, c, n) (blockIdx.x, row-major) over its D planes, a thread per 4 consecutive
+// positions of a row (one 16-byte store), read from t's row; each thread loads 4 such quads before
+// it stores them (bytes in flight).
 __global__ void __launch_bounds__(kRowsRelayoutThreads)
     rows_copy_kernel(const float* __restrict__ t, float* __restrict__ out, const RowsRelayout r) {
-  int64_t plane = blockIdx.x;
-  const int64_t d = plane % r.size[2], n = plane / r.size[2] % r.size[0];
-  const int64_t c = plane / r.size[2] / r.size[0] % r.size[1];
-  const int s = static_cast<int>(plane / r.size[2] / r.size[0] / r.size[1]);
-  const float* const from = t + n * r.stride[0] + c * r.stride[1] + d * r.stride[2];
-  float4* const to = reinterpret_cast<float4*>(out + plane * r.size[3] * r.row);
+  constexpr int kBatch = 4;
+  const int64_t block = blockIdx.x;
+  const int64_t n = block % r.size[0], c = block / r.size[0] % r.size[1];
+  const int s = static_cast<int>(block / r.size[0] / r.size[1]);
+  const float* const from = t + n * r.stride[0] + c * r.stride[1];
+  float4* const to = reinterpret_cast<float4*>(out + block * r.size[2] * r.size[3] * r.row);
   const int quads = r.row / 4, width = static_cast<int>(r.size[4]);
-  for (int e = threadIdx.x; e < r.size[3] * quads; e += blockDim.x) {
-    const int h = e / quads, u = e % quads * 4 - s;
-    const float* const source = from + h * r.stride[3];
-    float v[4];
+  const int plane = static_cast<int>(r.size[3]) * quads, total = static_cast<int>(r.size[2]) * plane;
+  for (int base = threadIdx.x; base < total; base += kBatch * kRowsRelayoutThreads) {
+    float v[kBatch][4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) v[k] = u + k >= 0 && u + k < width ? source[(u + k) * r.stride[4]] : 0.f;
-    to[e] = make_float4(v[0], v[1], v[2], v[3]);
+    for (int q = 0; q < kBatch; ++q) {
+      const int e = base + q * kRowsRelayoutThreads;
+      const int d = e / plane, h = e % plane / quads, u = e % quads * 4 - s;
+      const float* const source = from + d * r.stride[2] + h * r.stride[3];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        v[q][k] = e < total && u + k >= 0 && u + k < width ? source[(u + k) * r.stride[4]] : 0.f;
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kBatch; ++q) {
+      const int e = base + q * kRowsRelayoutThreads;
+      if (e < total) to[e] = make_float4(v[q][0], v[q][1], v[q][2], v[q][3]);
+    }
   }
 }
 
-// A block per (32 output positions of a plane's H L, 32 channels, (n, d)), its 32 x 8 threads
-// staging the tile through shared memory for each shift: read with lanes along C, written with
-// lanes along the positions.
+// A block per (128 output positions of a plane's H L, 32 channels, (n, d)), its 32 x 8 threads
+// staging the tile through shared memory for each shift: read with lanes along C (16 loads a thread
+// in flight), written with lanes along the positions.
+constexpr int kChannelsLastPositions = 128;
+
 __global__ void __launch_bounds__(32 * 8)
     channels_last_rows_kernel(const float* __restrict__ t, float* __restrict__ out, const RowsRelayout r) {
-  __shared__ float tile[32][33];
+  __shared__ float tile[kChannelsLastPositions][33];
   const int64_t positions = r.size[3] * r.row, channels = r.size[1];
-  const int64_t position_tiles = (positions + 31) / 32, channel_tiles = (channels + 31) / 32;
+  const int64_t position_tiles = (positions + kChannelsLastPositions - 1) / kChannelsLastPositions;
+  const int64_t channel_tiles = (channels + 31) / 32;
   int64_t block = blockIdx.x;
-  const int64_t p0 = block % position_tiles * 32;
+  const int64_t p0 = block % position_tiles * kChannelsLastPositions;
   block /= position_tiles;
   const int64_t c0 = block % channel_tiles * 32;
   block /= channel_tiles;
   const int64_t d = block % r.size[2], n = block / r.size[2];
-  const float* const from = t + n * r.stride[0] + d * r.stride[2];
+  const float* const from = t + n * r.stride[0] + d * r.stride[2] + (c0 + threadIdx.x) * r.stride[1];
   const int lane = threadIdx.x, warp = threadIdx.y;
+  const bool lane_inside = c0 + lane < channels;
+  const int start = static_cast<int>(p0) + warp;  // the thread's first position, then every 8th
   for (int s = 0; s < r.shifts; ++s) {
-    for (int i = warp; i < 32; i += 8) {
-      const int position = static_cast<int>(p0) + i, h = position / r.row, u = position % r.row - s;
-      const bool inside = position < positions && u >= 0 && u < r.size[4] && c0 + lane < channels;
-      tile[i][lane] = inside ? from[(c0 + lane) * r.stride[1] + h * r.stride[3] + u * r.stride[4]] : 0.f;
+    int h = start / r.row, u = start % r.row;  // (stepped, not divided, per position)
+#pragma unroll
+    for (int k = 0; k < kChannelsLastPositions / 8; ++k) {
+      const int column = u - s;
+      const bool inside = lane_inside && start + 8 * k < positions && column >= 0 && column < r.size[4];
+      tile[warp + 8 * k][lane] = inside ? from[h * r.stride[3] + column * r.stride[4]] : 0.f;
+      for (u += 8; u >= r.row; u -= r.row) ++h;
     }
     __syncthreads();
     for (int i = warp; i < 32 && c0 + i < channels; i += 8) {
-      if (p0 + lane < positions) {
-        out[(((s * channels + c0 + i) * r.size[0] + n) * r.size[2] + d) * positions + p0 + lane] = tile[lane][i];
+      float* const run = out + (((s * channels + c0 + i) * r.size[0] + n) * r.size[2] + d) * positions + p0;
+#pragma unroll
+      for (int m = 0; m < kChannelsLastPositions / 32; ++m) {
+        if (p0 + lane + 32 * m < positions) run[lane + 32 * m] = tile[lane + 32 * m][i];
       }
     }
     __syncthreads();
