@@ -98,8 +98,8 @@ __device__ __forceinline__ uint64_t swizzled_tile_descriptor(const void* tile) {
   return d.desc_;
 }
 
-// out (I, O, kt, kr, ks) += the CTA's share (module comment); its K range's sum goes to `out` for
-// split 0, else to partials + (split - 1) filter_numel. g_map: G as (L P, Z, N, O, 1) innermost
+// The CTA's share of out (I, O, kt, kr, ks) (module comment): its K range's sums, written to `out`
+// for split 0, else to partials + (split - 1) filter_numel (added to out after). g_map: G as (L P, Z, N, O, 1) innermost
 // first, boxes (32, 1, 1, 128, 1); x_map: the X_s as (L H, D, N, I, ks), boxes (32, 1, 1, 64, 1);
 // both 128-byte swizzled.
 template <int KS>
