@@ -1,5 +1,5 @@
-"""conv_transpose3d_weight_grad (architecture D's weight gradient; CUTLASS's Hopper kernels on an
-sm_90 GPU, csrc/cuda/conv_transpose3d_weight_grad.cu) against aten.convolution_backward's (cuDNN's on
+"""conv_transpose3d_weight_grad (architecture D's weight gradient; on an sm_90 GPU our TF32 shifted-rows
+kernel and CUTLASS's bf16 wgrad, csrc/cuda/conv_transpose3d_weight_grad.cu) against aten.convolution_backward's (cuDNN's on
 a GPU) on NCDHW and on channels_last_3d operands (made beforehand), in float32 with TF32 allowed
 (PyTorch's default) and in bfloat16, in one run (interleaved rounds; CUDA events on a GPU, the wall
 clock on a CPU; medians over the rounds). The op's rows include its operands' layout copies. Each
