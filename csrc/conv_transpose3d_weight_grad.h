@@ -31,6 +31,7 @@ struct TransposedConvWeightGrad {
   std::array<int64_t, 3> in, kernel;         // x's (D, H, W); (kt, kr, ks)
 
   int64_t out(int d) const { return in[d] + kernel[d] - 1; }  // y's size along d
+  int64_t filter_numel() const { return in_channels * out_channels * kernel[0] * kernel[1] * kernel[2]; }
 };
 
 // The checked arguments: grad_y and x 5-D, floating point, of one dtype, on

@@ -115,7 +115,7 @@ WgradBf16::StrideD wgrad_stride_d(const TransposedConvWeightGrad& g) {
 
 // A path for a problem: shifted rows (TF32), a CTA taking `shifts` of the ks shifts, with `splits` K
 // ranges; or CUTLASS's wgrad (bf16).
-struct CutlassPlan {
+struct KernelPlan {
   enum Kind { kShiftedRows, kWgrad } kind;
   int shifts, splits;
 
@@ -132,7 +132,7 @@ int64_t shifted_rows_length(const TransposedConvWeightGrad& g) { return (g.out(2
 // multiprocessors, or none (operands whose elements int32 does not index). A CTA per output tile --
 // tap (t, r), 128 output channels, 64 input channels, a block of up to 5 shifts (the ks shifts
 // split evenly) -- times `splits` ranges of K, as many as fill the multiprocessors once.
-std::optional<CutlassPlan> shifted_rows_plan(const TransposedConvWeightGrad& g, int sms) {
+std::optional<KernelPlan> shifted_rows_plan(const TransposedConvWeightGrad& g, int sms) {
   const int64_t row = shifted_rows_length(g);
   if (!fits_cutlass_extents({g.kernel[2] * g.in_channels * g.batch * g.in[0] * g.in[1] * row,
                              g.out_channels * g.batch * g.out(0) * g.out(1) * row})) {
@@ -142,28 +142,26 @@ std::optional<CutlassPlan> shifted_rows_plan(const TransposedConvWeightGrad& g, 
   const int64_t tiles =
       g.kernel[0] * g.kernel[1] * shift_blocks * ((g.in_channels + 63) / 64) * ((g.out_channels + 127) / 128);
   const int64_t k_tiles = g.batch * g.in[0] * ((g.in[1] * row + 31) / 32);
-  const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
   // (partial sums are added 4 at a time: add_partials_kernel)
-  const int64_t splits = filter_numel % 4 ? 1 : std::clamp<int64_t>(sms / tiles, 1, k_tiles);
+  const int64_t splits = g.filter_numel() % 4 ? 1 : std::clamp<int64_t>(sms / tiles, 1, k_tiles);
   if (tiles * splits > std::numeric_limits<int32_t>::max()) return std::nullopt;
-  return CutlassPlan{CutlassPlan::kShiftedRows, static_cast<int>(shifts), static_cast<int>(splits)};
+  return KernelPlan{KernelPlan::kShiftedRows, static_cast<int>(shifts), static_cast<int>(splits)};
 }
 
-std::optional<CutlassPlan> wgrad_plan(const TransposedConvWeightGrad& g) {
+std::optional<KernelPlan> wgrad_plan(const TransposedConvWeightGrad& g) {
   // x's NDHWC rows 16-byte aligned; grad_y's im2col boxes read 64 channels at a time along the
   // (c, s, r, t) N mode: a box must not run past a tap's channels
   if (g.in_channels % 8 || g.out_channels % 64) return std::nullopt;
   if (!WgradBf16::can_implement(wgrad_problem(g), wgrad_stride_d(g))) return std::nullopt;
-  return CutlassPlan{CutlassPlan::kWgrad, 0, 1};
+  return KernelPlan{KernelPlan::kWgrad, 0, 1};
 }
 
-// The CUTLASS path for these (checked) arguments, or none.
-std::optional<CutlassPlan> cutlass_plan(const at::Tensor& grad_y, const at::Tensor& x,
+// The kernel path (shifted rows or CUTLASS's wgrad) for these (checked) arguments, or none.
+std::optional<KernelPlan> kernel_plan(const at::Tensor& grad_y, const at::Tensor& x,
                                         const TransposedConvWeightGrad& g) {
   const int device = x.get_device();
   if (!runs_sm90a(device)) return std::nullopt;
-  const int64_t filter_numel = g.in_channels * g.out_channels * g.kernel[0] * g.kernel[1] * g.kernel[2];
-  if (!fits_cutlass_extents({x.numel(), grad_y.numel(), filter_numel})) return std::nullopt;
+  if (!fits_cutlass_extents({x.numel(), grad_y.numel(), g.filter_numel()})) return std::nullopt;
   if (tf32_convolution(x)) return shifted_rows_plan(g, device_attribute(cudaDevAttrMultiProcessorCount, device));
   if (x.scalar_type() == at::kBFloat16) return wgrad_plan(g);
   return std::nullopt;
@@ -254,9 +252,9 @@ at::Tensor run_shifted_rows(const TransposedConvWeightGrad& g, int splits, const
   return out;
 }
 
-at::Tensor run_cutlass(const CutlassPlan& plan, const at::Tensor& grad_y, const at::Tensor& x,
+at::Tensor run_plan(const KernelPlan& plan, const at::Tensor& grad_y, const at::Tensor& x,
                        const TransposedConvWeightGrad& g) {
-  if (plan.kind == CutlassPlan::kShiftedRows) {
+  if (plan.kind == KernelPlan::kShiftedRows) {
     switch (plan.shifts) {
       case 1:
         return run_shifted_rows<1>(g, plan.splits, grad_y, x);
@@ -288,7 +286,7 @@ at::Tensor conv_transpose3d_weight_grad_cuda(const at::Tensor& grad_y, const at:
   const TransposedConvWeightGrad g = transposed_conv_weight_grad_setup(grad_y, x, kernel_size);
   const c10::cuda::CUDAGuard guard(x.device());
 #ifdef FUSED_OPS_CUTLASS
-  if (const auto plan = cutlass_plan(grad_y, x, g)) return run_cutlass(*plan, grad_y, x, g);
+  if (const auto plan = kernel_plan(grad_y, x, g)) return run_plan(*plan, grad_y, x, g);
 #endif
   return transposed_conv_weight_grad_by_aten(grad_y, x, g);
 }
@@ -298,7 +296,7 @@ std::string conv_transpose3d_weight_grad_path_cuda(const at::Tensor& grad_y, con
   [[maybe_unused]] const TransposedConvWeightGrad g = transposed_conv_weight_grad_setup(grad_y, x, kernel_size);
   const c10::cuda::CUDAGuard guard(x.device());
 #ifdef FUSED_OPS_CUTLASS
-  if (const auto plan = cutlass_plan(grad_y, x, g)) return plan->name();
+  if (const auto plan = kernel_plan(grad_y, x, g)) return plan->name();
   return kWeightGradByAten;
 #else
   return std::string(kWeightGradByAten) + " (built without CUTLASS)";
