@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from fused_ops import architectures, conv_transpose3d_stride1_channels_last, reference, rewrites
 from fused_ops import nn as fnn
 from fused_ops.ops import conv_transpose3d_stride1_channels_last_path
-from timing import d_convolution_arguments, module_training_step, run_against_cudnn
+from timing import convolution_arguments, module_training_step, run_against_cudnn
 
 D = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
 C_OUT, KERNEL = D.args[1], D.args[2]
@@ -49,7 +49,7 @@ def rewrite_forward_by_op(dtypes):
 
 
 def main():
-    args, device, shape = d_convolution_arguments(__doc__.splitlines()[0])
+    args, device, shape = convolution_arguments(__doc__.splitlines()[0], "D")
     n, c_in, *size = shape
     torch.manual_seed(0)
     x = torch.rand(shape, device=device)

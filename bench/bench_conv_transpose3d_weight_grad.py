@@ -22,7 +22,7 @@ import torch
 from fused_ops import architectures, conv_transpose3d_weight_grad, reference, rewrites
 from fused_ops import nn as fnn
 from fused_ops.ops import conv_transpose3d_weight_grad_path
-from timing import d_convolution_arguments, module_training_step, run_against_cudnn
+from timing import convolution_arguments, module_training_step, run_against_cudnn
 
 D = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
 C_OUT, KERNEL = D.args[1], D.args[2]
@@ -49,7 +49,7 @@ def rewrite_weight_grad_by_aten():
 
 
 def main():
-    args, device, shape = d_convolution_arguments(__doc__.splitlines()[0])
+    args, device, shape = convolution_arguments(__doc__.splitlines()[0], "D")
     kernel = [KERNEL] * 3
     n, c_in, *size = shape
     torch.manual_seed(0)

@@ -130,7 +130,7 @@ def print_against_cudnn(rows: dict, ms: dict, errors: dict, flop: float) -> None
 
 def run_against_cudnn(rows: dict, expected, args, device, settings: Callable, operands: str, paths: dict,
                       flop: float) -> None:
-    """The last part of the benchmarks of D's convolutions: each checked row of rows {name: (call,
+    """The last part of the benchmarks of B's and D's convolutions: each checked row of rows {name: (call,
     group, checked)} checked against `expected` (float64: its normwise error, max |got - exact| /
     max |exact|), every row timed in interleaved rounds, each call inside settings(name) (a context
     manager), then a header line (`operands` says their shapes), the op's paths {"tf32", "bf16"}
@@ -154,10 +154,10 @@ def run_against_cudnn(rows: dict, expected, args, device, settings: Callable, op
     print_against_cudnn(rows, ms, errors, flop)
 
 
-def d_convolution_arguments(description: str) -> tuple:
-    """The command line of the benchmarks of D's convolutions (--device, --size, --batch, --rounds,
-    --reps), parsed: (args, device, D's input shape: spec on a GPU, reduced on a CPU by default);
-    TF32 convolutions allowed (PyTorch's default)."""
+def convolution_arguments(description: str, letter: str) -> tuple:
+    """The command line of the benchmarks of an architecture's convolutions (--device, --size,
+    --batch, --rounds, --reps), parsed: (args, device, the input shape of architecture `letter`:
+    spec on a GPU, reduced on a CPU by default); TF32 convolutions allowed (PyTorch's default)."""
     import argparse
 
     from fused_ops import architectures
@@ -165,12 +165,12 @@ def d_convolution_arguments(description: str) -> tuple:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=architectures.SIZES, default=None,
-                        help="D's input size (spec on a GPU, reduced on a CPU)")
+                        help=f"{letter}'s input size (spec on a GPU, reduced on a CPU)")
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=None, help="timed calls per row and round (20 GPU, 3 CPU)")
     args = parser.parse_args()
     device = torch.device(args.device)
-    d = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
+    architecture = next(a for a in architectures.ARCHITECTURES if a.letter == letter)
     torch.backends.cudnn.allow_tf32 = True
-    return args, device, d.input_shape(args.size or ("spec" if device.type == "cuda" else "reduced"), args.batch)
+    return args, device, architecture.input_shape(args.size or ("spec" if device.type == "cuda" else "reduced"), args.batch)

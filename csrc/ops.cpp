@@ -119,6 +119,20 @@ TORCH_LIBRARY(fused_ops, m) {
   // "aten.conv_transpose3d" (for tests and benchmarks).
   m.def(
       "conv_transpose3d_stride1_channels_last_path(Tensor x, Tensor weight, Tensor? bias, int[3] padding) -> str");
+  // B's forward less the bias: sum over channels, keepdim, of max_pool3d(max_pool3d(conv_transpose3d(x,
+  // weight, stride, padding, output_padding), stride), kernel2) -> (N, 1, D2, H2, W2), at the stage-1
+  // positions stage 2 reads; with save_indices, also each output's pick per channel as
+  // parity_max_pool3d_cascade_sum saves it (uint8 (N, D2, H2, W2, O)), else an empty tensor
+  // (conv_transpose3d_cascade_sum.h). The convolution and its tail in one kernel on a GPU where it
+  // applies. Not differentiable (B's rewrite takes the weight's gradient from the picks).
+  m.def(
+      "conv_transpose3d_cascade_sum(Tensor x, Tensor weight, int[3] stride, int[3] padding, "
+      "int[3] output_padding, int[3] kernel2, bool save_indices, ScalarType? dtype=None) -> (Tensor, Tensor)");
+  // Which implementation it takes for these arguments: its kernel's name, or the composite's
+  // (for tests and benchmarks).
+  m.def(
+      "conv_transpose3d_cascade_sum_path(Tensor x, Tensor weight, int[3] stride, int[3] padding, "
+      "int[3] output_padding, int[3] kernel2) -> str");
 
   // The input of a 2-D convolution computing a 3-D one's depth taps as input
   // channels (fused_ops/rewrites.py): for x (N, I, D, H, W), out (N, size[0],

@@ -52,7 +52,8 @@ from torch import Tensor, nn
 from . import _autocast
 from ._derived import derived, traced
 from .ops import (_accumulation_dtype, _expand, _is_channels_last_3d, _pool_triples, _pooled_size, box_fold2d,
-                  conv2d_sigmoid_sum, conv3d_max_pool3d_mean, conv_transpose3d_cascade_weight_grad,
+                  conv2d_sigmoid_sum, conv3d_max_pool3d_mean, conv_transpose3d_cascade_sum_path,
+                  conv_transpose3d_cascade_weight_grad,
                   conv_transpose3d_stride1_channels_last, conv_transpose3d_stride1_channels_last_path,
                   conv_transpose3d_weight_grad, depth_stacked_channels_last)
 
@@ -306,13 +307,13 @@ class _ConvTransposeCascadeSum(torch.autograd.Function):
     recomputes the windows and differentiates them as the dense formulation does."""
 
     @staticmethod
-    def forward(x, weight, kernel, stride, padding, kernel2, axes, positions, out_size):
+    def forward(x, weight, kernel, stride, padding, kernel2, axes, positions, out_size, fused):
         with torch.no_grad():
-            return _cascade_sum(x, weight, kernel2, axes, positions, save_picks=True)
+            return _cascade_sum(x, weight, kernel2, axes, positions, save_picks=True, fused=fused)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, kernel, stride, padding, kernel2, axes, positions, out_size = inputs
+        x, weight, kernel, stride, padding, kernel2, axes, positions, out_size, _ = inputs
         ctx.save_for_backward(x, weight, output[1])
         ctx.mark_non_differentiable(output[1])
         ctx.geometry = (kernel, stride, padding, kernel2, out_size)
@@ -329,19 +330,30 @@ class _ConvTransposeCascadeSum(torch.autograd.Function):
             grad_weight = conv_transpose3d_cascade_weight_grad(
                 grad_out if cast is None else grad_out.to(cast), picks, x if cast is None else x.to(cast),
                 *ctx.geometry, dtype=cast or weight.dtype)
-            return None, grad_weight.to(weight.dtype), *[None] * 7
+            return None, grad_weight.to(weight.dtype), *[None] * 8
         with torch.enable_grad(), torch.autocast(x.device.type, ctx.autocast or torch.float32,
                                                  enabled=ctx.autocast is not None):
             weight_ = weight.detach().requires_grad_()
             out, _ = _cascade_sum(x, weight_, ctx.geometry[3], *ctx.windows, save_picks=True)
         # (the dense formulation's graph; the cascade's own backward refuses an output gradient that records one)
         (grad_weight,) = torch.autograd.grad(out, weight_, grad_out, create_graph=True)
-        return None, grad_weight, *[None] * 7
+        return None, grad_weight, *[None] * 8
 
 
-def _cascade_sum(x: Tensor, weight: Tensor, kernel2, axes, positions, save_picks: bool) -> tuple[Tensor, Tensor]:
+def _cascade_sum(x: Tensor, weight: Tensor, kernel2, axes, positions, save_picks: bool,
+                 fused: tuple | None = None) -> tuple[Tensor, Tensor]:
     """parity_max_pool3d_cascade_sum of the transposed convolution's windows side by side, and
-    its picks where save_picks (autograd records the op's own backward otherwise)."""
+    its picks where save_picks (autograd records the op's own backward otherwise); by
+    conv_transpose3d_cascade_sum (the convolution and both pools in one kernel) where `fused` (its
+    stride, padding, output_padding: _cascade_sum_by_kernel) and autograd records nothing."""
+    if fused is not None and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        # x in the convolution's dtype and channels-last, as the kernel reads it (one copy, none where it lies so)
+        dtype = _autocast.conv_dtype(x)
+        x_kernel = x.to(dtype, memory_format=torch.channels_last_3d)
+        w_kernel = weight if weight.dtype == dtype else derived(("conv_transpose3d_cascade_sum", dtype), (weight,),
+                                                                lambda: weight.to(dtype))
+        return torch.ops.fused_ops.conv_transpose3d_cascade_sum(x_kernel, w_kernel, *fused, list(kernel2), save_picks,
+                                                                None)
     windows = _transposed_windows(x, weight, axes, positions)
     return torch.ops.fused_ops.parity_max_pool3d_cascade_sum(
         windows, list(kernel2), save_picks or (torch.is_grad_enabled() and windows.requires_grad), None)
@@ -416,13 +428,41 @@ def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, p
         return None
     axes, positions, out_size = found
     weight, kernel2 = conv.weight, _triple(pool2.kernel_size)
+    fused = _cascade_sum_by_kernel(x, conv, kernel2)
     if (torch.is_grad_enabled() and weight.requires_grad and not x.requires_grad
             and _picked_weight_grad_is_quick(x, conv)):
+        if fused is not None:  # x channels-last once, for the kernel and the weight gradient's (each reads it so)
+            x = x.contiguous(memory_format=torch.channels_last_3d)
         out, _ = _ConvTransposeCascadeSum.apply(x, weight, _triple(conv.kernel_size), _triple(conv.stride),
-                                                _triple(conv.padding), kernel2, axes, positions, out_size)
+                                                _triple(conv.padding), kernel2, axes, positions, out_size, fused)
     else:
-        out, _ = _cascade_sum(x, weight, kernel2, axes, positions, save_picks=False)
+        out, _ = _cascade_sum(x, weight, kernel2, axes, positions, save_picks=False, fused=fused)
     return out, conv.bias
+
+
+@functools.cache
+def _cascade_sum_path(device: torch.device, dtype: torch.dtype, x_shape, weight_shape, conv_args, kernel2,
+                      tf32: Hashable) -> str:
+    """conv_transpose3d_cascade_sum_path for operands of these shapes in dtype (asked once per key,
+    of tensors that are one uninitialized element expanded: the answer depends on nothing else; the
+    TF32 setting matters for float32 alone)."""
+    x, weight = [torch.empty((), dtype=dtype, device=device).expand(shape) for shape in (x_shape, weight_shape)]
+    return conv_transpose3d_cascade_sum_path(x, weight, *conv_args, kernel2)
+
+
+def _cascade_sum_by_kernel(x: Tensor, conv: nn.ConvTranspose3d, kernel2) -> tuple | None:
+    """The convolution's (stride, padding, output_padding) where B's rewrite computes conv(x) and
+    both pools by conv_transpose3d_cascade_sum's kernel (on a GPU, float32 or under bfloat16
+    autocast, outside a trace, where the op's path is its kernel: an sm_90 GPU, TF32 convolutions
+    for float32, stride 2, kernel2 3, 32 input and at most 64 output channels;
+    bench/bench_conv_transpose3d_cascade_sum.py times it against the parity-class formulation), else None."""
+    dtype = _autocast.conv_dtype(x)
+    if not x.is_cuda or dtype not in (torch.float32, torch.bfloat16) or conv.weight.dtype != x.dtype or traced(x):
+        return None
+    conv_args = (_triple(conv.stride), _triple(conv.padding), _triple(conv.output_padding))
+    path = _cascade_sum_path(x.device, dtype, tuple(x.shape), tuple(conv.weight.shape), conv_args, tuple(kernel2),
+                             _tf32_convolutions())
+    return tuple([list(a) for a in conv_args]) if path.endswith(" transposed cascade sum") else None
 
 
 def _transposed_parity_kernel(weight: Tensor, axes, dtype: torch.dtype) -> Tensor:

@@ -66,20 +66,23 @@ void cast_to_autocast_dtype(torch::jit::Stack* stack, size_t begin, size_t end) 
   }
 }
 
-// conv2d_sigmoid_sum and conv3d_max_pool3d_mean, as autocast runs their ops:
-// the convolution's input, weight and bias cast to autocast's dtype (a float32
-// or 16-bit input; float64 is left alone), the tail in that dtype, the result
-// float32 on CUDA (where autocast runs torch.sum in float32; A's module casts
-// its own result), autocast's dtype on the CPU. A float32 input is passed as
-// it is, the op rounding it to the weight's dtype as it reads it (the same
-// values, without the cast's copy). Both take (x, weight, bias, ...) first.
-template <c10::DispatchKey autocast_key>
+// conv2d_sigmoid_sum, conv3d_max_pool3d_mean and conv_transpose3d_cascade_sum, as autocast runs
+// their ops: the convolution's input, weight and bias cast to autocast's dtype (a float32 or 16-bit
+// input; float64 is left alone), the tail in that dtype, the result float32 on CUDA (where autocast
+// runs torch.sum in float32; A's module casts its own result) and, where kPoolsFirst (the tail's
+// first op a max-pool, float32 under CPU autocast), on the CPU too, else autocast's dtype there.
+// Where kRoundsInput, a float32 input is passed as it is, the op rounding it to the weight's dtype
+// as it reads it (the same values, without the cast's copy). Each takes (x, weight, bias or a
+// non-tensor, ...) first.
+template <c10::DispatchKey autocast_key, bool kRoundsInput, bool kPoolsFirst>
 void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ..., dtype
   const at::ScalarType input = (*stack)[first].toTensor().scalar_type();
   if (autocast_casts(input)) {
-    cast_to_autocast_dtype<autocast_key>(stack, input == at::kFloat ? first + 1 : first, first + 3);
-    if (autocast_key == c10::DispatchKey::AutocastCUDA && stack->back().isNone()) stack->back() = at::kFloat;
+    cast_to_autocast_dtype<autocast_key>(stack, kRoundsInput && input == at::kFloat ? first + 1 : first, first + 3);
+    if ((kPoolsFirst || autocast_key == c10::DispatchKey::AutocastCUDA) && stack->back().isNone()) {
+      stack->back() = at::kFloat;
+    }
   }
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
   op.callBoxed(stack);
@@ -87,7 +90,8 @@ void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stac
 
 // conv_transpose3d_stride1_channels_last as autocast runs aten.conv_transpose3d: x, weight and
 // bias cast to autocast's dtype (where x is float32 or 16-bit; float64 is left alone), the result
-// in that dtype; its _path op alike (the path of the call autocast would make).
+// in that dtype; its _path op alike (the path of the call autocast would make), and
+// conv_transpose3d_cascade_sum's (x and weight cast as its autocast kernel casts them).
 template <c10::DispatchKey autocast_key>
 void lower_precision_operands(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ...
@@ -102,9 +106,12 @@ template <c10::DispatchKey autocast_key>
 void register_autocast_kernels(torch::Library& m) {
   register_float32_results<autocast_key>(m);
   for (const char* name : {"conv2d_sigmoid_sum", "conv3d_max_pool3d_mean"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key>>());
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, true, false>>());
   }
-  for (const char* name : {"conv_transpose3d_stride1_channels_last", "conv_transpose3d_stride1_channels_last_path"}) {
+  m.impl("conv_transpose3d_cascade_sum",
+         torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, false, true>>());
+  for (const char* name : {"conv_transpose3d_stride1_channels_last", "conv_transpose3d_stride1_channels_last_path",
+                           "conv_transpose3d_cascade_sum_path"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lower_precision_operands<autocast_key>>());
   }
 }

@@ -259,22 +259,22 @@ inline CUtensorMap tiled_tensor_map(CUtensorMapDataType type, const void* base, 
   return map;
 }
 
-// tiled_tensor_map's map over a contiguous float32 tensor x (up to 5
-// dimensions, at a 16-byte aligned address, rows of whole 16-byte chunks),
-// its dimensions innermost first, boxes of `box` (one size per dimension,
-// innermost first), `swizzle`d as tiled_tensor_map's.
-inline CUtensorMap contiguous_float_tensor_map(const at::Tensor& x, c10::ArrayRef<cuuint32_t> box,
-                                               CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
+// tiled_tensor_map's map over a contiguous float32 or bfloat16 tensor x (up to 5 dimensions, at a
+// 16-byte aligned address, rows of whole 16-byte chunks), its dimensions innermost first, boxes of
+// `box` (one size per dimension, innermost first), `swizzle`d as tiled_tensor_map's.
+inline CUtensorMap contiguous_tensor_map(const at::Tensor& x, c10::ArrayRef<cuuint32_t> box,
+                                         CUtensorMapSwizzle swizzle = CU_TENSOR_MAP_SWIZZLE_NONE) {
   const int rank = static_cast<int>(x.dim());
   TORCH_INTERNAL_ASSERT(rank <= 5 && static_cast<int>(box.size()) == rank && x.is_contiguous());
+  TORCH_INTERNAL_ASSERT(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
   cuuint64_t dims[5], strides[4];
-  cuuint64_t stride = sizeof(float);  // (from the sizes: a size-1 dimension's own stride may be any)
+  cuuint64_t stride = x.element_size();  // (from the sizes: a size-1 dimension's own stride may be any)
   for (int d = 0; d < rank; ++d) {
     dims[d] = static_cast<cuuint64_t>(x.size(rank - 1 - d));
     if (d + 1 < rank) strides[d] = stride *= dims[d];
   }
-  return tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, x.const_data_ptr(), rank, dims, strides, box.data(),
-                          swizzle);
+  return tiled_tensor_map(x.scalar_type() == at::kFloat ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                          x.const_data_ptr(), rank, dims, strides, box.data(), swizzle);
 }
 
 // Whether `kernel` runs on the current device as code built for sm_90 or

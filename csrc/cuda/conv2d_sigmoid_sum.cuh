@@ -44,7 +44,7 @@ inline bool copy_engine_takes(const at::Tensor& x) {
 // The copy engine's map over such an x, innermost first (W, H, C, N), boxes of
 // `columns` x `rows` x `channels` of one image.
 inline CUtensorMap nchw_tensor_map(const at::Tensor& x, int columns, int rows, int channels) {
-  return contiguous_float_tensor_map(
+  return contiguous_tensor_map(
       x, {static_cast<cuuint32_t>(columns), static_cast<cuuint32_t>(rows), static_cast<cuuint32_t>(channels), 1});
 }
 

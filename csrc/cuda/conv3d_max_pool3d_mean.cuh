@@ -111,7 +111,7 @@ inline bool kernel_takes(const at::Tensor& x, const at::Tensor& weight, const Co
 // The copy engine's map over a contiguous float32 x (N, C, D, H, W), innermost
 // first (W, H, D, C, N), boxes of (kBoxCols, kBoxRows, kBoxPlanes, kBlockChannels, 1).
 inline CUtensorMap ncdhw_tensor_map(const at::Tensor& x) {
-  return contiguous_float_tensor_map(x, {kBoxCols, kBoxRows, kBoxPlanes, kBlockChannels, 1});
+  return contiguous_tensor_map(x, {kBoxCols, kBoxRows, kBoxPlanes, kBlockChannels, 1});
 }
 
 // Stages of kBoxWords that fit beside `fixed_words` of other shared memory on

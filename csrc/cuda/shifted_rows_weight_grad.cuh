@@ -24,10 +24,8 @@
 #include <utility>
 
 #include "bulk_copy.cuh"
-#include "cute/arch/mma_sm90_desc.hpp"
-#include "cute/arch/mma_sm90_gmma.hpp"
-#include "cute/arch/mma_sm90_gmma_ext.hpp"
 #include "cutlass/arch/reg_reconfig.h"
+#include "wgmma_ss.cuh"
 
 namespace fused_ops {
 
@@ -64,39 +62,6 @@ struct ShiftedRowsConfig {
   static constexpr int kAccumulators = kColumns / 2;             // per thread: 64 x kColumns over 128 threads
   static_assert(KS >= 1 && KS <= 5 && kStages >= 3 && kStageBytes % 1024 == 0);
 };
-
-// wgmma's m64 nN k8 TF32 instruction, both operands K-major in shared memory, f32 accumulators.
-template <int N>
-struct Tf32Wgmma;
-template <>
-struct Tf32Wgmma<64> : cute::SM90::GMMA::MMA_64x64x8_F32TF32TF32_SS_TN<> {};
-template <>
-struct Tf32Wgmma<128> : cute::SM90::GMMA::MMA_64x128x8_F32TF32TF32_SS_TN<> {};
-template <>
-struct Tf32Wgmma<160> : cute::SM90::GMMA::MMA_64x160x8_F32TF32TF32_SS_TN<> {};
-template <>
-struct Tf32Wgmma<192> : cute::SM90::GMMA::MMA_64x192x8_F32TF32TF32_SS_TN<> {};
-template <>
-struct Tf32Wgmma<256> : cute::SM90::GMMA::MMA_64x256x8_F32TF32TF32_SS_TN<> {};
-
-// acc += A B^T by one wgmma: the descriptors' tiles, acc the instruction's N / 2 accumulators.
-template <int N, size_t... I>
-__device__ __forceinline__ void tf32_wgmma(uint64_t a, uint64_t b, float* acc, std::index_sequence<I...>) {
-  Tf32Wgmma<N>::fma(a, b, acc[I]...);
-}
-
-// The descriptor of a K-major tile in shared memory at `tile` (1024-byte aligned): rows of 128
-// bytes, 128-byte swizzled (as a TMA box of 32 floats' rows writes it), 8-row groups 1024 apart.
-// Adding b / 16 moves it b bytes along K (32 per step of 8) or along the rows (a multiple of 1024).
-__device__ __forceinline__ uint64_t swizzled_tile_descriptor(const void* tile) {
-  cute::GmmaDescriptor d;
-  d.bitfield.start_address_ = static_cast<uint16_t>(shared_address(tile) >> 4);
-  d.bitfield.leading_byte_offset_ = 1;  // (unused by swizzled K-major layouts)
-  d.bitfield.stride_byte_offset_ = 1024 >> 4;
-  d.bitfield.base_offset_ = 0;
-  d.bitfield.layout_type_ = 1;  // SWIZZLE_128B
-  return d.desc_;
-}
 
 // The CTA's share of out (I, O, kt, kr, ks) (module comment): its K range's sums, written to `out`
 // for split 0, else to partials + (split - 1) filter_numel (added to out after). g_map: G as (L P, Z, N, O, 1) innermost
@@ -177,7 +142,7 @@ __global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
     for (int step = 0; step < C::kTileK / 8; ++step) {
 #pragma unroll
       for (int m = 0; m < C::kMmas; ++m) {
-        tf32_wgmma<C::kMmaN>(a + 2 * step, b + m * C::kMmaN * 128 / 16 + 2 * step, acc + m * (C::kMmaN / 2),
+        wgmma_ss<float, C::kMmaN>(a + 2 * step, b + m * C::kMmaN * 128 / 16 + 2 * step, acc + m * (C::kMmaN / 2),
                              std::make_index_sequence<C::kMmaN / 2>{});
       }
     }

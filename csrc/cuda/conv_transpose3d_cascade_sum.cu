@@ -1,0 +1,230 @@
+// CUDA kernel of conv_transpose3d_cascade_sum (the math: ../conv_transpose3d_cascade_sum.h).
+//
+// On an sm_90 device, in a build with CUTLASS (FUSED_OPS_CUTLASS), for float32 where PyTorch's
+// convolutions round to TF32 (cuDNN enabled, its TF32 allowed for convolutions) and for bfloat16,
+// stride 2, kernel2 3, at most 3 taps per class and dim (kernel <= 6), 32 input channels and at most
+// 64 output channels: the convolution and its tail in one wgmma kernel (transposed_cascade_sum.cuh),
+// over a channels-last copy of x (none where x is channels-last already) and the weights
+// rearranged per tap (cascade_weight_taps_kernel). Sums in float32, rounded to bfloat16 where the
+// original's y is (before the pools) and to the result's dtype. Everything else by the composite.
+
+#ifdef FUSED_OPS_CUTLASS
+#ifndef NDEBUG
+#define NDEBUG  // before any header (cutlass_conv.cuh says why)
+#endif
+#endif
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "../conv_transpose3d_cascade_sum.h"
+#include "../dispatch.h"
+
+#ifdef FUSED_OPS_CUTLASS
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+
+// (bulk_copy.cuh before CUTLASS's headers, which include cudaTypedefs.h inside their namespace)
+#include "bulk_copy.cuh"
+#include "cutlass_conv.cuh"
+#include "transposed_cascade_sum.cuh"
+#endif
+
+namespace fused_ops {
+namespace {
+
+#ifdef FUSED_OPS_CUTLASS
+
+// conv_transpose3d_cascade_sum_path's names for the kernel, per element type
+constexpr const char* kTf32Path = "tf32 transposed cascade sum";
+constexpr const char* kBf16Path = "bf16 transposed cascade sum";
+
+// One dim of the stride-2 parity-class convolution (rewrites._transposed_axis): stage-1 position m
+// of class q reads input m + first + u by the original tap taps[q][u] (-1: none), u < width.
+struct TransposedAxis {
+  int first, width;
+  int taps[2][3];
+};
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - (a % b != 0 && (a < 0) != (b < 0)); }
+
+// The axis of kernel k, padding pad, stride 2, or none past 3 taps a class.
+std::optional<TransposedAxis> transposed_axis(int64_t k, int64_t pad) {
+  int64_t first = std::numeric_limits<int64_t>::max(), last = std::numeric_limits<int64_t>::min();
+  for (int64_t q = 0; q < 2; ++q) {
+    first = std::min(first, -floor_div(k - 1 - q - pad, 2));
+    last = std::max(last, floor_div(q + pad, 2));
+  }
+  if (last - first + 1 > 3) return std::nullopt;
+  TransposedAxis axis{static_cast<int>(first), static_cast<int>(last - first + 1), {}};
+  for (int q = 0; q < 2; ++q) {
+    for (int u = 0; u < 3; ++u) {
+      const int64_t tap = q + pad - 2 * (first + u);
+      axis.taps[q][u] = u < axis.width && tap >= 0 && tap < k ? static_cast<int>(tap) : -1;
+    }
+  }
+  return axis;
+}
+
+// The kernel's problem and, per tap in order, the original kernel's flattened tap (t kr + r) ks + s.
+struct CascadePlan {
+  TransposedCascade p;
+  std::array<int16_t, kCascadeMaxTaps> kernel_tap;
+};
+
+// The kernel's plan for these (checked) arguments, or none where it does not apply.
+std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCascadeSum& g) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (!bf16 && !tf32_convolution(x)) return std::nullopt;
+  if (!runs_sm90a(x.get_device())) return std::nullopt;
+  if (!(bf16 ? runs_bulk_copy(conv_transpose3d_cascade_sum_kernel<__nv_bfloat16>)
+             : runs_bulk_copy(conv_transpose3d_cascade_sum_kernel<float>))) {
+    return std::nullopt;
+  }
+  if (g.in_channels != 32 || g.out_channels > 64) return std::nullopt;
+  if (!fits_cutlass_extents({x.numel()})) return std::nullopt;
+  std::array<TransposedAxis, 3> axes;
+  for (int d = 0; d < 3; ++d) {
+    if (g.stride[d] != 2 || g.kernel2[d] != 3) return std::nullopt;
+    const auto axis = transposed_axis(g.kernel[d], g.padding[d]);
+    if (!axis) return std::nullopt;
+    axes[d] = *axis;
+  }
+  CascadePlan plan{};
+  TransposedCascade& p = plan.p;
+  for (int d = 0; d < 3; ++d) {
+    p.cells[d] = static_cast<int>(g.cells(d));
+    p.start[d] = axes[d].first;
+  }
+  p.row_tiles = (p.cells[1] + 1) / 2;
+  p.col_tiles = (p.cells[2] + 9) / 10;
+  p.out_channels = static_cast<int>(g.out_channels);
+  int taps = 0;
+  for (int q = 0; q < 8; ++q) {
+    const int qd = q / 4, qh = q / 2 % 2, qw = q % 2;
+    for (int u = 0; u < 27; ++u) {
+      const int t = axes[0].taps[qd][u / 9], r = axes[1].taps[qh][u / 3 % 3], s = axes[2].taps[qw][u % 3];
+      if (t < 0 || r < 0 || s < 0) continue;
+      p.tap[taps] = static_cast<uint8_t>(u);
+      plan.kernel_tap[taps++] = static_cast<int16_t>((t * g.kernel[1] + r) * g.kernel[2] + s);
+    }
+    p.class_end[q] = taps;
+  }
+  if (g.batch * p.cells[0] * p.row_tiles * p.col_tiles > std::numeric_limits<int32_t>::max()) return std::nullopt;
+  return plan;
+}
+
+struct WeightTaps {
+  int16_t kernel_tap[kCascadeMaxTaps];
+  int taps, out_channels, volume;  // T, O, kt kr ks
+};
+
+// out[e, o, i] = w[i, o, kernel_tap[e]] (w (32, O, kt, kr, ks) contiguous), 0 for o >= O: the
+// kernel's A operand, (T, 64, 32).
+template <typename T>
+__global__ void cascade_weight_taps_kernel(const T* __restrict__ w, T* __restrict__ out,
+                                           const __grid_constant__ WeightTaps taps) {
+  const int index = blockIdx.x * blockDim.x + threadIdx.x;
+  if (index >= taps.taps * 64 * 32) return;
+  const int e = index / (64 * 32), o = index / 32 % 64, i = index % 32;
+  out[index] = o < taps.out_channels ? w[(i * taps.out_channels + o) * taps.volume + taps.kernel_tap[e]] : T{};
+}
+
+// The kernel over x and weight of element type T (float, __nv_bfloat16): (out, picks).
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Tensor& weight,
+                                              const TransposedCascadeSum& g, const CascadePlan& plan,
+                                              bool save_indices) {
+  using Config = TransposedCascadeConfig<T>;
+  const auto swizzle = Config::kRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const TransposedCascade& p = plan.p;
+  const int taps = p.class_end[7];
+  // x channels-last, (N, D, H, W, I) contiguous, 16-byte aligned (the tensor map's base)
+  at::Tensor x_last = x.permute({0, 2, 3, 4, 1});
+  if (!x_last.is_contiguous() || reinterpret_cast<uintptr_t>(x_last.const_data_ptr()) % 16) {
+    x_last = at::empty(x_last.sizes(), x.options()).copy_(x_last);
+  }
+  const at::Tensor w = weight.contiguous();
+  at::Tensor w_taps = at::empty({1, taps, 64, Config::kChannels}, x.options());
+  WeightTaps wt{};
+  std::copy(plan.kernel_tap.begin(), plan.kernel_tap.end(), wt.kernel_tap);
+  wt.taps = taps;
+  wt.out_channels = static_cast<int>(g.out_channels);
+  wt.volume = static_cast<int>(g.kernel[0] * g.kernel[1] * g.kernel[2]);
+  cascade_weight_taps_kernel<T><<<(taps * 64 * 32 + 255) / 256, 256, 0, stream>>>(
+      static_cast<const T*>(w.const_data_ptr()), static_cast<T*>(w_taps.mutable_data_ptr()), wt);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const CUtensorMap x_map =
+      contiguous_tensor_map(x_last, {Config::kChannels, Config::kCols, Config::kSliceRows, 1, 1}, swizzle);
+  const CUtensorMap w_map = contiguous_tensor_map(w_taps, {Config::kChannels, 64, 1, 1}, swizzle);
+  at::Tensor out = at::empty({g.batch, 1, g.cells(0), g.cells(1), g.cells(2)}, x.options().dtype(at::kFloat));
+  const auto byte = x.options().dtype(at::kByte);
+  at::Tensor picks = save_indices ? at::empty({g.batch, g.cells(0), g.cells(1), g.cells(2), g.out_channels}, byte)
+                                  : at::empty({0}, byte);
+  static const bool configured = [] {  // (per T: its own kernel)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(conv_transpose3d_cascade_sum_kernel<T>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
+    return true;
+  }();
+  (void)configured;
+  const int64_t blocks = g.batch * p.cells[0] * p.row_tiles * p.col_tiles;
+  conv_transpose3d_cascade_sum_kernel<T><<<static_cast<unsigned>(blocks), Config::kThreads, Config::kSmemBytes, stream>>>(
+      x_map, w_map, out.mutable_data_ptr<float>(), save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, picks};
+}
+
+#endif  // FUSED_OPS_CUTLASS
+
+std::tuple<at::Tensor, at::Tensor> conv_transpose3d_cascade_sum_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                                     at::IntArrayRef stride, at::IntArrayRef padding,
+                                                                     at::IntArrayRef output_padding,
+                                                                     at::IntArrayRef kernel2, bool save_indices,
+                                                                     std::optional<at::ScalarType> dtype) {
+  const TransposedCascadeSum g =
+      transposed_cascade_sum_setup(x, weight, stride, padding, output_padding, kernel2, save_indices);
+  const c10::cuda::CUDAGuard guard(x.device());
+#ifdef FUSED_OPS_CUTLASS
+  if (const auto plan = cascade_plan(x, g)) {
+    const at::ScalarType result = result_dtype("conv_transpose3d_cascade_sum", x.scalar_type(), dtype);
+    auto [out, picks] = x.scalar_type() == at::kFloat ? run_kernel<float>(x, weight, g, *plan, save_indices)
+                                                      : run_kernel<__nv_bfloat16>(x, weight, g, *plan, save_indices);
+    return {out.to(result), picks};
+  }
+#endif
+  return transposed_cascade_sum_composite(x, weight, g, save_indices, dtype);
+}
+
+std::string conv_transpose3d_cascade_sum_path_cuda(const at::Tensor& x, const at::Tensor& weight,
+                                                   at::IntArrayRef stride, at::IntArrayRef padding,
+                                                   at::IntArrayRef output_padding, at::IntArrayRef kernel2) {
+  [[maybe_unused]] const TransposedCascadeSum g =
+      transposed_cascade_sum_setup(x, weight, stride, padding, output_padding, kernel2, false);
+  const c10::cuda::CUDAGuard guard(x.device());
+#ifdef FUSED_OPS_CUTLASS
+  if (cascade_plan(x, g)) return x.scalar_type() == at::kFloat ? kTf32Path : kBf16Path;
+  return kCascadeSumByAten;
+#else
+  return std::string(kCascadeSumByAten) + " (built without CUTLASS)";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
+  m.impl("conv_transpose3d_cascade_sum", &conv_transpose3d_cascade_sum_cuda);
+  m.impl("conv_transpose3d_cascade_sum_path", &conv_transpose3d_cascade_sum_path_cuda);
+}
+
+}  // namespace fused_ops

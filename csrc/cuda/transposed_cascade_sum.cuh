@@ -1,0 +1,261 @@
+// The kernel of conv_transpose3d_cascade_sum, TF32 or bfloat16 (launched by conv_transpose3d_cascade_sum.cu;
+// included only in a build with CUTLASS, whose sm_90a code it needs: wgmma by CuTe's
+// instructions, TMA by bulk_copy.cuh).
+//
+// The math (../conv_transpose3d_cascade_sum.h): for stride 2, stage-1 position m = (md, mh, mw)
+// and parity class q = (qd, qh, qw), y[2 m + q] = sum over the class's taps (ud, uh, uw) (at most
+// 3 a dim) and input channels i of x[n, i, m + start + u] w[i, o, tap_q(u)]; stage 1 picks over
+// the 8 classes in scan order, stage 2 over 3 x 3 x 3 stage-1 positions, then the channels add.
+//
+// A CTA takes one cell item: batch element n, 3 stage-1 depths (one output depth), 6 stage-1 rows
+// (two output rows) and 30 stage-1 columns (ten output columns). x is read channels-last
+// (N, D, H, W, 32): for each of the 5 input depths the item reads, one TMA box "slice" of 8 input
+// rows x 32 input columns x 32 channels (rows of 128 bytes in float32, 64 in bfloat16, swizzled
+// across them), zeros outside x.
+// A position (r, w) of the tile is slice row r * 32 + w, so tap (uh, uw) of the positions of rows
+// r0 .. r0 + 2 is the 96 slice rows from (r0 + uh) * 32 + uw on: one wgmma B operand at a row
+// offset (wgmma reads a swizzled operand at any 128-byte row: the swizzle is the address's), no
+// copies. Columns 30 and 31 of each row are computed and dropped (they read into the next row).
+// The weights, per tap of each class in order, are boxes of 64 output channels x 32 input
+// channels: the A operand (m64). Per stage-1 depth a consumer warp group accumulates each class's
+// taps in turn (m64 n96 wgmma, 3 rows of 32 positions) and keeps the stage-1 pick in registers (of
+// the sums rounded to bfloat16 in bfloat16, as the original's y is); then stage 2 runs through
+// shared memory. One producer warp group (a thread issues the copies)
+// fills the slices' ring (3 slots) and the weights' ring; two consumer warp groups take rows
+// 0-2 and 3-5.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "../max_pool3d.h"
+#include "bulk_copy.cuh"
+#include "cutlass/arch/reg_reconfig.h"
+#include "wgmma_ss.cuh"
+
+namespace fused_ops {
+
+// The most taps of all 8 classes (3 x 3 x 3 each).
+constexpr int kCascadeMaxTaps = 8 * 27;
+
+// The problem as the kernel reads it (the host fills it: conv_transpose3d_cascade_sum.cu).
+struct TransposedCascade {
+  int cells[3];            // the output's D2, H2, W2
+  int row_tiles, col_tiles;  // ceil(H2 / 2), ceil(W2 / 10)
+  int start[3];            // the input offset of tap u = 0 at stage-1 position 0, per dim
+  int out_channels;        // O <= 64
+  int class_end[8];        // class q's taps: [class_end[q - 1], class_end[q])
+  uint8_t tap[kCascadeMaxTaps];  // per tap, (ud * 3 + uh) * 3 + uw
+};
+
+// T: float (TF32) or __nv_bfloat16, the operands' element type.
+template <typename T>
+struct TransposedCascadeConfig {
+  static constexpr int kThreads = 384;               // the producer warp group, two consumers
+  static constexpr int kChannels = 32;               // I
+  static constexpr int kRowBytes = kChannels * sizeof(T);  // a position's channels: the swizzle's span
+  static constexpr int kCols = 32;                   // slice columns (30 positions + 2 dropped)
+  static constexpr int kSliceRows = 8;               // input rows a slice holds: 6 + 2
+  static constexpr int kSliceBytes = kSliceRows * kCols * kRowBytes;  // a slice's TMA box
+  static constexpr int kSlotBytes = kSliceBytes + 8 * kRowBytes;  // + 8 rows that the last tap reads past it
+  static constexpr int kSlots = 3;
+  static constexpr int kWeightBytes = 64 * kRowBytes;  // a tap's weights
+  static constexpr int kWeightStages = sizeof(T) == 4 ? 8 : 16;
+  static constexpr int kSteps = kRowBytes / 32;      // wgmma instructions per tap (K 8 TF32, 16 bfloat16)
+  static constexpr int kPositions = 3 * kCols;        // a consumer's N: 3 rows of 32
+  static constexpr int kAccumulators = kPositions / 2;  // 64 x 96 over 128 threads
+  static constexpr int kPitch = kPositions + 4;       // stage-1 values' row in shared memory (banks)
+  static constexpr int kValueBytes = 64 * kPitch * 4;  // a consumer's stage-1 values
+  static constexpr int kClassBytes = 64 * kPitch;     // and classes
+  static constexpr int kSlotsAt = 0;
+  static constexpr int kWeightsAt = kSlotsAt + kSlots * kSlotBytes;
+  static constexpr int kStage1At = kWeightsAt + kWeightStages * kWeightBytes;
+  static constexpr int kSumsAt = kStage1At + 2 * (kValueBytes + kClassBytes);
+  static constexpr int kBarriersAt = kSumsAt + 2 * 4 * 10 * 4;  // per consumer, warp and output column
+  static constexpr int kBarriers = 2 * kSlots + 2 * kWeightStages;
+  static constexpr int kSmemBytes = kBarriersAt + kBarriers * 8 + 1024;  // + alignment
+  // (the TMA boxes at multiples of the swizzle's 8-row atom)
+  static_assert(kSlotBytes % (8 * kRowBytes) == 0 && kWeightBytes % (8 * kRowBytes) == 0 &&
+                kWeightsAt % (8 * kRowBytes) == 0 && kStage1At % 16 == 0 && kBarriersAt % 8 == 0);
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// The CTA's cell item (module comment): out[n, 0, d2, h2, w2] for its 2 x 10 output cells and,
+// where picks is not null, picks[n, d2, h2, w2, o] = stage-2 offset * 8 + class. x_map: x as
+// (32 channels, W, H, D, N) innermost first, boxes (32, 32, 8, 1, 1); w_map: the taps' weights as
+// (32 input channels, 64 output channels, taps, 1), boxes (32, 64, 1, 1); both swizzled across
+// their rows (128 or 64 bytes).
+template <typename T>
+__global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
+    conv_transpose3d_cascade_sum_kernel(const __grid_constant__ CUtensorMap x_map,
+                                        const __grid_constant__ CUtensorMap w_map, float* __restrict__ out,
+                                        uint8_t* __restrict__ picks, const __grid_constant__ TransposedCascade p) {
+  using C = TransposedCascadeConfig<T>;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
+  uint64_t* const slot_full = reinterpret_cast<uint64_t*>(smem + C::kBarriersAt);
+  uint64_t* const slot_empty = slot_full + C::kSlots;
+  uint64_t* const weight_full = slot_empty + C::kSlots;
+  uint64_t* const weight_empty = weight_full + C::kWeightStages;
+
+  int64_t item = blockIdx.x;
+  const int col_tile = static_cast<int>(item % p.col_tiles);
+  item /= p.col_tiles;
+  const int row_tile = static_cast<int>(item % p.row_tiles);
+  item /= p.row_tiles;
+  const int d2 = static_cast<int>(item % p.cells[0]);
+  const int n = static_cast<int>(item / p.cells[0]);
+  const int taps = p.class_end[7];
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::kSlots; ++s) {
+      barrier_init(&slot_full[s]);
+      barrier_init(&slot_empty[s], 2 * 128);  // every consumer thread
+    }
+    for (int s = 0; s < C::kWeightStages; ++s) {
+      barrier_init(&weight_full[s]);
+      barrier_init(&weight_empty[s], 2 * 128);
+    }
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // the producer
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      // slice j: input depth 3 d2 + start_d + j, rows from 6 row_tile + start_h, columns from 30 col_tile + start_w
+      const auto load_slice = [&](int j) {
+        const int slot = j % C::kSlots;
+        if (j >= C::kSlots) barrier_wait(&slot_empty[slot], ((j / C::kSlots) - 1) & 1);
+        barrier_arrive_expect(&slot_full[slot], C::kSliceBytes);
+        tensor_load_5d(smem + C::kSlotsAt + slot * C::kSlotBytes, x_map, 0, 30 * col_tile + p.start[2],
+                       6 * row_tile + p.start[1], 3 * d2 + p.start[0] + j, n, &slot_full[slot]);
+      };
+      for (int j = 0; j < C::kSlots; ++j) load_slice(j);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int depth = 0; depth < 3; ++depth) {
+        for (int e = 0; e < taps; ++e) {
+          // slice depth + 2 replaces depth - 1's once the weights ring is primed for this depth
+          if (depth > 0 && e == (taps < C::kWeightStages ? taps - 1 : C::kWeightStages - 1)) load_slice(depth + 2);
+          barrier_wait(&weight_empty[stage], phase ^ 1);
+          barrier_arrive_expect(&weight_full[stage], C::kWeightBytes);
+          tensor_load_4d(smem + C::kWeightsAt + stage * C::kWeightBytes, w_map, 0, 0, e, 0, &weight_full[stage]);
+          if (++stage == C::kWeightStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int consumer = threadIdx.x / 128 - 1;  // stage-1 rows 3 consumer .. 3 consumer + 2 of the tile
+  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32;
+  float* const values = reinterpret_cast<float*>(smem + C::kStage1At + consumer * (C::kValueBytes + C::kClassBytes));
+  uint8_t* const classes = reinterpret_cast<uint8_t*>(values) + C::kValueBytes;
+  float* const sums = reinterpret_cast<float*>(smem + C::kSumsAt) + consumer * 4 * 10;
+  // stage 2: this thread's output channel o = t / 2 and output columns 5 (t % 2) .. 5 (t % 2) + 4
+  const int o = t / 2, first_col = 5 * (t % 2);
+  WindowPick<float> cell[5];
+
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int depth = 0; depth < 3; ++depth) {
+    WindowPick<float> pick[C::kAccumulators];  // stage 1, over the classes in scan order
+    for (int q = 0; q < 8; ++q) {
+      float acc[C::kAccumulators];
+#pragma unroll
+      for (int j = 0; j < C::kAccumulators; ++j) acc[j] = 0.f;
+      int previous = -1;
+      for (int e = q == 0 ? 0 : p.class_end[q - 1]; e < p.class_end[q]; ++e) {
+        const int u = p.tap[e], ud = u / 9, uh = u / 3 % 3, uw = u % 3;
+        const int slice = depth + ud;
+        barrier_wait(&slot_full[slice % C::kSlots], (slice / C::kSlots) & 1);
+        barrier_wait(&weight_full[stage], phase);
+        const uint64_t a = swizzled_tile_descriptor<C::kRowBytes>(smem + C::kWeightsAt + stage * C::kWeightBytes);
+        const uint64_t b = swizzled_tile_descriptor<C::kRowBytes>(
+            smem + C::kSlotsAt + (slice % C::kSlots) * C::kSlotBytes + ((3 * consumer + uh) * C::kCols + uw) * C::kRowBytes);
+#pragma unroll
+        for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int step = 0; step < C::kSteps; ++step) {
+          wgmma_ss<T, C::kPositions>(a + 2 * step, b + 2 * step, acc, std::make_index_sequence<C::kAccumulators>{});
+        }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<1>();  // the previous tap's instructions are done: its stage is free
+#pragma unroll
+        for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
+        if (previous >= 0) barrier_arrive(&weight_empty[previous]);
+        previous = stage;
+        if (++stage == C::kWeightStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
+      if (previous >= 0) barrier_arrive(&weight_empty[previous]);
+#pragma unroll
+      for (int j = 0; j < C::kAccumulators; ++j) {
+        pick[j].update(std::is_same_v<T, float> ? acc[j] : __bfloat162float(__float2bfloat16_rn(acc[j])), q);
+      }
+    }
+    barrier_arrive(&slot_empty[depth % C::kSlots]);  // slice `depth` is read last by this depth
+
+    // the stage-1 picks to shared memory: accumulator j is output channel 16 warp + lane / 4
+    // (+ 8 for j % 4 >= 2), position 8 (j / 4) + 2 (lane % 4) + j % 2 = row * 32 + column
+#pragma unroll
+    for (int j = 0; j < C::kAccumulators; ++j) {
+      const int channel = 16 * warp + lane / 4 + (j % 4 >= 2 ? 8 : 0);
+      const int position = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
+      values[channel * C::kPitch + position] = pick[j].value;
+      classes[channel * C::kPitch + position] = static_cast<uint8_t>(pick[j].offset);
+    }
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
+    // stage 2 in scan order: depth, row, column
+#pragma unroll
+    for (int k = 0; k < 5; ++k) {
+#pragma unroll
+      for (int r = 0; r < 3; ++r) {
+#pragma unroll
+        for (int c = 0; c < 3; ++c) {
+          const int position = r * C::kCols + 3 * (first_col + k) + c;
+          cell[k].update(values[o * C::kPitch + position],
+                         ((depth * 3 + r) * 3 + c) * 8 + classes[o * C::kPitch + position]);
+        }
+      }
+    }
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
+  }
+
+  // picks, and the channels' sums: within the warp (its 16 channels: lanes 2 apart), then the 4 warps
+  const int h2 = 2 * row_tile + consumer;
+  const bool inside = h2 < p.cells[1];
+  const int64_t row_cell = ((int64_t{n} * p.cells[0] + d2) * p.cells[1] + h2) * p.cells[2];
+#pragma unroll
+  for (int k = 0; k < 5; ++k) {
+    const int w2 = 10 * col_tile + first_col + k;
+    if (picks != nullptr && inside && o < p.out_channels && w2 < p.cells[2]) {
+      picks[(row_cell + w2) * p.out_channels + o] = static_cast<uint8_t>(cell[k].offset);
+    }
+    float sum = o < p.out_channels ? cell[k].value : 0.f;
+#pragma unroll
+    for (int lanes = 2; lanes < 32; lanes *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+    if (lane < 2) sums[warp * 10 + first_col + k] = sum;
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
+  if (t < 10) {
+    const int w2 = 10 * col_tile + t;
+    if (inside && w2 < p.cells[2]) out[row_cell + w2] = ((sums[t] + sums[10 + t]) + sums[20 + t]) + sums[30 + t];
+  }
+}
+
+}  // namespace fused_ops
