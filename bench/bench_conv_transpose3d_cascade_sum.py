@@ -5,7 +5,8 @@ parity_max_pool3d_cascade_sum) and PyTorch's eager ops (cuDNN's transposed convo
 too), in float32 with TF32 allowed (PyTorch's default), in one run (interleaved rounds; CUDA events on
 a GPU, the wall clock on a CPU; medians over the rounds). Each result is checked against the float64
 one (the ops in float64 on the device): the normwise max relative error max|got - ref| / max|ref|.
-Then B's eval forward and training step (x needing no gradient) by the fused module and the original.
+Then B's eval forward and training step (x needing no gradient) by the fused module and the original,
+and rows under bfloat16 autocast (names ending in " bf16": the op's bf16 kernel, B's modules).
 
 B's transposed convolution (32 -> 64, kernel 5, stride 2, padding 2), max_pool3d(2), max_pool3d(3),
 the channel sum, on x of fused_ops.architectures' B shapes: --size spec (16, 32, 32, 32, 32; the
@@ -16,6 +17,8 @@ row, the error.
 
     cd bench && python3 bench_conv_transpose3d_cascade_sum.py [--size spec] [--batch N] [--rounds 5]
 """
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -63,11 +66,23 @@ def main():
     step_grad = torch.rand(shape[0], 1, *expected.shape[2:], device=device)
     rows["B step, fused module"] = (module_training_step(fused, x, step_grad), "step", False)
     rows["B step, original"] = (module_training_step(original, x, step_grad), "step", False)
+    # under bfloat16 autocast (the op's bf16 kernel; names ending in " bf16")
+    rows["op bf16"] = (lambda: conv_transpose3d_cascade_sum(x, weight, STRIDE, PADDING, 0, 3), "bf16", False)
+    rows["B eval, fused module bf16"] = (lambda: fused(x), "module bf16", False)
+    rows["B eval, original bf16"] = (lambda: original(x), "module bf16", False)
+    rows["B step, fused module bf16"] = (module_training_step(fused, x, step_grad), "step bf16", False)
     n, c_in, d, h, w = shape
     stage1 = [s // 3 * 3 for s in [((i - 1) * STRIDE - 2 * PADDING + KERNEL) // STRIDE for i in (d, h, w)]]
     flop = 2 * n * c_in * C_OUT * stage1[0] * stage1[1] * stage1[2] * KERNEL ** 3
-    run_against_cudnn(rows, expected, args, device, lambda name: torch.no_grad() if "step" not in name
-                      else torch.enable_grad(), f"x {tuple(x.shape)}, kernel {KERNEL}, stride {STRIDE}", paths, flop)
+    def settings(name):
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.enable_grad() if "step" in name else torch.no_grad())
+        if name.endswith(" bf16"):
+            stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+        return stack
+
+    run_against_cudnn(rows, expected, args, device, settings, f"x {tuple(x.shape)}, kernel {KERNEL}, stride {STRIDE}",
+                      paths, flop)
 
 
 if __name__ == "__main__":

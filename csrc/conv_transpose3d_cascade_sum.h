@@ -20,6 +20,7 @@
 #include <optional>
 #include <tuple>
 
+#include "convolution_checks.h"
 #include "op_handle.h"
 #include "parity_max_pool3d.h"
 #include "pool_geometry.h"
@@ -50,16 +51,7 @@ inline TransposedCascadeSum transposed_cascade_sum_setup(const at::Tensor& x, co
                                                          at::IntArrayRef output_padding, at::IntArrayRef kernel2,
                                                          bool save_indices) {
   constexpr const char* what = "conv_transpose3d_cascade_sum";
-  TORCH_CHECK_VALUE(x.dim() == 5, what, ": x must be 5-D (batch, in_channels, depth, height, width), got shape ",
-                    x.sizes());
-  TORCH_CHECK_VALUE(weight.dim() == 5, what,
-                    ": weight must be 5-D (in_channels, out_channels, kt, kr, ks), got shape ", weight.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), what, ": x must be floating point, got ", x.scalar_type());
-  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), what, ": weight (", weight.scalar_type(),
-                   ") must have x's dtype (", x.scalar_type(), ")");
-  TORCH_CHECK_VALUE(weight.device() == x.device(), what, ": weight is on ", weight.device(), ", x on ", x.device());
-  TORCH_CHECK_VALUE(weight.size(0) == x.size(1), what, ": x has ", x.size(1),
-                    " channels, the weight's first dim (in_channels) is ", weight.size(0));
+  check_transposed_convolution_operands(what, x, weight);
   TORCH_CHECK_VALUE(x.numel() > 0 && weight.numel() > 0, what, ": x and weight must not be empty, got shapes ",
                     x.sizes(), " and ", weight.sizes());
   const TransposedCascadeSum g{x.size(0),

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "convolution_checks.h"
 #include "pool_geometry.h"
 
 namespace fused_ops {
@@ -43,16 +44,7 @@ inline TransposedConvStride1 transposed_conv_stride1_setup(const at::Tensor& x, 
                                                            const std::optional<at::Tensor>& bias,
                                                            at::IntArrayRef padding) {
   constexpr const char* what = "conv_transpose3d_stride1_channels_last";
-  TORCH_CHECK_VALUE(x.dim() == 5, what, ": x must be 5-D (batch, in_channels, depth, height, width), got shape ",
-                    x.sizes());
-  TORCH_CHECK_VALUE(weight.dim() == 5, what,
-                    ": weight must be 5-D (in_channels, out_channels, kt, kr, ks), got shape ", weight.sizes());
-  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), what, ": x must be floating point, got ", x.scalar_type());
-  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), what, ": weight (", weight.scalar_type(),
-                   ") must have x's dtype (", x.scalar_type(), ")");
-  TORCH_CHECK_VALUE(weight.device() == x.device(), what, ": weight is on ", weight.device(), ", x on ", x.device());
-  TORCH_CHECK_VALUE(weight.size(0) == x.size(1), what, ": x has ", x.size(1),
-                    " channels, the weight's first dim (in_channels) is ", weight.size(0));
+  check_transposed_convolution_operands(what, x, weight);
   if (bias) {
     TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(1), what, ": bias must be (",
                       weight.size(1), ",), got shape ", bias->sizes());

@@ -1,5 +1,7 @@
-// The checks both fused convolutions (conv2d_sigmoid_sum.h, conv3d_max_pool3d_mean.h)
-// make of their operands, errors named after the op `what`: x (N, C, *spatial)
+// The checks the convolution ops make of their operands, errors named after the op `what`.
+//
+// check_convolution_operands, both fused convolutions' (conv2d_sigmoid_sum.h,
+// conv3d_max_pool3d_mean.h): x (N, C, *spatial)
 // and weight (O, C, *kernel) with `spatial` dimensions each, floating-point, the
 // weight in x's dtype or 16-bit for a float32 x (as autocast passes them: x is
 // rounded to it as it is read), a bias (O,) in the weight's dtype, one device,
@@ -43,6 +45,22 @@ inline void check_convolution_operands(const char* what, int spatial, const at::
   TORCH_CHECK_VALUE(x.size(0) > 0 && weight.size(0) > 0 && x.size(1) > 0, what,
                     ": batch, channels and out_channels must be non-zero, got input ", x.sizes(), " and weight ",
                     weight.sizes());
+}
+
+// The 3-D transposed convolutions' (conv_transpose3d_stride1_channels_last.h,
+// conv_transpose3d_cascade_sum.h): x (N, I, D, H, W) and weight (I, O, kt, kr, ks), floating point, of
+// one dtype, on one device.
+inline void check_transposed_convolution_operands(const char* what, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK_VALUE(x.dim() == 5, what, ": x must be 5-D (batch, in_channels, depth, height, width), got shape ",
+                    x.sizes());
+  TORCH_CHECK_VALUE(weight.dim() == 5, what,
+                    ": weight must be 5-D (in_channels, out_channels, kt, kr, ks), got shape ", weight.sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(x.scalar_type()), what, ": x must be floating point, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(weight.scalar_type() == x.scalar_type(), what, ": weight (", weight.scalar_type(),
+                   ") must have x's dtype (", x.scalar_type(), ")");
+  TORCH_CHECK_VALUE(weight.device() == x.device(), what, ": weight is on ", weight.device(), ", x on ", x.device());
+  TORCH_CHECK_VALUE(weight.size(0) == x.size(1), what, ": x has ", x.size(1),
+                    " channels, the weight's first dim (in_channels) is ", weight.size(0));
 }
 
 }  // namespace fused_ops

@@ -783,15 +783,20 @@ def conv_transpose3d_stride1_channels_last_path(x: Tensor, weight: Tensor, bias:
     return _ops.conv_transpose3d_stride1_channels_last_path(x, weight, bias, _expand(padding, 3, "padding"))
 
 
-@torch.library.register_fake("fused_ops::conv_transpose3d_stride1_channels_last")
-def _conv_transpose3d_stride1_channels_last_fake(x, weight, bias, padding):
-    what = "conv_transpose3d_stride1_channels_last"
+def _check_transposed_convolution_fake(x: Tensor, weight: Tensor, what: str) -> None:
+    """The fakes' check of a 3-D transposed convolution's operands (csrc/convolution_checks.h)."""
     torch._check(x.dim() == 5 and weight.dim() == 5,
                  lambda: f"{what}: x and weight must be 5-D, got {x.dim()} and {weight.dim()}")
     torch._check(x.dtype.is_floating_point and weight.dtype == x.dtype,
                  lambda: f"{what}: x and weight must have one floating dtype, got {x.dtype} and {weight.dtype}")
     torch._check(weight.shape[0] == x.shape[1],
                  lambda: f"{what}: x has {x.shape[1]} channels, the weight's first dim is {weight.shape[0]}")
+
+
+@torch.library.register_fake("fused_ops::conv_transpose3d_stride1_channels_last")
+def _conv_transpose3d_stride1_channels_last_fake(x, weight, bias, padding):
+    what = "conv_transpose3d_stride1_channels_last"
+    _check_transposed_convolution_fake(x, weight, what)
     p = _expand(list(padding), 3, "padding")
     size = [x.shape[2 + d] + weight.shape[2 + d] - 1 - 2 * p[d] for d in range(3)]
     return x.new_empty((x.shape[0], *size, weight.shape[1])).permute(0, 4, 1, 2, 3)
@@ -833,19 +838,15 @@ def conv_transpose3d_cascade_sum_path(x: Tensor, weight: Tensor, stride, padding
 
 
 def _cascade_sum_args(stride, padding, output_padding, kernel2) -> list[list[int]]:
-    return [_expand(v, 3, name) for v, name in ((stride, "stride"), (padding, "padding"), (output_padding, "output_padding"),
-                            (kernel2, "kernel_size2"))]
+    """conv_transpose3d_cascade_sum's int-or-3 arguments as the schema's lists of 3."""
+    named = ((stride, "stride"), (padding, "padding"), (output_padding, "output_padding"), (kernel2, "kernel_size2"))
+    return [_expand(v, 3, name) for v, name in named]
 
 
 @torch.library.register_fake("fused_ops::conv_transpose3d_cascade_sum")
 def _conv_transpose3d_cascade_sum_fake(x, weight, stride, padding, output_padding, kernel2, save_indices, dtype=None):
     what = "conv_transpose3d_cascade_sum"
-    torch._check(x.dim() == 5 and weight.dim() == 5,
-                 lambda: f"{what}: x and weight must be 5-D, got {x.dim()} and {weight.dim()}")
-    torch._check(x.dtype.is_floating_point and weight.dtype == x.dtype,
-                 lambda: f"{what}: x and weight must have one floating dtype, got {x.dtype} and {weight.dtype}")
-    torch._check(weight.shape[0] == x.shape[1],
-                 lambda: f"{what}: x has {x.shape[1]} channels, the weight's first dim is {weight.shape[0]}")
+    _check_transposed_convolution_fake(x, weight, what)
     s, p, op, k2 = _cascade_sum_args(stride, padding, output_padding, kernel2)
     out = [(x.shape[2 + d] - 1) * s[d] - 2 * p[d] + weight.shape[2 + d] + op[d] for d in range(3)]
     cells = [o // s[d] // k2[d] for d, o in enumerate(out)]

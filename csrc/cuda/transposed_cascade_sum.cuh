@@ -14,20 +14,32 @@
 // across them), zeros outside x.
 // A position (r, w) of the tile is slice row r * 32 + w, so tap (uh, uw) of the positions of rows
 // r0 .. r0 + 2 is the 96 slice rows from (r0 + uh) * 32 + uw on: one wgmma B operand at a row
-// offset (wgmma reads a swizzled operand at any 128-byte row: the swizzle is the address's), no
-// copies. Columns 30 and 31 of each row are computed and dropped (they read into the next row).
+// offset (wgmma reads a swizzled operand at any row: the swizzle is the address's), no copies.
+// Columns 30 and 31 of each row are computed and dropped (they read into the next row).
 // The weights, per tap of each class in order, are boxes of 64 output channels x 32 input
 // channels: the A operand (m64). Per stage-1 depth a consumer warp group accumulates each class's
-// taps in turn (m64 n96 wgmma, 3 rows of 32 positions) and keeps the stage-1 pick in registers (of
-// the sums rounded to bfloat16 in bfloat16, as the original's y is); then stage 2 runs through
-// shared memory. One producer warp group (a thread issues the copies)
-// fills the slices' ring (3 slots) and the weights' ring; two consumer warp groups take rows
-// 0-2 and 3-5.
+// taps in turn (m64 n96 wgmma, 3 rows of 32 positions; up to kPending taps' instructions in flight)
+// and keeps the stage-1 pick in registers (of the sums rounded to bfloat16 in bfloat16, as the
+// original's y is); then stage 2 runs through shared memory. One producer warp group (a thread
+// issues the copies) fills the slices' ring (3 slots) and the weights' ring; two consumer warp
+// groups take rows 0-2 and 3-5.
+//
+// SPEC's B on an H200 (bench/bench_conv_transpose3d_cascade_sum.py, 2026-11-27): 0.67 ms in TF32 from
+// a channels-last x without the picks (331 TFLOP/s of the 221 real GFLOP; 0.80 with them), 0.60
+// in bfloat16. What limits it (ncu, bfloat16): the tensor pipe is active 47% of the time, no unit
+// saturated (issue 44%, shared memory 43%, L2 17%): latency between the taps' short instruction
+// groups (2 x m64n96k16 a tap in bfloat16), the classes' ends (each consumer waits for its
+// instructions, then takes the stage-1 step, both at once), and 800 items on 132 multiprocessors
+// (7 waves for 6.06). Tried without gain: 2 or 4 taps in flight instead of 3, 24 weight stages in
+// bfloat16, a pair of taps per stage (slower: 0.90 / 0.84), consumer 1 started half a ring behind
+// consumer 0 (slower), the next class's first taps issued before the stage-1 step in a second set
+// of accumulators (ptxas serializes every wgmma: it cannot see the two sets apart).
 #pragma once
 
 #include <cuda.h>
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -66,6 +78,7 @@ struct TransposedCascadeConfig {
   static constexpr int kWeightBytes = 64 * kRowBytes;  // a tap's weights
   static constexpr int kWeightStages = sizeof(T) == 4 ? 8 : 16;
   static constexpr int kSteps = kRowBytes / 32;      // wgmma instructions per tap (K 8 TF32, 16 bfloat16)
+  static constexpr int kPending = 3;                 // taps whose instructions may run while the next issues
   static constexpr int kPositions = 3 * kCols;        // a consumer's N: 3 rows of 32
   static constexpr int kAccumulators = kPositions / 2;  // 64 x 96 over 128 threads
   static constexpr int kPitch = kPositions + 4;       // stage-1 values' row in shared memory (banks)
@@ -84,12 +97,32 @@ struct TransposedCascadeConfig {
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
+// The larger of a and b, NaN where either is (max.NaN): a max-pool's value by PyTorch's rule, the
+// sign of a zero maximum aside (+0 over an equal -0, where PyTorch keeps the first).
+__device__ __forceinline__ float nan_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// Offers element `element` of value v to a window's pick in scan order: where kPicks, its value and
+// element (WindowPick's rule); else its value alone, which starts at -inf.
+template <bool kPicks>
+__device__ __forceinline__ void offer(WindowPick<float>& pick, float v, int element) {
+  if constexpr (kPicks) {
+    pick.update(v, element);
+  } else {
+    pick.value = nan_max(pick.value, v);
+  }
+}
+
 // The CTA's cell item (module comment): out[n, 0, d2, h2, w2] for its 2 x 10 output cells and,
-// where picks is not null, picks[n, d2, h2, w2, o] = stage-2 offset * 8 + class. x_map: x as
+// where kPicks, picks[n, d2, h2, w2, o] = stage-2 offset * 8 + class (without, the maxima's values
+// alone: fewer instructions between the classes' sums). x_map: x as
 // (32 channels, W, H, D, N) innermost first, boxes (32, 32, 8, 1, 1); w_map: the taps' weights as
 // (32 input channels, 64 output channels, taps, 1), boxes (32, 64, 1, 1); both swizzled across
 // their rows (128 or 64 bytes).
-template <typename T>
+template <typename T, bool kPicks>
 __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
     conv_transpose3d_cascade_sum_kernel(const __grid_constant__ CUtensorMap x_map,
                                         const __grid_constant__ CUtensorMap w_map, float* __restrict__ out,
@@ -109,7 +142,7 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
   item /= p.row_tiles;
   const int d2 = static_cast<int>(item % p.cells[0]);
   const int n = static_cast<int>(item / p.cells[0]);
-  const int taps = p.class_end[7];
+  const int taps = p.class_end[7];  // per stage-1 depth
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kSlots; ++s) {
@@ -140,7 +173,7 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
       for (int depth = 0; depth < 3; ++depth) {
         for (int e = 0; e < taps; ++e) {
           // slice depth + 2 replaces depth - 1's once the weights ring is primed for this depth
-          if (depth > 0 && e == (taps < C::kWeightStages ? taps - 1 : C::kWeightStages - 1)) load_slice(depth + 2);
+          if (depth > 0 && e == (taps < C::kWeightStages ? taps : C::kWeightStages) - 1) load_slice(depth + 2);
           barrier_wait(&weight_empty[stage], phase ^ 1);
           barrier_arrive_expect(&weight_full[stage], C::kWeightBytes);
           tensor_load_4d(smem + C::kWeightsAt + stage * C::kWeightBytes, w_map, 0, 0, e, 0, &weight_full[stage]);
@@ -162,17 +195,25 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
   float* const sums = reinterpret_cast<float*>(smem + C::kSumsAt) + consumer * 4 * 10;
   // stage 2: this thread's output channel o = t / 2 and output columns 5 (t % 2) .. 5 (t % 2) + 4
   const int o = t / 2, first_col = 5 * (t % 2);
+  const WindowPick<float> none{kPicks ? 0.f : -INFINITY, -1};  // a pick before any element
   WindowPick<float> cell[5];
+#pragma unroll
+  for (int k = 0; k < 5; ++k) cell[k] = none;
 
+  // The taps in order (depth, then class order), tap i of the item in stage i mod kWeightStages.
+  // (A per-class count of taps and a fixed release below: the same releases counted across the
+  // classes by a loop ran 40% slower.)
   int stage = 0;
   uint32_t phase = 0;
   for (int depth = 0; depth < 3; ++depth) {
     WindowPick<float> pick[C::kAccumulators];  // stage 1, over the classes in scan order
+#pragma unroll
+    for (int j = 0; j < C::kAccumulators; ++j) pick[j] = none;
     for (int q = 0; q < 8; ++q) {
       float acc[C::kAccumulators];
 #pragma unroll
       for (int j = 0; j < C::kAccumulators; ++j) acc[j] = 0.f;
-      int previous = -1;
+      int issued = 0;  // this class's taps so far
       for (int e = q == 0 ? 0 : p.class_end[q - 1]; e < p.class_end[q]; ++e) {
         const int u = p.tap[e], ud = u / 9, uh = u / 3 % 3, uw = u % 3;
         const int slice = depth + ud;
@@ -189,11 +230,13 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
           wgmma_ss<T, C::kPositions>(a + 2 * step, b + 2 * step, acc, std::make_index_sequence<C::kAccumulators>{});
         }
         cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<1>();  // the previous tap's instructions are done: its stage is free
+        // all but the kPending latest taps' instructions are done: the tap kPending back frees its stage
+        cute::warpgroup_wait<C::kPending>();
 #pragma unroll
         for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
-        if (previous >= 0) barrier_arrive(&weight_empty[previous]);
-        previous = stage;
+        if (issued++ >= C::kPending) {
+          barrier_arrive(&weight_empty[(stage + C::kWeightStages - C::kPending) % C::kWeightStages]);
+        }
         if (++stage == C::kWeightStages) {
           stage = 0;
           phase ^= 1;
@@ -202,10 +245,13 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
-      if (previous >= 0) barrier_arrive(&weight_empty[previous]);
+      for (int k = issued < C::kPending ? issued : C::kPending; k > 0; --k) {
+        barrier_arrive(&weight_empty[(stage + C::kWeightStages - k) % C::kWeightStages]);
+      }
 #pragma unroll
       for (int j = 0; j < C::kAccumulators; ++j) {
-        pick[j].update(std::is_same_v<T, float> ? acc[j] : __bfloat162float(__float2bfloat16_rn(acc[j])), q);
+        // (bfloat16: the sums rounded as the original's y is)
+        offer<kPicks>(pick[j], std::is_same_v<T, float> ? acc[j] : __bfloat162float(__float2bfloat16_rn(acc[j])), q);
       }
     }
     barrier_arrive(&slot_empty[depth % C::kSlots]);  // slice `depth` is read last by this depth
@@ -217,7 +263,7 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
       const int channel = 16 * warp + lane / 4 + (j % 4 >= 2 ? 8 : 0);
       const int position = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
       values[channel * C::kPitch + position] = pick[j].value;
-      classes[channel * C::kPitch + position] = static_cast<uint8_t>(pick[j].offset);
+      if constexpr (kPicks) classes[channel * C::kPitch + position] = static_cast<uint8_t>(pick[j].offset);
     }
     asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
     // stage 2 in scan order: depth, row, column
@@ -228,8 +274,8 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
 #pragma unroll
         for (int c = 0; c < 3; ++c) {
           const int position = r * C::kCols + 3 * (first_col + k) + c;
-          cell[k].update(values[o * C::kPitch + position],
-                         ((depth * 3 + r) * 3 + c) * 8 + classes[o * C::kPitch + position]);
+          offer<kPicks>(cell[k], values[o * C::kPitch + position],
+                        kPicks ? ((depth * 3 + r) * 3 + c) * 8 + classes[o * C::kPitch + position] : 0);
         }
       }
     }
@@ -243,7 +289,7 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
 #pragma unroll
   for (int k = 0; k < 5; ++k) {
     const int w2 = 10 * col_tile + first_col + k;
-    if (picks != nullptr && inside && o < p.out_channels && w2 < p.cells[2]) {
+    if (kPicks && inside && o < p.out_channels && w2 < p.cells[2]) {
       picks[(row_cell + w2) * p.out_channels + o] = static_cast<uint8_t>(cell[k].offset);
     }
     float sum = o < p.out_channels ? cell[k].value : 0.f;
