@@ -814,9 +814,10 @@ def conv_transpose3d_cascade_sum(x: Tensor, weight: Tensor, stride, padding=0, o
     x: (N, I, D, H, W); weight: (I, O, kt, kr, ks) of x's dtype; stride, padding, output_padding,
     kernel_size2: an int or 3 ints (the first pool's kernel is the stride; both pools without
     padding). dtype: the result's, x's (None) or its accumulation type. On an sm_90 GPU (H100,
-    H200) in a build with CUTLASS's headers, for float32 where PyTorch's convolutions use TF32,
-    stride 2, kernel_size2 3, kernels of at most 3 taps a parity class and dim, 32 input and at most
-    64 output channels: the convolution and both pools in one TF32 kernel that never writes y
+    H200) in a build with CUTLASS's headers, for float32 where PyTorch's convolutions use TF32 and
+    for bfloat16, stride 2, kernel_size2 3, kernels of at most 3 taps a parity class and dim (3 in
+    depth), 32 input and at most 64 output channels: the convolution and both pools in one TF32
+    (bfloat16) kernel that never writes y
     (csrc/cuda/conv_transpose3d_cascade_sum.cu). Everything else: aten.conv_transpose3d then
     ``parity_max_pool3d_cascade_sum`` (``conv_transpose3d_cascade_sum_path`` says which). Not
     differentiable (B's module takes the weight's gradient from the picks).
@@ -848,6 +849,7 @@ def _conv_transpose3d_cascade_sum_fake(x, weight, stride, padding, output_paddin
     what = "conv_transpose3d_cascade_sum"
     _check_transposed_convolution_fake(x, weight, what)
     s, p, op, k2 = _cascade_sum_args(stride, padding, output_padding, kernel2)
+    torch._check(min(s) >= 1 and min(k2) >= 1, lambda: f"{what}: stride and kernel2 must be positive, got {s} and {k2}")
     out = [(x.shape[2 + d] - 1) * s[d] - 2 * p[d] + weight.shape[2 + d] + op[d] for d in range(3)]
     cells = [o // s[d] // k2[d] for d, o in enumerate(out)]
     torch._check(all(c >= 1 for c in cells), lambda: f"{what}: the input is too small for a second-stage window")

@@ -431,7 +431,9 @@ def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, p
     fused = _cascade_sum_by_kernel(x, conv, kernel2)
     if (torch.is_grad_enabled() and weight.requires_grad and not x.requires_grad
             and _picked_weight_grad_is_quick(x, conv)):
-        if fused is not None:  # x channels-last once, for the kernel and the weight gradient's (each reads it so)
+        if fused is not None and _autocast.cast_dtype(x) is None:
+            # x channels-last once, for the kernel and the weight gradient's (each reads it so; the copy, where x
+            # is not channels-last, is kept for the backward in x's place)
             x = x.contiguous(memory_format=torch.channels_last_3d)
         out, _ = _ConvTransposeCascadeSum.apply(x, weight, _triple(conv.kernel_size), _triple(conv.stride),
                                                 _triple(conv.padding), kernel2, axes, positions, out_size, fused)

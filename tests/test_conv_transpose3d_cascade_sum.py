@@ -31,8 +31,9 @@ SPEC_LIKE = (2, 32, 64, (8, 8, 8), (5, 5, 5), (2, 2, 2), (2, 2, 2), (0, 0, 0), (
 # odd: 40 output channels, an odd number of output rows (the last tile's second half outside), 11
 # output columns (a second column tile of one), output_padding, a kernel per dim
 ODD = (3, 32, 40, (7, 17, 35), (5, 3, 4), (2, 2, 2), (2, 1, 1), (0, 1, 1), (3, 3, 3))
-# kernels of 2 (one tap a class), 6 and 5 unpadded, one output depth
-FEW_TAPS = (2, 32, 17, (5, 6, 7), (2, 6, 5), (2, 2, 2), (0, 2, 0), (1, 0, 1), (3, 3, 3))
+# few taps: kernel 6 in depth, 2 in height (one tap a class), 1 in width (the odd classes none), one
+# output depth, 12 taps a depth (fewer than bfloat16's weight stages)
+FEW_TAPS = (2, 32, 17, (5, 6, 7), (6, 2, 1), (2, 2, 2), (2, 0, 0), (1, 1, 0), (3, 3, 3))
 GEOMETRIES = [SMALL, MIXED, SPEC_LIKE, ODD, FEW_TAPS]
 IDS = ["small", "mixed", "spec-like", "odd", "few-taps"]
 KERNEL_GEOMETRIES, KERNEL_IDS = [SPEC_LIKE, ODD, FEW_TAPS], ["spec-like", "odd", "few-taps"]
@@ -261,13 +262,15 @@ def test_kernel_strided_inputs(layout, tf32, cutlass):
 @requires_sm90
 def test_what_the_kernel_leaves_to_the_composite(tf32, cutlass):
     """Input channels other than 32, over 64 output channels, a stride or kernel2 other than 2 and 3,
-    over 3 taps a class, float64, float16 and float32 with TF32 off take the composite."""
+    over 3 taps a class, fewer than 3 in depth, float64, float16 and float32 with TF32 off take the
+    composite."""
     batch, c_in, c_out, size, kernel, stride, padding, output_padding, kernel2 = SPEC_LIKE
     cases = {"C_in 16": (batch, 16, c_out, size, kernel, stride, padding, output_padding, kernel2),
              "C_out 65": (batch, c_in, 65, size, kernel, stride, padding, output_padding, kernel2),
              "stride 3": (batch, c_in, c_out, size, kernel, (2, 2, 3), padding, output_padding, (3, 3, 2)),
              "kernel2 2": (batch, c_in, c_out, size, kernel, stride, padding, output_padding, (3, 2, 3)),
-             "kernel 7": (batch, c_in, c_out, size, (5, 7, 5), stride, (2, 3, 2), output_padding, kernel2)}
+             "kernel 7": (batch, c_in, c_out, size, (5, 7, 5), stride, (2, 3, 2), output_padding, kernel2),
+             "depth taps 2": (batch, c_in, c_out, size, (3, 5, 5), stride, (1, 2, 2), output_padding, kernel2)}
     for what, geometry in cases.items():
         x, weight = case(geometry, torch.float32, "cuda")
         assert conv_transpose3d_cascade_sum_path(x, weight, *geometry[5:]) == BY_ATEN, what

@@ -2,8 +2,8 @@
 //
 // On an sm_90 device, in a build with CUTLASS (FUSED_OPS_CUTLASS), for float32 where PyTorch's
 // convolutions round to TF32 (cuDNN enabled, its TF32 allowed for convolutions) and for bfloat16,
-// stride 2, kernel2 3, at most 3 taps per class and dim (kernel <= 6), 32 input channels and at most
-// 64 output channels: the convolution and its tail in one wgmma kernel (transposed_cascade_sum.cuh),
+// stride 2, kernel2 3, at most 3 taps per class and dim (kernel <= 6; exactly 3 in depth), 32 input
+// channels and at most 64 output channels: the convolution and its tail in one wgmma kernel (transposed_cascade_sum.cuh),
 // over a channels-last copy of x (none where x is channels-last already) and the weights
 // rearranged per tap (cascade_weight_taps_kernel). Sums in float32, rounded to bfloat16 where the
 // original's y is (before the pools) and to the result's dtype. Everything else by the composite.
@@ -102,6 +102,9 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
     if (!axis) return std::nullopt;
     axes[d] = *axis;
   }
+  // The kernel loads the 5 input depths 3 stage-1 depths read through 3 taps; with fewer depth taps
+  // the last slices would be loaded and never waited for (a copy landing after the CTA exits)
+  if (axes[0].width != 3) return std::nullopt;
   CascadePlan plan{};
   TransposedCascade& p = plan.p;
   for (int d = 0; d < 3; ++d) {
@@ -175,16 +178,11 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   const auto byte = x.options().dtype(at::kByte);
   at::Tensor picks = save_indices ? at::empty({g.batch, g.cells(0), g.cells(1), g.cells(2), g.out_channels}, byte)
                                   : at::empty({0}, byte);
-  static const bool configured = [] {  // (per T: its own kernels)
-    for (const auto kernel : {conv_transpose3d_cascade_sum_kernel<T, true>, conv_transpose3d_cascade_sum_kernel<T, false>}) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
-    }
-    return true;
-  }();
-  (void)configured;
   const int64_t blocks = g.batch * p.cells[0] * p.row_tiles * p.col_tiles;
   // (without the picks, the kernel that keeps the maxima's values alone: 0.67 against 0.80 ms for SPEC's B in TF32)
   const auto kernel = save_indices ? conv_transpose3d_cascade_sum_kernel<T, true> : conv_transpose3d_cascade_sum_kernel<T, false>;
+  // (set before each launch, as the other ops do: the attribute is the current device's)
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
   kernel<<<static_cast<unsigned>(blocks), Config::kThreads, Config::kSmemBytes, stream>>>(
       x_map, w_map, out.mutable_data_ptr<float>(), save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
