@@ -173,4 +173,5 @@ def convolution_arguments(description: str, letter: str) -> tuple:
     device = torch.device(args.device)
     architecture = next(a for a in architectures.ARCHITECTURES if a.letter == letter)
     torch.backends.cudnn.allow_tf32 = True
-    return args, device, architecture.input_shape(args.size or ("spec" if device.type == "cuda" else "reduced"), args.batch)
+    size = args.size or ("spec" if device.type == "cuda" else "reduced")
+    return args, device, architecture.input_shape(size, args.batch)

@@ -442,16 +442,6 @@ def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, p
     return out, conv.bias
 
 
-@functools.cache
-def _cascade_sum_path(device: torch.device, dtype: torch.dtype, x_shape, weight_shape, conv_args, kernel2,
-                      tf32: Hashable) -> str:
-    """conv_transpose3d_cascade_sum_path for operands of these shapes in dtype (asked once per key,
-    of tensors that are one uninitialized element expanded: the answer depends on nothing else; the
-    TF32 setting matters for float32 alone)."""
-    x, weight = [torch.empty((), dtype=dtype, device=device).expand(shape) for shape in (x_shape, weight_shape)]
-    return conv_transpose3d_cascade_sum_path(x, weight, *conv_args, kernel2)
-
-
 def _cascade_sum_by_kernel(x: Tensor, conv: nn.ConvTranspose3d, kernel2) -> tuple | None:
     """The convolution's (stride, padding, output_padding) where B's rewrite computes conv(x) and
     both pools by conv_transpose3d_cascade_sum's kernel (on a GPU, float32 or under bfloat16
@@ -462,8 +452,8 @@ def _cascade_sum_by_kernel(x: Tensor, conv: nn.ConvTranspose3d, kernel2) -> tupl
     if not x.is_cuda or dtype not in (torch.float32, torch.bfloat16) or conv.weight.dtype != x.dtype or traced(x):
         return None
     conv_args = (_triple(conv.stride), _triple(conv.padding), _triple(conv.output_padding))
-    path = _cascade_sum_path(x.device, dtype, tuple(x.shape), tuple(conv.weight.shape), conv_args, tuple(kernel2),
-                             _tf32_convolutions())
+    path = _op_path(conv_transpose3d_cascade_sum_path, x.device, dtype, (tuple(x.shape), tuple(conv.weight.shape)),
+                    (*conv_args, tuple(kernel2)), _tf32_convolutions())
     return tuple([list(a) for a in conv_args]) if path.endswith(" transposed cascade sum") else None
 
 
@@ -482,14 +472,14 @@ def _tf32_convolutions() -> Hashable:
 
 
 @functools.cache
-def _stride1_path(device: torch.device, dtype: torch.dtype, x_shape, weight_shape, has_bias: bool, padding,
-                  tf32: Hashable) -> str:
-    """conv_transpose3d_stride1_channels_last_path for operands of these shapes in dtype (asked
-    once per key of tensors that are one uninitialized element expanded: the answer depends on
-    nothing else; the TF32 setting matters for float32 alone)."""
-    x, weight = [torch.empty((), dtype=dtype, device=device).expand(shape) for shape in (x_shape, weight_shape)]
-    bias = torch.empty((), dtype=dtype, device=device).expand(weight_shape[1]) if has_bias else None
-    return conv_transpose3d_stride1_channels_last_path(x, weight, bias, padding)
+def _op_path(path_op: Callable, device: torch.device, dtype: torch.dtype, shapes: tuple, args: tuple,
+             tf32: Hashable) -> str:
+    """path_op (an op's `_path` wrapper) of operands of `shapes` (None: an operand left out) in
+    dtype, then `args`: asked once per key, of tensors that are one uninitialized element expanded
+    (the answer depends on nothing else; `tf32`, the TF32 setting, matters for float32 alone)."""
+    operands = [None if shape is None else torch.empty((), dtype=dtype, device=device).expand(shape)
+                for shape in shapes]
+    return path_op(*operands, *args)
 
 
 # The dtypes whose stride-1 transposed convolution D's rewrite runs by conv_transpose3d_stride1_channels_last's
@@ -513,8 +503,9 @@ def _stride1_by_cutlass(x: Tensor, conv: nn.ConvTranspose3d, dtype: torch.dtype)
         return False
     if traced(x):
         return False
-    return _stride1_path(x.device, dtype, tuple(x.shape), tuple(conv.weight.shape), conv.bias is not None,
-                         _triple(conv.padding), _tf32_convolutions()).startswith("cutlass")
+    shapes = (tuple(x.shape), tuple(conv.weight.shape), None if conv.bias is None else (conv.weight.shape[1],))
+    return _op_path(conv_transpose3d_stride1_channels_last_path, x.device, dtype, shapes, (_triple(conv.padding),),
+                    _tf32_convolutions()).startswith("cutlass")
 
 
 def _stride1_layout(x: Tensor) -> torch.memory_format:

@@ -78,10 +78,17 @@ std::optional<TransposedAxis> transposed_axis(int64_t k, int64_t pad) {
   return axis;
 }
 
-// The kernel's problem and, per tap in order, the original kernel's flattened tap (t kr + r) ks + s.
+// cascade_weight_taps_kernel's parameters: per tap in order, the original kernel's flattened tap
+// (t kr + r) ks + s.
+struct WeightTaps {
+  int16_t kernel_tap[kCascadeMaxTaps];
+  int taps, out_channels, volume;  // T, O, kt kr ks
+};
+
+// The kernel's problem and its weights' rearrangement.
 struct CascadePlan {
   TransposedCascade p;
-  std::array<int16_t, kCascadeMaxTaps> kernel_tap;
+  WeightTaps weights;
 };
 
 // The kernel's plan for these (checked) arguments, or none where it does not apply.
@@ -114,6 +121,7 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
   p.row_tiles = (p.cells[1] + 1) / 2;
   p.col_tiles = (p.cells[2] + 9) / 10;
   p.out_channels = static_cast<int>(g.out_channels);
+  WeightTaps& w = plan.weights;
   int taps = 0;
   for (int q = 0; q < 8; ++q) {
     const int qd = q / 4, qh = q / 2 % 2, qw = q % 2;
@@ -121,18 +129,16 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
       const int t = axes[0].taps[qd][u / 9], r = axes[1].taps[qh][u / 3 % 3], s = axes[2].taps[qw][u % 3];
       if (t < 0 || r < 0 || s < 0) continue;
       p.tap[taps] = static_cast<uint8_t>(u);
-      plan.kernel_tap[taps++] = static_cast<int16_t>((t * g.kernel[1] + r) * g.kernel[2] + s);
+      w.kernel_tap[taps++] = static_cast<int16_t>((t * g.kernel[1] + r) * g.kernel[2] + s);
     }
     p.class_end[q] = taps;
   }
+  w.taps = taps;
+  w.out_channels = p.out_channels;
+  w.volume = static_cast<int>(g.kernel[0] * g.kernel[1] * g.kernel[2]);
   if (g.batch * p.cells[0] * p.row_tiles * p.col_tiles > std::numeric_limits<int32_t>::max()) return std::nullopt;
   return plan;
 }
-
-struct WeightTaps {
-  int16_t kernel_tap[kCascadeMaxTaps];
-  int taps, out_channels, volume;  // T, O, kt kr ks
-};
 
 // out[e, o, i] = w[i, o, kernel_tap[e]] (w (32, O, kt, kr, ks) contiguous), 0 for o >= O: the
 // kernel's A operand, (T, 64, 32).
@@ -154,21 +160,13 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   const auto swizzle = Config::kRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const TransposedCascade& p = plan.p;
-  const int taps = p.class_end[7];
+  const int taps = plan.weights.taps;
   // x channels-last, (N, D, H, W, I) contiguous, 16-byte aligned (the tensor map's base)
-  at::Tensor x_last = x.permute({0, 2, 3, 4, 1});
-  if (!x_last.is_contiguous() || reinterpret_cast<uintptr_t>(x_last.const_data_ptr()) % 16) {
-    x_last = at::empty(x_last.sizes(), x.options()).copy_(x_last);
-  }
+  const at::Tensor x_last = relayout(x, {0, 2, 3, 4, 1});
   const at::Tensor w = weight.contiguous();
   at::Tensor w_taps = at::empty({1, taps, 64, Config::kChannels}, x.options());
-  WeightTaps wt{};
-  std::copy(plan.kernel_tap.begin(), plan.kernel_tap.end(), wt.kernel_tap);
-  wt.taps = taps;
-  wt.out_channels = static_cast<int>(g.out_channels);
-  wt.volume = static_cast<int>(g.kernel[0] * g.kernel[1] * g.kernel[2]);
   cascade_weight_taps_kernel<T><<<(taps * 64 * 32 + 255) / 256, 256, 0, stream>>>(
-      static_cast<const T*>(w.const_data_ptr()), static_cast<T*>(w_taps.mutable_data_ptr()), wt);
+      static_cast<const T*>(w.const_data_ptr()), static_cast<T*>(w_taps.mutable_data_ptr()), plan.weights);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
   const CUtensorMap x_map =
@@ -180,7 +178,8 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
                                   : at::empty({0}, byte);
   const int64_t blocks = g.batch * p.cells[0] * p.row_tiles * p.col_tiles;
   // (without the picks, the kernel that keeps the maxima's values alone: 0.67 against 0.80 ms for SPEC's B in TF32)
-  const auto kernel = save_indices ? conv_transpose3d_cascade_sum_kernel<T, true> : conv_transpose3d_cascade_sum_kernel<T, false>;
+  const auto kernel =
+      save_indices ? conv_transpose3d_cascade_sum_kernel<T, true> : conv_transpose3d_cascade_sum_kernel<T, false>;
   // (set before each launch, as the other ops do: the attribute is the current device's)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
   kernel<<<static_cast<unsigned>(blocks), Config::kThreads, Config::kSmemBytes, stream>>>(

@@ -158,7 +158,7 @@ std::optional<KernelPlan> wgrad_plan(const TransposedConvWeightGrad& g) {
 
 // The kernel path (shifted rows or CUTLASS's wgrad) for these (checked) arguments, or none.
 std::optional<KernelPlan> kernel_plan(const at::Tensor& grad_y, const at::Tensor& x,
-                                        const TransposedConvWeightGrad& g) {
+                                      const TransposedConvWeightGrad& g) {
   const int device = x.get_device();
   if (!runs_sm90a(device)) return std::nullopt;
   if (!fits_cutlass_extents({x.numel(), grad_y.numel(), g.filter_numel()})) return std::nullopt;
@@ -250,7 +250,7 @@ at::Tensor run_shifted_rows(const TransposedConvWeightGrad& g, int splits, const
 }
 
 at::Tensor run_plan(const KernelPlan& plan, const at::Tensor& grad_y, const at::Tensor& x,
-                       const TransposedConvWeightGrad& g) {
+                    const TransposedConvWeightGrad& g) {
   if (plan.kind == KernelPlan::kShiftedRows) {
     switch (plan.shifts) {
       case 1:

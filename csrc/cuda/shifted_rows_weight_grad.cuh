@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
 #pragma unroll
       for (int m = 0; m < C::kMmas; ++m) {
         wgmma_ss<float, C::kMmaN>(a + 2 * step, b + m * C::kMmaN * 128 / 16 + 2 * step, acc + m * (C::kMmaN / 2),
-                             std::make_index_sequence<C::kMmaN / 2>{});
+                                  std::make_index_sequence<C::kMmaN / 2>{});
       }
     }
     cute::warpgroup_commit_batch();
