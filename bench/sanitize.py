@@ -128,14 +128,17 @@ def main():
     print("conv_transpose3d_stride1_channels_last: ok")
     # B's forward in one kernel, TF32 and bfloat16: an odd geometry (40 output channels, the last row tile's
     # second half and a second column tile of one outside the output, output_padding), SPEC's kernel on a
-    # channels-last x, kernels of 6, 2 and 1 (few taps a class, classes of none), with and without the picks
+    # channels-last x, kernels of 6, 2 and 1 (few taps a class, classes of none), kernels of 3 in depth (2 taps a
+    # class: slices no tap reads), with and without the picks (without: items split in parts, their maxima's kernel)
     for dtype in (torch.float32, torch.bfloat16):
         for x, w, padding, output_padding in ((rand(2, 32, 4, 17, 35, dtype=dtype), rand(32, 40, 5, 3, 4, dtype=dtype),
                                                (2, 1, 1), (0, 1, 1)),
                                               (rand(1, 32, 8, 8, 8, dtype=dtype).contiguous(memory_format=cl),
                                                rand(32, 64, 5, 5, 5, dtype=dtype), 2, 0),
                                               (rand(1, 32, 5, 6, 7, dtype=dtype), rand(32, 17, 6, 2, 1, dtype=dtype),
-                                               (2, 0, 0), (1, 1, 0))):
+                                               (2, 0, 0), (1, 1, 0)),
+                                              (rand(1, 32, 7, 8, 9, dtype=dtype), rand(32, 64, 3, 5, 5, dtype=dtype),
+                                               (1, 2, 2), 0)):
             for save in (False, True):
                 torch.ops.fused_ops.conv_transpose3d_cascade_sum(x, w, [2, 2, 2], fused_ops.ops._expand(padding, 3, ""),
                                                                  fused_ops.ops._expand(output_padding, 3, ""),

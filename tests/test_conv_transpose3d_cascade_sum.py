@@ -34,9 +34,12 @@ ODD = (3, 32, 40, (7, 17, 35), (5, 3, 4), (2, 2, 2), (2, 1, 1), (0, 1, 1), (3, 3
 # few taps: kernel 6 in depth, 2 in height (one tap a class), 1 in width (the odd classes none), one
 # output depth, 12 taps a depth (fewer than bfloat16's weight stages)
 FEW_TAPS = (2, 32, 17, (5, 6, 7), (6, 2, 1), (2, 2, 2), (2, 0, 0), (1, 1, 0), (3, 3, 3))
-GEOMETRIES = [SMALL, MIXED, SPEC_LIKE, ODD, FEW_TAPS]
-IDS = ["small", "mixed", "spec-like", "odd", "few-taps"]
-KERNEL_GEOMETRIES, KERNEL_IDS = [SPEC_LIKE, ODD, FEW_TAPS], ["spec-like", "odd", "few-taps"]
+# two taps a class in depth (kernel 3, padding 1): slices loaded that no tap of a class reads
+DEPTH_TAPS_2 = (2, 32, 64, (7, 8, 9), (3, 5, 5), (2, 2, 2), (1, 2, 2), (0, 0, 0), (3, 3, 3))
+GEOMETRIES = [SMALL, MIXED, SPEC_LIKE, ODD, FEW_TAPS, DEPTH_TAPS_2]
+IDS = ["small", "mixed", "spec-like", "odd", "few-taps", "depth-taps-2"]
+KERNEL_GEOMETRIES = [SPEC_LIKE, ODD, FEW_TAPS, DEPTH_TAPS_2]
+KERNEL_IDS = ["spec-like", "odd", "few-taps", "depth-taps-2"]
 
 
 def case(geometry, dtype=torch.float64, device="cpu", seed=0, integers=False):
@@ -260,17 +263,37 @@ def test_kernel_strided_inputs(layout, tf32, cutlass):
 
 
 @requires_sm90
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["tf32", "bfloat16"])
+@pytest.mark.parametrize("waves", ["one", "whole-and-split"])
+def test_kernel_split_items_as_whole_ones(waves, dtype, tf32, cutlass):
+    """Without picks the kernel splits the items past its last whole wave (all of them where they
+    fill under half a wave) by depth and class groups, one more kernel taking the parts' maxima:
+    bitwise the result of the run with picks, which takes every item whole; NaN and inf included."""
+    geometry = SPEC_LIKE[:3] + ((16, 16, 32),) + SPEC_LIKE[4:]  # 5 x 3 x 1 items a batch element
+    if waves == "whole-and-split":  # a few items past one whole wave
+        geometry = (torch.cuda.get_device_properties(0).multi_processor_count // 15 + 1,) + geometry[1:]
+    x, weight = case(geometry, dtype, "cuda", seed=2)
+    x.view(-1)[torch.randint(0, x.numel(), (4,), generator=torch.Generator().manual_seed(3)).cuda()] = \
+        torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan")], dtype=dtype, device="cuda")
+    whole, _ = OP(x, weight, *args(geometry), True, torch.float32)
+    assert whole.isnan().any() and not whole.isnan().all()
+    poison_cuda_allocator()
+    names = cuda_kernel_names(lambda: OP(x, weight, *args(geometry), False, torch.float32))
+    assert any("cascade_parts_sum_kernel" in n for n in names)
+    split, _ = OP(x, weight, *args(geometry), False, torch.float32)
+    torch.testing.assert_close(split, whole, rtol=0, atol=0, equal_nan=True)
+
+
+@requires_sm90
 def test_what_the_kernel_leaves_to_the_composite(tf32, cutlass):
     """Input channels other than 32, over 64 output channels, a stride or kernel2 other than 2 and 3,
-    over 3 taps a class, fewer than 3 in depth, float64, float16 and float32 with TF32 off take the
-    composite."""
+    over 3 taps a class, float64, float16 and float32 with TF32 off take the composite."""
     batch, c_in, c_out, size, kernel, stride, padding, output_padding, kernel2 = SPEC_LIKE
     cases = {"C_in 16": (batch, 16, c_out, size, kernel, stride, padding, output_padding, kernel2),
              "C_out 65": (batch, c_in, 65, size, kernel, stride, padding, output_padding, kernel2),
              "stride 3": (batch, c_in, c_out, size, kernel, (2, 2, 3), padding, output_padding, (3, 3, 2)),
              "kernel2 2": (batch, c_in, c_out, size, kernel, stride, padding, output_padding, (3, 2, 3)),
-             "kernel 7": (batch, c_in, c_out, size, (5, 7, 5), stride, (2, 3, 2), output_padding, kernel2),
-             "depth taps 2": (batch, c_in, c_out, size, (3, 5, 5), stride, (1, 2, 2), output_padding, kernel2)}
+             "kernel 7": (batch, c_in, c_out, size, (5, 7, 5), stride, (2, 3, 2), output_padding, kernel2)}
     for what, geometry in cases.items():
         x, weight = case(geometry, torch.float32, "cuda")
         assert conv_transpose3d_cascade_sum_path(x, weight, *geometry[5:]) == BY_ATEN, what

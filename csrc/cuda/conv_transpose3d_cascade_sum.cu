@@ -2,7 +2,7 @@
 //
 // On an sm_90 device, in a build with CUTLASS (FUSED_OPS_CUTLASS), for float32 where PyTorch's
 // convolutions round to TF32 (cuDNN enabled, its TF32 allowed for convolutions) and for bfloat16,
-// stride 2, kernel2 3, at most 3 taps per class and dim (kernel <= 6; exactly 3 in depth), 32 input
+// stride 2, kernel2 3, at most 3 taps per class and dim (kernel <= 6), 32 input
 // channels and at most 64 output channels: the convolution and its tail in one wgmma kernel (transposed_cascade_sum.cuh),
 // over a channels-last copy of x (none where x is channels-last already) and the weights
 // rearranged per tap (cascade_weight_taps_kernel). Sums in float32, rounded to bfloat16 where the
@@ -109,9 +109,6 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
     if (!axis) return std::nullopt;
     axes[d] = *axis;
   }
-  // The kernel loads the 5 input depths 3 stage-1 depths read through 3 taps; with fewer depth taps
-  // the last slices would be loaded and never waited for (a copy landing after the CTA exits)
-  if (axes[0].width != 3) return std::nullopt;
   CascadePlan plan{};
   TransposedCascade& p = plan.p;
   for (int d = 0; d < 3; ++d) {
@@ -140,6 +137,30 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
   return plan;
 }
 
+// The kernel's schedule of `items` CTAs' work on `sms` multiprocessors (one CTA each): where no picks
+// are kept and the items past the last whole wave fill at most half a wave, those split in parts
+// (transposed_cascade_sum.cuh's module comment): by stage-1 depth where 3 parts an item fit, then
+// in up to 4 groups of classes of about equal taps.
+void schedule(TransposedCascade& p, int64_t items, int64_t sms, bool picks) {
+  p.whole_items = items;
+  p.depth_parts = p.class_groups = 1;
+  p.group_end[0] = 8;
+  const int64_t rest = items % sms, fit = rest == 0 || picks ? 1 : sms / rest;
+  if (fit < 2) return;
+  p.whole_items = items - rest;
+  p.depth_parts = fit >= 3 ? 3 : 1;
+  const int taps = p.class_end[7], groups = static_cast<int>(std::min<int64_t>(fit / p.depth_parts, 4));
+  // group g closes at the class whose taps reach (g + 1) / groups of them; trailing classes without taps join the last
+  p.class_groups = 0;
+  for (int q = 0; q < 8; ++q) {
+    const int before = q == 0 ? 0 : p.class_end[q - 1];
+    if (p.class_end[q] > before && p.class_end[q] * groups >= (p.class_groups + 1) * taps) {
+      p.group_end[p.class_groups++] = q + 1;
+    }
+  }
+  p.group_end[p.class_groups - 1] = 8;
+}
+
 // out[e, o, i] = w[i, o, kernel_tap[e]] (w (32, O, kt, kr, ks) contiguous), 0 for o >= O: the
 // kernel's A operand, (T, 64, 32).
 template <typename T>
@@ -159,7 +180,10 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   using Config = TransposedCascadeConfig<T>;
   const auto swizzle = Config::kRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const TransposedCascade& p = plan.p;
+  TransposedCascade p = plan.p;
+  const int64_t items = g.batch * p.cells[0] * p.row_tiles * p.col_tiles;
+  schedule(p, items, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()), save_indices);
+  const int64_t split = items - p.whole_items, parts = int64_t{p.depth_parts} * p.class_groups;
   const int taps = plan.weights.taps;
   // x channels-last, (N, D, H, W, I) contiguous, 16-byte aligned (the tensor map's base)
   const at::Tensor x_last = relayout(x, {0, 2, 3, 4, 1});
@@ -176,15 +200,22 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   const auto byte = x.options().dtype(at::kByte);
   at::Tensor picks = save_indices ? at::empty({g.batch, g.cells(0), g.cells(1), g.cells(2), g.out_channels}, byte)
                                   : at::empty({0}, byte);
-  const int64_t blocks = g.batch * p.cells[0] * p.row_tiles * p.col_tiles;
+  // the split items' parts' maxima (schedule)
+  at::Tensor partial = at::empty({split * parts * 2 * 64 * 10}, out.options());
   // (without the picks, the kernel that keeps the maxima's values alone: 0.67 against 0.80 ms for SPEC's B in TF32)
   const auto kernel =
       save_indices ? conv_transpose3d_cascade_sum_kernel<T, true> : conv_transpose3d_cascade_sum_kernel<T, false>;
   // (set before each launch, as the other ops do: the attribute is the current device's)
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
-  kernel<<<static_cast<unsigned>(blocks), Config::kThreads, Config::kSmemBytes, stream>>>(
-      x_map, w_map, out.mutable_data_ptr<float>(), save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr, p);
+  kernel<<<static_cast<unsigned>(p.whole_items + split * parts), Config::kThreads, Config::kSmemBytes, stream>>>(
+      x_map, w_map, out.mutable_data_ptr<float>(), save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr,
+      partial.mutable_data_ptr<float>(), p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (split > 0) {
+    cascade_parts_sum_kernel<<<static_cast<unsigned>(split * 2), 128, 0, stream>>>(partial.const_data_ptr<float>(),
+                                                                                 out.mutable_data_ptr<float>(), p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   return {out, picks};
 }
 

@@ -24,6 +24,12 @@
 // issues the copies) fills the slices' ring (3 slots) and the weights' ring; two consumer warp
 // groups take rows 0-2 and 3-5.
 //
+// The last wave: a grid of whole items leaves its last wave mostly idle (SPEC's B: 800 items on
+// 132 multiprocessors, 8 in the 7th wave, which took 0.10 of 0.61 ms). Without picks the cascade
+// is a maximum over (depth, class, position) per cell and channel, so the items past the last
+// whole wave split by stage-1 depth and groups of classes: each part writes its maxima (`partial`)
+// and cascade_parts_sum_kernel takes their maximum and the channels' sum.
+//
 // SPEC's B on an H200 (bench/bench_conv_transpose3d_cascade_sum.py, 2026-11-27): 0.67 ms in TF32 from
 // a channels-last x without the picks (331 TFLOP/s of the 221 real GFLOP; 0.80 with them), 0.60
 // in bfloat16. What limits it (ncu, bfloat16): the tensor pipe is active 47% of the time, no unit
@@ -62,6 +68,11 @@ struct TransposedCascade {
   int out_channels;        // O <= 64
   int class_end[8];        // class q's taps: [class_end[q - 1], class_end[q])
   uint8_t tap[kCascadeMaxTaps];  // per tap, (ud * 3 + uh) * 3 + uw
+  // The schedule (module comment): items [0, whole_items) one CTA each, every later item split in
+  // depth_parts (1 or 3) x class_groups parts, class group g taking classes [group_end[g - 1], group_end[g]).
+  int64_t whole_items;
+  int depth_parts, class_groups;
+  int group_end[8];
 };
 
 // T: float (TF32) or __nv_bfloat16, the operands' element type.
@@ -116,17 +127,57 @@ __device__ __forceinline__ void offer(WindowPick<float>& pick, float v, int elem
   }
 }
 
+// An item's place: batch element n, output depth d2, output rows 2 row_tile + (0, 1), output
+// columns 10 col_tile + (0 .. 9).
+struct CascadeItem {
+  int n, d2, row_tile, col_tile;
+  __device__ CascadeItem(int64_t item, const TransposedCascade& p) {
+    col_tile = static_cast<int>(item % p.col_tiles);
+    item /= p.col_tiles;
+    row_tile = static_cast<int>(item % p.row_tiles);
+    item /= p.row_tiles;
+    d2 = static_cast<int>(item % p.cells[0]);
+    n = static_cast<int>(item / p.cells[0]);
+  }
+};
+
+// out[n, 0, d2, h2, w2] for output row `row` (0, 1) of the item and its 10 columns: the sum over
+// the output channels of value, where the 128 threads t of a named barrier `barrier` hold channel
+// t / 2's columns 5 (t % 2) .. 5 (t % 2) + 4; summed within the warp (its 16 channels: lanes 2
+// apart), then over the 4 warps through `sums` (40 floats).
+__device__ __forceinline__ void store_channel_sums(const float (&value)[5], int row, const CascadeItem& at,
+                                                   const TransposedCascade& p, float* sums, int barrier,
+                                                   float* __restrict__ out) {
+  const int t = threadIdx.x % 128, warp = t / 32, lane = t % 32, o = t / 2, first_col = 5 * (t % 2);
+#pragma unroll
+  for (int k = 0; k < 5; ++k) {
+    float sum = o < p.out_channels ? value[k] : 0.f;
+#pragma unroll
+    for (int lanes = 2; lanes < 32; lanes *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+    if (lane < 2) sums[warp * 10 + first_col + k] = sum;
+  }
+  asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+  const int h2 = 2 * at.row_tile + row, w2 = 10 * at.col_tile + t;
+  if (t < 10 && h2 < p.cells[1] && w2 < p.cells[2]) {
+    out[((int64_t{at.n} * p.cells[0] + at.d2) * p.cells[1] + h2) * p.cells[2] + w2] =
+        ((sums[t] + sums[10 + t]) + sums[20 + t]) + sums[30 + t];
+  }
+}
+
 // The CTA's cell item (module comment): out[n, 0, d2, h2, w2] for its 2 x 10 output cells and,
 // where kPicks, picks[n, d2, h2, w2, o] = stage-2 offset * 8 + class (without, the maxima's values
 // alone: fewer instructions between the classes' sums). x_map: x as
 // (32 channels, W, H, D, N) innermost first, boxes (32, 32, 8, 1, 1); w_map: the taps' weights as
 // (32 input channels, 64 output channels, taps, 1), boxes (32, 64, 1, 1); both swizzled across
-// their rows (128 or 64 bytes).
+// their rows (128 or 64 bytes). A CTA past p.whole_items takes a part of an item (module comment:
+// never with picks) and writes its maxima to partial (split item, part, row, channel, column),
+// (., ., 2, 64, 10).
 template <typename T, bool kPicks>
 __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
     conv_transpose3d_cascade_sum_kernel(const __grid_constant__ CUtensorMap x_map,
                                         const __grid_constant__ CUtensorMap w_map, float* __restrict__ out,
-                                        uint8_t* __restrict__ picks, const __grid_constant__ TransposedCascade p) {
+                                        uint8_t* __restrict__ picks, float* __restrict__ partial,
+                                        const __grid_constant__ TransposedCascade p) {
   using C = TransposedCascadeConfig<T>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
@@ -135,14 +186,24 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
   uint64_t* const weight_full = slot_empty + C::kSlots;
   uint64_t* const weight_empty = weight_full + C::kWeightStages;
 
-  int64_t item = blockIdx.x;
-  const int col_tile = static_cast<int>(item % p.col_tiles);
-  item /= p.col_tiles;
-  const int row_tile = static_cast<int>(item % p.row_tiles);
-  item /= p.row_tiles;
-  const int d2 = static_cast<int>(item % p.cells[0]);
-  const int n = static_cast<int>(item / p.cells[0]);
-  const int taps = p.class_end[7];  // per stage-1 depth
+  // the item, and the stage-1 depths and classes this CTA takes of it (all, or its part's)
+  int64_t item = blockIdx.x, part = -1;
+  const int parts = p.depth_parts * p.class_groups;
+  int depth_begin = 0, depths = 3, class_begin = 0, class_end = 8;
+  if (item >= p.whole_items) {
+    part = (item - p.whole_items) % parts;
+    item = p.whole_items + (item - p.whole_items) / parts;
+    const int group = static_cast<int>(part % p.class_groups);
+    if (p.depth_parts == 3) {
+      depth_begin = static_cast<int>(part / p.class_groups);
+      depths = 1;
+    }
+    class_begin = group == 0 ? 0 : p.group_end[group - 1];
+    class_end = p.group_end[group];
+  }
+  const CascadeItem at(item, p);
+  const int first_tap = class_begin == 0 ? 0 : p.class_end[class_begin - 1], last_tap = p.class_end[class_end - 1];
+  const int taps = last_tap - first_tap;  // per stage-1 depth
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::kSlots; ++s) {
@@ -159,21 +220,26 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
   if (threadIdx.x < 128) {  // the producer
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0) {
-      // slice j: input depth 3 d2 + start_d + j, rows from 6 row_tile + start_h, columns from 30 col_tile + start_w
+      // slice j: input depth 3 d2 + start_d + depth_begin + j, rows from 6 row_tile + start_h, columns
+      // from 30 col_tile + start_w
+      int loaded = 0;
       const auto load_slice = [&](int j) {
         const int slot = j % C::kSlots;
         if (j >= C::kSlots) barrier_wait(&slot_empty[slot], ((j / C::kSlots) - 1) & 1);
         barrier_arrive_expect(&slot_full[slot], C::kSliceBytes);
-        tensor_load_5d(smem + C::kSlotsAt + slot * C::kSlotBytes, x_map, 0, 30 * col_tile + p.start[2],
-                       6 * row_tile + p.start[1], 3 * d2 + p.start[0] + j, n, &slot_full[slot]);
+        tensor_load_5d(smem + C::kSlotsAt + slot * C::kSlotBytes, x_map, 0, 30 * at.col_tile + p.start[2],
+                       6 * at.row_tile + p.start[1], 3 * at.d2 + p.start[0] + depth_begin + j, at.n, &slot_full[slot]);
+        loaded = j + 1;
       };
-      for (int j = 0; j < C::kSlots; ++j) load_slice(j);
+      for (int j = 0; j < C::kSlots && j < depths + 2; ++j) load_slice(j);
       int stage = 0;
       uint32_t phase = 0;
-      for (int depth = 0; depth < 3; ++depth) {
-        for (int e = 0; e < taps; ++e) {
+      for (int depth = 0; depth < depths; ++depth) {
+        for (int e = first_tap; e < last_tap; ++e) {
           // slice depth + 2 replaces depth - 1's once the weights ring is primed for this depth
-          if (depth > 0 && e == (taps < C::kWeightStages ? taps : C::kWeightStages) - 1) load_slice(depth + 2);
+          if (depth > 0 && e - first_tap == (taps < C::kWeightStages ? taps : C::kWeightStages) - 1) {
+            load_slice(depth + 2);
+          }
           barrier_wait(&weight_empty[stage], phase ^ 1);
           barrier_arrive_expect(&weight_full[stage], C::kWeightBytes);
           tensor_load_4d(smem + C::kWeightsAt + stage * C::kWeightBytes, w_map, 0, 0, e, 0, &weight_full[stage]);
@@ -182,6 +248,10 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
             phase ^= 1;
           }
         }
+      }
+      // every slice landed before the CTA may exit: the consumers wait only for slices their taps read
+      for (int j = loaded > C::kSlots ? loaded - C::kSlots : 0; j < loaded; ++j) {
+        barrier_wait(&slot_full[j % C::kSlots], (j / C::kSlots) & 1);
       }
     }
     return;
@@ -205,18 +275,18 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
   // classes by a loop ran 40% slower.)
   int stage = 0;
   uint32_t phase = 0;
-  for (int depth = 0; depth < 3; ++depth) {
+  for (int depth = depth_begin; depth < depth_begin + depths; ++depth) {
     WindowPick<float> pick[C::kAccumulators];  // stage 1, over the classes in scan order
 #pragma unroll
     for (int j = 0; j < C::kAccumulators; ++j) pick[j] = none;
-    for (int q = 0; q < 8; ++q) {
+    for (int q = class_begin; q < class_end; ++q) {
       float acc[C::kAccumulators];
 #pragma unroll
       for (int j = 0; j < C::kAccumulators; ++j) acc[j] = 0.f;
       int issued = 0;  // this class's taps so far
       for (int e = q == 0 ? 0 : p.class_end[q - 1]; e < p.class_end[q]; ++e) {
         const int u = p.tap[e], ud = u / 9, uh = u / 3 % 3, uw = u % 3;
-        const int slice = depth + ud;
+        const int slice = depth - depth_begin + ud;
         barrier_wait(&slot_full[slice % C::kSlots], (slice / C::kSlots) & 1);
         barrier_wait(&weight_full[stage], phase);
         const uint64_t a = swizzled_tile_descriptor<C::kRowBytes>(smem + C::kWeightsAt + stage * C::kWeightBytes);
@@ -254,7 +324,7 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
         offer<kPicks>(pick[j], std::is_same_v<T, float> ? acc[j] : __bfloat162float(__float2bfloat16_rn(acc[j])), q);
       }
     }
-    barrier_arrive(&slot_empty[depth % C::kSlots]);  // slice `depth` is read last by this depth
+    barrier_arrive(&slot_empty[(depth - depth_begin) % C::kSlots]);  // the depth's first slice is read last here
 
     // the stage-1 picks to shared memory: accumulator j is output channel 16 warp + lane / 4
     // (+ 8 for j % 4 >= 2), position 8 (j / 4) + 2 (lane % 4) + j % 2 = row * 32 + column
@@ -282,26 +352,48 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
     asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
   }
 
-  // picks, and the channels' sums: within the warp (its 16 channels: lanes 2 apart), then the 4 warps
-  const int h2 = 2 * row_tile + consumer;
-  const bool inside = h2 < p.cells[1];
-  const int64_t row_cell = ((int64_t{n} * p.cells[0] + d2) * p.cells[1] + h2) * p.cells[2];
+  if (part >= 0) {  // (never with picks)
+    float* const maxima = partial + (((item - p.whole_items) * parts + part) * 2 + consumer) * 64 * 10;
 #pragma unroll
-  for (int k = 0; k < 5; ++k) {
-    const int w2 = 10 * col_tile + first_col + k;
-    if (kPicks && inside && o < p.out_channels && w2 < p.cells[2]) {
-      picks[(row_cell + w2) * p.out_channels + o] = static_cast<uint8_t>(cell[k].offset);
+    for (int k = 0; k < 5; ++k) maxima[o * 10 + first_col + k] = cell[k].value;
+    return;
+  }
+  if constexpr (kPicks) {
+    const int h2 = 2 * at.row_tile + consumer;
+    const int64_t row_cell = ((int64_t{at.n} * p.cells[0] + at.d2) * p.cells[1] + h2) * p.cells[2];
+#pragma unroll
+    for (int k = 0; k < 5; ++k) {
+      const int w2 = 10 * at.col_tile + first_col + k;
+      if (h2 < p.cells[1] && o < p.out_channels && w2 < p.cells[2]) {
+        picks[(row_cell + w2) * p.out_channels + o] = static_cast<uint8_t>(cell[k].offset);
+      }
     }
-    float sum = o < p.out_channels ? cell[k].value : 0.f;
+  }
+  float value[5];
 #pragma unroll
-    for (int lanes = 2; lanes < 32; lanes *= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
-    if (lane < 2) sums[warp * 10 + first_col + k] = sum;
+  for (int k = 0; k < 5; ++k) value[k] = cell[k].value;
+  store_channel_sums(value, consumer, at, p, sums, 1 + consumer, out);
+}
+
+// out of the split items (module comment): a CTA of 128 threads per split item and output row,
+// thread t taking channel t / 2's columns 5 (t % 2) .. + 4, the maximum of the parts' maxima (as
+// the kernel's picks take it: max.NaN), then the channels' sum.
+__global__ void __launch_bounds__(128)
+    cascade_parts_sum_kernel(const float* __restrict__ partial, float* __restrict__ out,
+                             const __grid_constant__ TransposedCascade p) {
+  __shared__ float sums[4 * 10];
+  const int64_t split = blockIdx.x / 2;
+  const int row = blockIdx.x % 2, parts = p.depth_parts * p.class_groups;
+  const int t = threadIdx.x, o = t / 2, first_col = 5 * (t % 2);
+  float value[5];
+#pragma unroll
+  for (int k = 0; k < 5; ++k) value[k] = -INFINITY;
+  for (int part = 0; part < parts; ++part) {
+    const float* const maxima = partial + ((split * parts + part) * 2 + row) * 64 * 10;
+#pragma unroll
+    for (int k = 0; k < 5; ++k) value[k] = nan_max(value[k], maxima[o * 10 + first_col + k]);
   }
-  asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
-  if (t < 10) {
-    const int w2 = 10 * col_tile + t;
-    if (inside && w2 < p.cells[2]) out[row_cell + w2] = ((sums[t] + sums[10 + t]) + sums[20 + t]) + sums[30 + t];
-  }
+  store_channel_sums(value, row, CascadeItem(p.whole_items + split, p), p, sums, 1, out);
 }
 
 }  // namespace fused_ops
