@@ -40,8 +40,10 @@ def main():
             rand(2, 3, 4, 5, 3, 8, dtype=dtype))
         run(f"parity_max_pool3d_cascade_sum {dtype}",
             lambda y, dtype: fused_ops.parity_max_pool3d_cascade_sum(y, 2, dtype=dtype), rand(2, 4, 5, 6, 3, 8, dtype=dtype))
-        for out_dtype in (None, torch.bfloat16):  # forward only: it has no backward
+        for out_dtype in (None, torch.bfloat16):  # forward only: it has no backward; the plain transpose too
             fused_ops.depth_stacked_channels_last(rand(2, 3, 7, 9, 11, dtype=dtype), 4, 2, [-1, -2, 1], [3, 12, 9],
+                                                  dtype=out_dtype)
+            fused_ops.depth_stacked_channels_last(rand(2, 64, 3, 5, 24, dtype=dtype), 1, 1, 0, [3, 5, 24],
                                                   dtype=out_dtype)
             # rows (taps x channels) over two passes of a warp's staging, the second partial
             fused_ops.depth_stacked_channels_last(rand(1, 20, 5, 6, 7, dtype=dtype), 3, 1, [0, -1, 0], [3, 8, 7],

@@ -24,7 +24,9 @@ recording none: ``fused_ops._graphed``), the fastest formulation is also timed r
 a graph of its call (and of its backward), and kept so where that is faster (a batch of
 one: the host's time per op is most of a call); ``FUSED_OPS_CUDA_GRAPHS=0`` leaves that
 candidate out. Candidates within PREFERRED_MARGIN of the fastest count as ties, which the
-original's own ops (and, between a graph and none, no graph) win.
+original's own ops win, and between a graph and none the graph where the call is host-bound
+(the host's time to queue it at least half the device's: the host's moments vary), else no
+graph (a replay's copy of the input into the graph's static input is device time).
 
 Nothing is timed, and each module takes its rule (the first formulation of its list that
 holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
@@ -329,7 +331,7 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signat
         graphed = graphable and replayed(best, x) is not None
         if graphed:
             graphed = _fastest({False: steps[best], True: functools.partial(replayed, best, x)}, device,
-                               preferred=True)
+                               preferred=_host_bound(steps[best], device))
         if graphable and not graphed:
             best = _fastest(steps, device, preferred="original")
     if not graphed:
@@ -368,6 +370,20 @@ def _fastest(calls: dict, device: torch.device, preferred: Hashable = None, devi
     if preferred in medians and medians[preferred] <= medians[best] * (1 + PREFERRED_MARGIN):
         return preferred
     return best
+
+
+def _host_bound(call, device: torch.device) -> bool:
+    """Whether queueing call() takes the host at least half as long as the whole call takes
+    (medians of 3 synchronized calls)."""
+    host, whole = [], []
+    for _ in range(3):
+        _synchronize(device)
+        began = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - began)
+        _synchronize(device)
+        whole.append(time.perf_counter() - began)
+    return statistics.median(host) >= 0.5 * statistics.median(whole)
 
 
 def _synchronize(device: torch.device) -> None:

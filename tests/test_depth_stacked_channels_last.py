@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DTYPES, LAYOUTS_5D, in_layout_5d, make_input, poison_cuda_allocator
+from conftest import DTYPES, LAYOUTS_5D, cuda_kernel_names, in_layout_5d, make_input, poison_cuda_allocator
 from fused_ops import depth_stacked_channels_last
 
 OP = torch.ops.fused_ops.depth_stacked_channels_last.default
@@ -90,6 +90,24 @@ def test_matches_reference(shape, taps, stride, start, size, device, dtype):
 def test_output_dtypes(x_dtype, out_dtype, device):
     """Every pair of dtypes (float32 -> bfloat16 under autocast, say): the values cast as Tensor.to casts."""
     out = check(make_input((2, 5, 6, 4, 7), x_dtype, device), 3, 2, (-1, -1, 1), (3, 6, 7), out_dtype)
+    assert out.dtype == out_dtype
+
+
+@pytest.mark.parametrize("x_dtype,out_dtype", list(itertools.product(DTYPES, DTYPES)),
+                         ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("shape", [(3, 64, 5, 7, 8), (1, 32, 2, 8, 8), (2, 96, 1, 1, 136), (2, 32, 5, 7, 9)],
+                         ids=["partial-tile", "one-tile", "plane-136", "plane-315"])
+def test_plain_channels_last(shape, x_dtype, out_dtype, device):
+    """The plain case (taps 1, stride 1, x whole and contiguous, channels a multiple of 32; planes of
+    a multiple of 16 bytes: the CUDA transpose kernel's, positions a partial tile or exactly one; 315
+    positions: the general kernel's): x channels-last, bit for bit as Tensor.to casts (random values,
+    which 16-bit dtypes round; infinities; 257, which bfloat16 rounds to 256)."""
+    x = make_input(shape, x_dtype, device)
+    x.view(-1)[:3] = torch.tensor([float("inf"), -float("inf"), 257.0], dtype=x_dtype)
+    out = check(x, 1, 1, (0, 0, 0), shape[2:], out_dtype)
+    if device == "cuda":
+        names = cuda_kernel_names(lambda: depth_stacked_channels_last(x, 1, 1, 0, shape[2:], dtype=out_dtype))
+        assert any(("channels_last_kernel" if shape[-1] % 8 == 0 else "depth_stack_kernel") in n for n in names)
     assert out.dtype == out_dtype
 
 

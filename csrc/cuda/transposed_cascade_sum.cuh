@@ -25,21 +25,23 @@
 // groups take rows 0-2 and 3-5.
 //
 // The last wave: a grid of whole items leaves its last wave mostly idle (SPEC's B: 800 items on
-// 132 multiprocessors, 8 in the 7th wave, which took 0.10 of 0.61 ms). Without picks the cascade
+// 132 multiprocessors, 8 in the 7th wave, which took 0.10 of 0.62 ms in bfloat16). Without picks the cascade
 // is a maximum over (depth, class, position) per cell and channel, so the items past the last
 // whole wave split by stage-1 depth and groups of classes: each part writes its maxima (`partial`)
 // and cascade_parts_sum_kernel takes their maximum and the channels' sum.
 //
-// SPEC's B on an H200 (bench/bench_conv_transpose3d_cascade_sum.py, 2026-11-27): 0.67 ms in TF32 from
-// a channels-last x without the picks (331 TFLOP/s of the 221 real GFLOP; 0.80 with them), 0.60
-// in bfloat16. What limits it (ncu, bfloat16): the tensor pipe is active 47% of the time, no unit
+// SPEC's B on an H200 (2026-11-27, kernel alone from a channels-last x, no picks: scratch harness and
+// bench/results/profile-B-eval-nvidia-h200-session14.log): 0.61 ms in TF32 (0.68 with every item
+// whole; 0.82 with the picks, which keep every item whole), 0.55 in bfloat16 (0.62 whole). What
+// limits it (ncu, bfloat16, before the split): the tensor pipe is active 47% of the time, no unit
 // saturated (issue 44%, shared memory 43%, L2 17%): latency between the taps' short instruction
-// groups (2 x m64n96k16 a tap in bfloat16), the classes' ends (each consumer waits for its
-// instructions, then takes the stage-1 step, both at once), and 800 items on 132 multiprocessors
-// (7 waves for 6.06). Tried without gain: 2 or 4 taps in flight instead of 3, 24 weight stages in
-// bfloat16, a pair of taps per stage (slower: 0.90 / 0.84), consumer 1 started half a ring behind
-// consumer 0 (slower), the next class's first taps issued before the stage-1 step in a second set
-// of accumulators (ptxas serializes every wgmma: it cannot see the two sets apart).
+// groups (2 x m64n96k16 a tap in bfloat16) and the classes' ends (each consumer waits for its
+// instructions, then takes the stage-1 step, both at once). Tried without gain: 2 or 4 taps in
+// flight instead of 3, 24 weight stages in bfloat16, a pair of taps per stage (slower: 0.90 /
+// 0.84), consumer 1 started half a ring behind consumer 0 (slower), the next class's first taps
+// issued before the stage-1 step in a second set of accumulators (ptxas serializes every wgmma:
+// it cannot see the two sets apart). Split parts of 1 depth and 4 class groups beat 3 depths x 1
+// group (0.570) and class groups alone (0.558 for 8, 0.583 for 4).
 #pragma once
 
 #include <cuda.h>
@@ -376,8 +378,9 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
 }
 
 // out of the split items (module comment): a CTA of 128 threads per split item and output row,
-// thread t taking channel t / 2's columns 5 (t % 2) .. + 4, the maximum of the parts' maxima (as
-// the kernel's picks take it: max.NaN), then the channels' sum.
+// thread t taking channel t / 2's columns 5 (t % 2) .. + 4, the maximum of the parts' maxima
+// (max.NaN, as the kernel takes its maxima without picks), then the channels' sum in the kernel's
+// order (bitwise the whole item's result).
 __global__ void __launch_bounds__(128)
     cascade_parts_sum_kernel(const float* __restrict__ partial, float* __restrict__ out,
                              const __grid_constant__ TransposedCascade p) {
