@@ -25,8 +25,9 @@ a graph of its call (and of its backward), and kept so where that is faster (a b
 one: the host's time per op is most of a call); ``FUSED_OPS_CUDA_GRAPHS=0`` leaves that
 candidate out. Candidates within PREFERRED_MARGIN of the fastest count as ties, which the
 original's own ops win, and between a graph and none the graph where the call is host-bound
-(the host's time to queue it at least half the device's: the host's moments vary), else no
-graph (a replay's copy of the input into the graph's static input is device time).
+(queueing it takes the host at least half the time the call takes to finish: the host's
+moments vary), else no graph (a replay's copy of the input into the graph's static input is
+device time).
 
 Nothing is timed, and each module takes its rule (the first formulation of its list that
 holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
@@ -339,10 +340,10 @@ def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signat
     return best, graphed
 
 
-# A candidate preferred by _fastest (the original's own ops; a graph) is taken where it is
-# within this fraction of the fastest: closer than that, rounds of a few milliseconds do not
-# tell the two apart, and the original's ops lose nothing against the original, a graph
-# nothing to the host's moments.
+# A candidate preferred by _fastest (the original's own ops; a graph where the call is
+# host-bound, else no graph) is taken where it is within this fraction of the fastest: closer
+# than that, rounds of a few milliseconds do not tell the two apart, and the original's ops lose
+# nothing against the original, a graph nothing to the host's moments, no graph no input copy.
 PREFERRED_MARGIN = 0.03
 
 

@@ -363,12 +363,13 @@ def _channels_last(x: Tensor, dtype: torch.dtype) -> Tensor:
     """x (N, C, D, H, W) on a GPU in `dtype`, channels-last: x itself where it lies so; where
     depth_stacked_channels_last's plain transpose holds (csrc/cuda/depth_stacked_channels_last.cu:
     x contiguous and 16-byte aligned, channels a multiple of 32, planes of a multiple of 16 bytes, a
-    batch under 2^16) by it (SPEC's B on an H200, float32 to bfloat16: 0.059 ms a call against
-    Tensor.to's 0.073); anything else by Tensor.to."""
+    batch under 2^16; the op's own bound, under 2^31 positions N D H W) by it (SPEC's B on an H200,
+    float32 to bfloat16: 0.059 ms a call against Tensor.to's 0.073); anything else by Tensor.to."""
     if x.dtype == dtype and x.is_contiguous(memory_format=torch.channels_last_3d):
         return x
-    if (x.is_contiguous() and x.shape[1] % 32 == 0 and math.prod(x.shape[2:]) * x.element_size() % 16 == 0
-            and x.data_ptr() % 16 == 0 and x.shape[0] <= 65535):
+    channels, plane = x.shape[1], math.prod(x.shape[2:])
+    if (x.is_contiguous() and channels > 0 and channels % 32 == 0 and plane * x.element_size() % 16 == 0
+            and x.data_ptr() % 16 == 0 and x.shape[0] <= 65535 and x.shape[0] * plane < 2**31):
         stacked = torch.ops.fused_ops.depth_stacked_channels_last(x, 1, 1, [0, 0, 0], list(x.shape[2:]), dtype)
         return stacked.squeeze(4).permute(0, 4, 1, 2, 3)
     return x.to(dtype, memory_format=torch.channels_last_3d)

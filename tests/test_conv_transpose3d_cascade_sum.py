@@ -262,16 +262,37 @@ def test_kernel_strided_inputs(layout, tf32, cutlass):
     assert torch.equal(picks.cpu(), expected_picks)
 
 
+def kernel_items(geometry):
+    """The kernel's items for a geometry of stride 2 and kernel2 3: one per batch element, output
+    depth, pair of output rows and 10 output columns."""
+    size, kernel, _, padding, output_padding = geometry[3:8]
+    cells = [((s - 1) * 2 - 2 * p + k + op) // 2 // 3 for s, k, p, op in zip(size, kernel, padding, output_padding)]
+    return geometry[0] * cells[0] * -(-cells[1] // 2) * -(-cells[2] // 10)
+
+
+# the kernel's schedule (conv_transpose3d_cascade_sum.cu: schedule()) by how many times the items past the last
+# whole wave fit in the multiprocessors: whole items where twice or less, else 3 depths x up to 4 class groups
+SCHEDULES = {"whole": (2, 2, False), "3x1": (3, 5, True), "3x2": (6, 8, True), "3x4": (12, 1 << 30, True)}
+
+
 @requires_sm90
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["tf32", "bfloat16"])
-@pytest.mark.parametrize("waves", ["one", "whole-and-split"])
-def test_kernel_split_items_as_whole_ones(waves, dtype, tf32, cutlass):
-    """Without picks the kernel splits the items past its last whole wave (all of them where they
-    fill under half a wave) by depth and class groups, one more kernel taking the parts' maxima:
-    bitwise the result of the run with picks, which takes every item whole; NaN and inf included."""
-    geometry = SPEC_LIKE[:3] + ((16, 16, 32),) + SPEC_LIKE[4:]  # 5 x 3 x 1 items a batch element
-    if waves == "whole-and-split":  # a few items past one whole wave
-        geometry = (torch.cuda.get_device_properties(0).multi_processor_count // 15 + 1,) + geometry[1:]
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("kernel", [(5, 2), (4, 1)], ids=["k5p2", "k4p1"])
+def test_kernel_split_items_as_whole_ones(kernel, schedule, dtype, tf32, cutlass):
+    """Without picks the kernel splits the items past its last whole wave (by depth, then class groups;
+    with kernel 4 and padding 1 the odd depth classes read no slice of their first depth) and one more
+    kernel takes the parts' maxima: bitwise the result of the run with picks, which takes every item
+    whole; NaN and inf included. The batch is chosen for each schedule from the multiprocessors' count."""
+    k, pad = kernel
+    geometry = (1, 32, 64, (16, 16, 32), (k,) * 3, (2, 2, 2), (pad,) * 3, (0, 0, 0), (3, 3, 3))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    low, high, split = SCHEDULES[schedule]
+    items = kernel_items(geometry)
+    batch = next((b for b in range(1, 400) if (b * items) % sms and low <= sms // ((b * items) % sms) <= high), None)
+    if batch is None:
+        pytest.skip(f"no batch gives the {schedule} schedule on {sms} multiprocessors")
+    geometry = (batch,) + geometry[1:]
     x, weight = case(geometry, dtype, "cuda", seed=2)
     x.view(-1)[torch.randint(0, x.numel(), (4,), generator=torch.Generator().manual_seed(3)).cuda()] = \
         torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan")], dtype=dtype, device="cuda")
@@ -279,9 +300,9 @@ def test_kernel_split_items_as_whole_ones(waves, dtype, tf32, cutlass):
     assert whole.isnan().any() and not whole.isnan().all()
     poison_cuda_allocator()
     names = cuda_kernel_names(lambda: OP(x, weight, *args(geometry), False, torch.float32))
-    assert any("cascade_parts_sum_kernel" in n for n in names)
-    split, _ = OP(x, weight, *args(geometry), False, torch.float32)
-    torch.testing.assert_close(split, whole, rtol=0, atol=0, equal_nan=True)
+    assert any("cascade_parts_sum_kernel" in n for n in names) == split
+    values, _ = OP(x, weight, *args(geometry), False, torch.float32)
+    torch.testing.assert_close(values, whole, rtol=0, atol=0, equal_nan=True)
 
 
 @requires_sm90

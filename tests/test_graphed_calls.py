@@ -6,6 +6,7 @@ it must not be (a second forward before the first one's backward, saved-tensor h
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -313,3 +314,13 @@ def test_failed_capture_leaves_random_ops_working():
     first = torch.rand(3, device="cuda")
     torch.manual_seed(0)
     assert torch.equal(torch.rand(3, device="cuda"), first)
+
+
+@requires_cuda
+def test_host_bound_tells_the_host_from_the_device():
+    """The tuner's tie rule between a graph and none: a call whose time is the device's (a spin kernel
+    of tens of milliseconds, queued in microseconds) is not host-bound; one whose time is the host's
+    (a sleep, nothing queued) is."""
+    device = torch.device("cuda")
+    assert not autotune._host_bound(lambda: torch.cuda._sleep(50_000_000), device)
+    assert autotune._host_bound(lambda: time.sleep(0.01), device)

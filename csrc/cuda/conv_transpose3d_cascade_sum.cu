@@ -7,9 +7,11 @@
 // over a channels-last copy of x (none where x is channels-last already) and the weights
 // rearranged per tap (cascade_weight_taps_kernel). Sums in float32, rounded to bfloat16 where the
 // original's y is (before the pools) and to the result's dtype. Everything else by the composite.
-// SPEC's B on an H200: the op 0.74 ms in TF32 (0.67 from a channels-last x), 0.70 in bfloat16 with
-// x's cast, against 1.42 for the parity-class formulation B's rewrite took before and 40.7 for
-// cuDNN's transposed convolution (bench/results/conv_transpose3d_cascade_sum-nvidia-h200.log).
+// SPEC's B on an H200, the kernel from a channels-last x: 0.61 ms in TF32, 0.55 in bfloat16 (0.68 and
+// 0.62 with every item whole), against 1.42 for the whole op by the parity-class formulation B's
+// rewrite took before and 40.7 for cuDNN's transposed convolution
+// (bench/results/conv_transpose3d_cascade_sum-nvidia-h200.log, session 13's tree: 0.74 / 0.67 TF32
+// from an NCDHW / channels-last x, 0.70 in bfloat16 with x's cast).
 
 #ifdef FUSED_OPS_CUTLASS
 #ifndef NDEBUG
@@ -138,17 +140,19 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
 }
 
 // The kernel's schedule of `items` CTAs' work on `sms` multiprocessors (one CTA each): where no picks
-// are kept and the items past the last whole wave fill at most half a wave, those split in parts
-// (transposed_cascade_sum.cuh's module comment): by stage-1 depth where 3 parts an item fit, then
-// in up to 4 groups of classes of about equal taps.
+// are kept and the items past the last whole wave fill at most a third of a wave, those split in
+// parts (transposed_cascade_sum.cuh's module comment): by stage-1 depth, then in up to 4 groups of
+// classes of about equal taps. (Not in class groups alone: a part of 3 depths loads 5 slices
+// through 3 slots, and where its classes read no slice of the first depth, nothing would wait for
+// that slice's copy before its slot is loaded again.)
 void schedule(TransposedCascade& p, int64_t items, int64_t sms, bool picks) {
   p.whole_items = items;
   p.depth_parts = p.class_groups = 1;
   p.group_end[0] = 8;
   const int64_t rest = items % sms, fit = rest == 0 || picks ? 1 : sms / rest;
-  if (fit < 2) return;
+  if (fit < 3 || items > std::numeric_limits<int32_t>::max() - sms) return;  // (the grid: under 2^31 CTAs)
   p.whole_items = items - rest;
-  p.depth_parts = fit >= 3 ? 3 : 1;
+  p.depth_parts = 3;
   const int taps = p.class_end[7], groups = static_cast<int>(std::min<int64_t>(fit / p.depth_parts, 4));
   // group g closes at the class whose taps reach (g + 1) / groups of them; trailing classes without taps join the last
   p.class_groups = 0;
@@ -184,6 +188,7 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   const int64_t items = g.batch * p.cells[0] * p.row_tiles * p.col_tiles;
   schedule(p, items, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()), save_indices);
   const int64_t split = items - p.whole_items, parts = int64_t{p.depth_parts} * p.class_groups;
+  TORCH_INTERNAL_ASSERT(split == 0 || !save_indices, "conv_transpose3d_cascade_sum: items split with picks");
   const int taps = plan.weights.taps;
   // x channels-last, (N, D, H, W, I) contiguous, 16-byte aligned (the tensor map's base)
   const at::Tensor x_last = relayout(x, {0, 2, 3, 4, 1});

@@ -146,7 +146,6 @@ __global__ void __launch_bounds__(kThreads) channels_last_kernel(const in_t* __r
   const in_t* const planes = x + static_cast<int64_t>(blockIdx.y) * channels * positions + first;
   out_t* const rows = out + (static_cast<int64_t>(blockIdx.y) * positions + first) * channels;
   for (int c0 = 0; c0 < channels; c0 += 32) {
-#pragma unroll
     for (int k = threadIdx.x; k < 32 * kRowVectors; k += kThreads) {
       const int c = k / kRowVectors, p = k % kRowVectors * VEC_IN;
       if (p < count) {  // (count a multiple of VEC_IN: plain_channels_last)

@@ -25,10 +25,11 @@
 // groups take rows 0-2 and 3-5.
 //
 // The last wave: a grid of whole items leaves its last wave mostly idle (SPEC's B: 800 items on
-// 132 multiprocessors, 8 in the 7th wave, which took 0.10 of 0.62 ms in bfloat16). Without picks the cascade
-// is a maximum over (depth, class, position) per cell and channel, so the items past the last
-// whole wave split by stage-1 depth and groups of classes: each part writes its maxima (`partial`)
-// and cascade_parts_sum_kernel takes their maximum and the channels' sum.
+// 132 multiprocessors, 8 in the 7th wave, which took 0.10 of 0.62 ms in bfloat16). Without picks
+// the cascade is a maximum over (depth, class, position) per cell and channel, so the items past
+// the last whole wave split by stage-1 depth and groups of classes (the host's schedule():
+// conv_transpose3d_cascade_sum.cu): each part writes its maxima (`partial`) and
+// cascade_parts_sum_kernel takes their maximum and the channels' sum.
 //
 // SPEC's B on an H200 (2026-11-27, kernel alone from a channels-last x, no picks: scratch harness and
 // bench/results/profile-B-eval-nvidia-h200-session14.log): 0.61 ms in TF32 (0.68 with every item
@@ -41,7 +42,7 @@
 // 0.84), consumer 1 started half a ring behind consumer 0 (slower), the next class's first taps
 // issued before the stage-1 step in a second set of accumulators (ptxas serializes every wgmma:
 // it cannot see the two sets apart). Split parts of 1 depth and 4 class groups beat 3 depths x 1
-// group (0.570) and class groups alone (0.558 for 8, 0.583 for 4).
+// group (0.570) and class groups alone (0.558 for 8, 0.583 for 4; not scheduled: schedule() says why).
 #pragma once
 
 #include <cuda.h>
@@ -71,7 +72,8 @@ struct TransposedCascade {
   int class_end[8];        // class q's taps: [class_end[q - 1], class_end[q])
   uint8_t tap[kCascadeMaxTaps];  // per tap, (ud * 3 + uh) * 3 + uw
   // The schedule (module comment): items [0, whole_items) one CTA each, every later item split in
-  // depth_parts (1 or 3) x class_groups parts, class group g taking classes [group_end[g - 1], group_end[g]).
+  // depth_parts (3; 1 where none is split) x class_groups parts, class group g taking classes
+  // [group_end[g - 1], group_end[g]).
   int64_t whole_items;
   int depth_parts, class_groups;
   int group_end[8];
@@ -354,11 +356,13 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
     asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
   }
 
-  if (part >= 0) {  // (never with picks)
-    float* const maxima = partial + (((item - p.whole_items) * parts + part) * 2 + consumer) * 64 * 10;
+  if constexpr (!kPicks) {  // (the schedule splits items only without picks)
+    if (part >= 0) {
+      float* const maxima = partial + (((item - p.whole_items) * parts + part) * 2 + consumer) * 64 * 10;
 #pragma unroll
-    for (int k = 0; k < 5; ++k) maxima[o * 10 + first_col + k] = cell[k].value;
-    return;
+      for (int k = 0; k < 5; ++k) maxima[o * 10 + first_col + k] = cell[k].value;
+      return;
+    }
   }
   if constexpr (kPicks) {
     const int h2 = 2 * at.row_tile + consumer;
