@@ -815,9 +815,9 @@ def conv_transpose3d_cascade_sum(x: Tensor, weight: Tensor, stride, padding=0, o
     kernel_size2: an int or 3 ints (the first pool's kernel is the stride; both pools without
     padding). dtype: the result's, x's (None) or its accumulation type. On an sm_90 GPU (H100,
     H200) in a build with CUTLASS's headers, for float32 where PyTorch's convolutions use TF32 and
-    for bfloat16, stride 2, kernel_size2 3, kernels of at most 3 taps a parity class and dim (3 in
-    depth), 32 input and at most 64 output channels: the convolution and both pools in one TF32
-    (bfloat16) kernel that never writes y
+    for bfloat16, stride 2, kernel_size2 3, kernels of at most 3 taps a parity class and dim, 32
+    input and at most 64 output channels: the convolution and both pools in one TF32 (bfloat16)
+    kernel that never writes y
     (csrc/cuda/conv_transpose3d_cascade_sum.cu). Everything else: aten.conv_transpose3d then
     ``parity_max_pool3d_cascade_sum`` (``conv_transpose3d_cascade_sum_path`` says which). Not
     differentiable (B's module takes the weight's gradient from the picks).

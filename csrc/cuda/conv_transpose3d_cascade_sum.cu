@@ -2,8 +2,8 @@
 //
 // On an sm_90 device, in a build with CUTLASS (FUSED_OPS_CUTLASS), for float32 where PyTorch's
 // convolutions round to TF32 (cuDNN enabled, its TF32 allowed for convolutions) and for bfloat16,
-// stride 2, kernel2 3, at most 3 taps per class and dim (kernel <= 6), 32 input
-// channels and at most 64 output channels: the convolution and its tail in one wgmma kernel (transposed_cascade_sum.cuh),
+// stride 2, kernel2 3, at most 3 taps per class and dim (kernel <= 6), 32 input channels and at most
+// 64 output channels: the convolution and its tail in one wgmma kernel (transposed_cascade_sum.cuh),
 // over a channels-last copy of x (none where x is channels-last already) and the weights
 // rearranged per tap (cascade_weight_taps_kernel). Sums in float32, rounded to bfloat16 where the
 // original's y is (before the pools) and to the result's dtype. Everything else by the composite.
@@ -147,13 +147,12 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
 // that slice's copy before its slot is loaded again.)
 void schedule(TransposedCascade& p, int64_t items, int64_t sms, bool picks) {
   p.whole_items = items;
-  p.depth_parts = p.class_groups = 1;
+  p.class_groups = 1;
   p.group_end[0] = 8;
   const int64_t rest = items % sms, fit = rest == 0 || picks ? 1 : sms / rest;
   if (fit < 3 || items > std::numeric_limits<int32_t>::max() - sms) return;  // (the grid: under 2^31 CTAs)
   p.whole_items = items - rest;
-  p.depth_parts = 3;
-  const int taps = p.class_end[7], groups = static_cast<int>(std::min<int64_t>(fit / p.depth_parts, 4));
+  const int taps = p.class_end[7], groups = static_cast<int>(std::min<int64_t>(fit / 3, 4));
   // group g closes at the class whose taps reach (g + 1) / groups of them; trailing classes without taps join the last
   p.class_groups = 0;
   for (int q = 0; q < 8; ++q) {
@@ -187,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   TransposedCascade p = plan.p;
   const int64_t items = g.batch * p.cells[0] * p.row_tiles * p.col_tiles;
   schedule(p, items, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()), save_indices);
-  const int64_t split = items - p.whole_items, parts = int64_t{p.depth_parts} * p.class_groups;
+  const int64_t split = items - p.whole_items, parts = p.parts();
   TORCH_INTERNAL_ASSERT(split == 0 || !save_indices, "conv_transpose3d_cascade_sum: items split with picks");
   const int taps = plan.weights.taps;
   // x channels-last, (N, D, H, W, I) contiguous, 16-byte aligned (the tensor map's base)

@@ -72,11 +72,12 @@ struct TransposedCascade {
   int class_end[8];        // class q's taps: [class_end[q - 1], class_end[q])
   uint8_t tap[kCascadeMaxTaps];  // per tap, (ud * 3 + uh) * 3 + uw
   // The schedule (module comment): items [0, whole_items) one CTA each, every later item split in
-  // depth_parts (3; 1 where none is split) x class_groups parts, class group g taking classes
-  // [group_end[g - 1], group_end[g]).
+  // parts(): one per stage-1 depth and class group, group g taking classes [group_end[g - 1], group_end[g]).
   int64_t whole_items;
-  int depth_parts, class_groups;
+  int class_groups;
   int group_end[8];
+
+  __host__ __device__ int parts() const { return 3 * class_groups; }  // a split item's
 };
 
 // T: float (TF32) or __nv_bfloat16, the operands' element type.
@@ -192,16 +193,14 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
 
   // the item, and the stage-1 depths and classes this CTA takes of it (all, or its part's)
   int64_t item = blockIdx.x, part = -1;
-  const int parts = p.depth_parts * p.class_groups;
+  const int parts = p.parts();
   int depth_begin = 0, depths = 3, class_begin = 0, class_end = 8;
   if (item >= p.whole_items) {
     part = (item - p.whole_items) % parts;
     item = p.whole_items + (item - p.whole_items) / parts;
     const int group = static_cast<int>(part % p.class_groups);
-    if (p.depth_parts == 3) {
-      depth_begin = static_cast<int>(part / p.class_groups);
-      depths = 1;
-    }
+    depth_begin = static_cast<int>(part / p.class_groups);
+    depths = 1;
     class_begin = group == 0 ? 0 : p.group_end[group - 1];
     class_end = p.group_end[group];
   }
@@ -390,7 +389,7 @@ __global__ void __launch_bounds__(128)
                              const __grid_constant__ TransposedCascade p) {
   __shared__ float sums[4 * 10];
   const int64_t split = blockIdx.x / 2;
-  const int row = blockIdx.x % 2, parts = p.depth_parts * p.class_groups;
+  const int row = blockIdx.x % 2, parts = p.parts();
   const int t = threadIdx.x, o = t / 2, first_col = 5 * (t % 2);
   float value[5];
 #pragma unroll
