@@ -376,8 +376,8 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
             if rewritten is None:
                 return None
             out, channel_bias = rewritten
-            if channel_bias is not None:  # each channel's maximum carries its bias into the sum
-                out = out + channel_bias.sum()
+            if channel_bias is not None:  # each channel's maximum carries its bias into the sum (its sum kept)
+                out = out + derived(("channel sum",), (channel_bias,), channel_bias.sum)
             return _as_original(out, x, self._TAIL_OPS)
         fused = name.startswith("fused")
         if fused and not (_fusable_max_pool(first, ceil_mode_ok=False) and _fusable_max_pool(second, ceil_mode_ok=False)):

@@ -87,9 +87,10 @@ struct WeightTaps {
   int taps, out_channels, volume;  // T, O, kt kr ks
 };
 
-// The kernel's problem and its weights' rearrangement.
+// The kernel's problem, its taps and its weights' rearrangement.
 struct CascadePlan {
-  TransposedCascade p;
+  TransposedCascade p;  // (p.tap_operand set for the element type: set_tap_operands)
+  uint8_t tap[kCascadeMaxTaps];  // per tap of the classes in order, (ud * 3 + uh) * 3 + uw
   WeightTaps weights;
 };
 
@@ -127,7 +128,7 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
     for (int u = 0; u < 27; ++u) {
       const int t = axes[0].taps[qd][u / 9], r = axes[1].taps[qh][u / 3 % 3], s = axes[2].taps[qw][u % 3];
       if (t < 0 || r < 0 || s < 0) continue;
-      p.tap[taps] = static_cast<uint8_t>(u);
+      plan.tap[taps] = static_cast<uint8_t>(u);
       w.kernel_tap[taps++] = static_cast<int16_t>((t * g.kernel[1] + r) * g.kernel[2] + s);
     }
     p.class_end[q] = taps;
@@ -184,6 +185,7 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   const auto swizzle = Config::kRowBytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   TransposedCascade p = plan.p;
+  set_tap_operands<T>(p, plan.tap);
   const int64_t items = g.batch * p.cells[0] * p.row_tiles * p.col_tiles;
   schedule(p, items, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()), save_indices);
   const int64_t split = items - p.whole_items, parts = p.parts();

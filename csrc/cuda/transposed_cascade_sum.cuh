@@ -70,7 +70,9 @@ struct TransposedCascade {
   int start[3];            // the input offset of tap u = 0 at stage-1 position 0, per dim
   int out_channels;        // O <= 64
   int class_end[8];        // class q's taps: [class_end[q - 1], class_end[q])
-  uint8_t tap[kCascadeMaxTaps];  // per tap, (ud * 3 + uh) * 3 + uw
+  // per slot rotation r (a stage-1 depth whose first slice lies in slot r) and tap (ud, uh, uw):
+  // ud << 16 | the tap's first slice row's offset from slot 0 in 16-byte units (set_tap_operands)
+  uint32_t tap_operand[3][kCascadeMaxTaps];
   // The schedule (module comment): items [0, whole_items) one CTA each, every later item split in
   // parts(): one per stage-1 depth and class group, group g taking classes [group_end[g - 1], group_end[g]).
   int64_t whole_items;
@@ -112,6 +114,21 @@ struct TransposedCascadeConfig {
                 kWeightsAt % (8 * kRowBytes) == 0 && kStage1At % 16 == 0 && kBarriersAt % 8 == 0);
   static_assert(kSmemBytes <= 227 * 1024);
 };
+
+// p.tap_operand for element type T from the taps u = (ud * 3 + uh) * 3 + uw of the classes in order
+// (p.class_end[7] of them): tap (uh, uw) of rows r0 .. r0 + 2 reads slice rows from (r0 + uh) * 32 + uw on
+// (module comment), in the slot of stage-1 depth + ud's slice.
+template <typename T>
+void set_tap_operands(TransposedCascade& p, const uint8_t* taps) {
+  using C = TransposedCascadeConfig<T>;
+  for (int r = 0; r < C::kSlots; ++r) {
+    for (int e = 0; e < p.class_end[7]; ++e) {
+      const int ud = taps[e] / 9, uh = taps[e] / 3 % 3, uw = taps[e] % 3;
+      const int offset = (r + ud) % C::kSlots * C::kSlotBytes + (uh * C::kCols + uw) * C::kRowBytes;
+      p.tap_operand[r][e] = static_cast<uint32_t>(ud) << 16 | static_cast<uint32_t>(offset / 16);
+    }
+  }
+}
 
 // The larger of a and b, NaN where either is (max.NaN): a max-pool's value by PyTorch's rule, the
 // sign of a zero maximum aside (+0 over an equal -0, where PyTorch keeps the first).
@@ -273,12 +290,24 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
 #pragma unroll
   for (int k = 0; k < 5; ++k) cell[k] = none;
 
-  // The taps in order (depth, then class order), tap i of the item in stage i mod kWeightStages.
+  // The taps in order (depth, then class order), the item's tap i in weight stage i mod kWeightStages
+  // (power-of-two stages: a counter's bits give the stage and the barriers' phase). The wgmma
+  // descriptors as a fixed high word and a low word (the start address in 16-byte units, which
+  // no offset within shared memory carries past its 14 bits) moved by each tap's tap_operand:
+  // the tap loop's uniform instructions read it from the parameters (no shared-memory table).
   // (A per-class count of taps and a fixed release below: the same releases counted across the
   // classes by a loop ran 40% slower.)
-  int stage = 0;
-  uint32_t phase = 0;
+  static_assert((C::kWeightStages & (C::kWeightStages - 1)) == 0);
+  const uint64_t a_first = swizzled_tile_descriptor<C::kRowBytes>(smem + C::kWeightsAt);
+  const uint64_t b_first =
+      swizzled_tile_descriptor<C::kRowBytes>(smem + C::kSlotsAt + 3 * consumer * C::kCols * C::kRowBytes);
+  const uint32_t a_low = static_cast<uint32_t>(a_first), b_low = static_cast<uint32_t>(b_first);
+  const uint64_t high = a_first & ~uint64_t{0xffffffffu};  // (the same for both: their layouts match)
+  uint32_t taps_done = 0;  // the item's taps issued: stage taps_done % kWeightStages
   for (int depth = depth_begin; depth < depth_begin + depths; ++depth) {
+    const int slice0 = depth - depth_begin;  // the slice of ud = 0
+    const uint32_t* const operands = p.tap_operand[slice0 % C::kSlots];
+    int ready = -1;  // the depth's slices ud <= ready are known to have landed
     WindowPick<float> pick[C::kAccumulators];  // stage 1, over the classes in scan order
 #pragma unroll
     for (int j = 0; j < C::kAccumulators; ++j) pick[j] = none;
@@ -287,39 +316,38 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < C::kAccumulators; ++j) acc[j] = 0.f;
       int issued = 0;  // this class's taps so far
-      for (int e = q == 0 ? 0 : p.class_end[q - 1]; e < p.class_end[q]; ++e) {
-        const int u = p.tap[e], ud = u / 9, uh = u / 3 % 3, uw = u % 3;
-        const int slice = depth - depth_begin + ud;
-        barrier_wait(&slot_full[slice % C::kSlots], (slice / C::kSlots) & 1);
-        barrier_wait(&weight_full[stage], phase);
-        const uint64_t a = swizzled_tile_descriptor<C::kRowBytes>(smem + C::kWeightsAt + stage * C::kWeightBytes);
-        const uint64_t b = swizzled_tile_descriptor<C::kRowBytes>(
-            smem + C::kSlotsAt + (slice % C::kSlots) * C::kSlotBytes + ((3 * consumer + uh) * C::kCols + uw) * C::kRowBytes);
+      const int end = p.class_end[q];
+      for (int e = q == 0 ? 0 : p.class_end[q - 1]; e < end; ++e) {
+        const uint32_t operand = operands[e];
+        const int ud = static_cast<int>(operand >> 16);
+        for (; ready < ud; ++ready) {  // (a class's taps run through ud in order)
+          const int slice = slice0 + ready + 1;
+          barrier_wait(&slot_full[slice % C::kSlots], (slice / C::kSlots) & 1);
+        }
+        const uint32_t stage = taps_done % C::kWeightStages;
+        barrier_wait(&weight_full[stage], (taps_done / C::kWeightStages) & 1);
+        const uint32_t a = a_low + stage * (C::kWeightBytes / 16), b = b_low + (operand & 0xffffu);
 #pragma unroll
         for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
         cute::warpgroup_arrive();
 #pragma unroll
-        for (int step = 0; step < C::kSteps; ++step) {
-          wgmma_ss<T, C::kPositions>(a + 2 * step, b + 2 * step, acc, std::make_index_sequence<C::kAccumulators>{});
+        for (int step = 0; step < C::kSteps; ++step) {  // (32 bytes along K a step)
+          wgmma_ss<T, C::kPositions>(high | (a + 2 * step), high | (b + 2 * step), acc,
+                                     std::make_index_sequence<C::kAccumulators>{});
         }
         cute::warpgroup_commit_batch();
         // all but the kPending latest taps' instructions are done: the tap kPending back frees its stage
         cute::warpgroup_wait<C::kPending>();
 #pragma unroll
         for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
-        if (issued++ >= C::kPending) {
-          barrier_arrive(&weight_empty[(stage + C::kWeightStages - C::kPending) % C::kWeightStages]);
-        }
-        if (++stage == C::kWeightStages) {
-          stage = 0;
-          phase ^= 1;
-        }
+        if (issued++ >= C::kPending) barrier_arrive(&weight_empty[(taps_done - C::kPending) % C::kWeightStages]);
+        ++taps_done;
       }
       cute::warpgroup_wait<0>();
 #pragma unroll
       for (int j = 0; j < C::kAccumulators; ++j) cute::warpgroup_fence_operand(acc[j]);
       for (int k = issued < C::kPending ? issued : C::kPending; k > 0; --k) {
-        barrier_arrive(&weight_empty[(stage + C::kWeightStages - k) % C::kWeightStages]);
+        barrier_arrive(&weight_empty[(taps_done - k) % C::kWeightStages]);
       }
 #pragma unroll
       for (int j = 0; j < C::kAccumulators; ++j) {
