@@ -31,11 +31,13 @@
 // conv_transpose3d_cascade_sum.cu): each part writes its maxima (`partial`) and
 // cascade_parts_sum_kernel takes their maximum and the channels' sum.
 //
-// SPEC's B on an H200 (2026-11-27, kernel alone from a channels-last x, no picks: scratch harness and
-// bench/results/profile-B-eval-nvidia-h200-session14.log): 0.61 ms in TF32 (0.68 with every item
-// whole; 0.82 with the picks, which keep every item whole), 0.55 in bfloat16 (0.62 whole). What
-// limits it (ncu, bfloat16, before the split): the tensor pipe is active 47% of the time, no unit
-// saturated (issue 44%, shared memory 43%, L2 17%): latency between the taps' short instruction
+// SPEC's B on an H200 (2026-11-27, kernel alone from a channels-last x, no picks: a profile of B's module,
+// bench/results/profile-B-nvidia-h200-session15.log): 0.59 ms in TF32 (0.68 with every item whole and the
+// earlier tap loop; 0.79 with the picks, which keep every item whole), 0.47 in bfloat16 (0.53 with the earlier
+// tap loop, whose descriptors were rebuilt from the smem address and the tap's (ud, uh, uw) each tap: ~74
+// SASS instructions a tap against 53; 0.62 with every item whole). What limits it (ncu, bfloat16, before the
+// split and the tap loop's change): the tensor pipe active 47% of the time, no unit saturated (issue 44%,
+// shared memory 43%, L2 17%): latency between the taps' short instruction
 // groups (2 x m64n96k16 a tap in bfloat16) and the classes' ends (each consumer waits for its
 // instructions, then takes the stage-1 step, both at once). Tried without gain: 2 or 4 taps in
 // flight instead of 3, 24 weight stages in bfloat16, a pair of taps per stage (slower: 0.90 /
