@@ -768,7 +768,8 @@ def conv_transpose3d_stride1_channels_last(x: Tensor, weight: Tensor, bias: Tens
     (``torch.backends.cudnn.allow_tf32``), bfloat16 (bench/bench_conv_transpose3d_stride1_channels_last.py
     times it). Everything else (float16, float64, float32 without TF32, other devices, channels not
     a multiple of 16 bytes, a build without CUTLASS: ``conv_transpose3d_stride1_channels_last_path``
-    says which) by ``aten.conv_transpose3d``. Not differentiable.
+    says which) by ``aten.conv_transpose3d``, on the CPU 16-bit operands in float32 (y rounded once:
+    aten's CPU float16 convolution does not accumulate in float32 everywhere). Not differentiable.
     """
     _check_tensors("conv_transpose3d_stride1_channels_last", x=x, weight=weight)
     return _ops.conv_transpose3d_stride1_channels_last(x, weight, bias, _expand(padding, 3, "padding"))
