@@ -8,8 +8,8 @@
 // rearranged per tap (cascade_weight_taps_kernel). Sums in float32, rounded to bfloat16 where the
 // original's y is (before the pools) and to the result's dtype. Everything else by the composite.
 // SPEC's B on an H200, the kernel from a channels-last x: 0.59 ms in TF32, 0.47 in bfloat16 (0.68 and
-// 0.62 with every item whole and the earlier tap loop), against 1.42 for the whole op by the parity-class formulation B's
-// rewrite took before and 40.7 for cuDNN's transposed convolution
+// 0.62 with every item whole and the earlier tap loop), against 1.42 for the whole op by the
+// parity-class formulation B's rewrite took before and 40.7 for cuDNN's transposed convolution
 // (bench/results/conv_transpose3d_cascade_sum-nvidia-h200.log, session 13's tree: 0.74 / 0.67 TF32
 // from an NCDHW / channels-last x, 0.70 in bfloat16 with x's cast).
 
