@@ -481,10 +481,12 @@ def _transposed_parity_kernel(weight: Tensor, axes, dtype: torch.dtype) -> Tenso
 
 
 def _tf32_convolutions() -> Hashable:
-    """PyTorch's setting of TF32 for cuDNN's convolutions, as a key (it picks the ops' paths)."""
+    """PyTorch's settings of TF32 for cuDNN's convolutions and for float32 matrix products (the
+    cascade kernel's bf16x3 or TF32 operands), as a key (they pick the ops' paths)."""
     cudnn = torch.backends.cudnn
     conv = getattr(cudnn, "conv", None)
-    return cudnn.enabled, conv.fp32_precision if conv is not None else cudnn.allow_tf32
+    return (cudnn.enabled, conv.fp32_precision if conv is not None else cudnn.allow_tf32,
+            torch.get_float32_matmul_precision())
 
 
 @functools.cache

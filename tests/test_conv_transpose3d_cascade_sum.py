@@ -1,14 +1,17 @@
 """fused_ops.conv_transpose3d_cascade_sum (architecture B's forward less the bias: a transposed
-convolution, max_pool3d(stride), max_pool3d(kernel2), the channel sum; one TF32 or bfloat16 kernel on an
-sm_90 GPU, aten.conv_transpose3d + parity_max_pool3d_cascade_sum elsewhere) against PyTorch's ops in float64, its
+convolution, max_pool3d(stride), max_pool3d(kernel2), the channel sum; one kernel on an sm_90 GPU, its
+float32 operands as bf16x3 (PyTorch's default float32 matmul precision, "highest") or TF32 ("high",
+"medium"), or bfloat16; aten.conv_transpose3d + parity_max_pool3d_cascade_sum elsewhere) against PyTorch's ops in float64, its
 picks against the composite's, and B's module, whose rewrite takes it on a GPU, against the original.
 
   out[n, 0, c] = sum over o of max_pool3d(max_pool3d(conv_transpose3d(x, w, stride, padding, output_padding),
                  stride), kernel2)[n, o, c]
 
-Random data: normwise within the dtype's tolerance of float64 (conftest's RTOL; TF32 2e-3, the README's
-for TF32 convolutions). Integer-valued data (every product and float32 sum exact, in TF32 too): the
+Random data: normwise within the dtype's tolerance of float64 (conftest's RTOL, float32's for bf16x3;
+TF32 2e-3, the README's for TF32 convolutions). Integer-valued data (every product and float32 sum exact, in TF32 too): the
 float64 result exactly and the float64 composite's picks, ties and non-finite values included."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +22,10 @@ from fused_ops.ops import conv_transpose3d_cascade_sum_path
 
 OP = torch.ops.fused_ops.conv_transpose3d_cascade_sum.default
 BY_ATEN = "aten.conv_transpose3d + parity_max_pool3d_cascade_sum"
-KERNEL_PATHS = {torch.float32: "tf32 transposed cascade sum", torch.bfloat16: "bf16 transposed cascade sum"}
+# the kernel's operands: (x's dtype, torch.get_float32_matmul_precision(), the path's name)
+OPERANDS = {"bf16x3": (torch.float32, "highest", "bf16x3 transposed cascade sum"),
+            "tf32": (torch.float32, "high", "tf32 transposed cascade sum"),
+            "bfloat16": (torch.bfloat16, "highest", "bf16 transposed cascade sum")}
 KERNEL_NAME = "conv_transpose3d_cascade_sum_kernel"
 TF32_RTOL = 2e-3
 
@@ -181,6 +187,33 @@ def test_path_on_the_cpu(tf32):
 # --------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def matmul_precision(precision):
+    """torch.set_float32_matmul_precision(precision) within the block (which picks the kernel's float32
+    operands: bf16x3 for "highest", TF32 for "high" and "medium")."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.fixture(params=list(OPERANDS))
+def operands(request):
+    """The kernel's operands (OPERANDS), their matmul precision set: x's dtype and the path's name."""
+    dtype, precision, path = OPERANDS[request.param]
+    with matmul_precision(precision):
+        yield request.param, dtype, path
+
+
+@pytest.fixture(params=["bf16x3", "tf32"])
+def float32_operands(request):
+    """The kernel's float32 operands: bf16x3 or TF32, their matmul precision set."""
+    with matmul_precision(OPERANDS[request.param][1]):
+        yield request.param
+
+
 @pytest.fixture
 def cutlass():
     """Skips where this build has no CUTLASS kernels (setup.py found no CUTLASS headers)."""
@@ -189,23 +222,20 @@ def cutlass():
         pytest.skip("this build has no CUTLASS kernels")
 
 
-KERNEL_DTYPES = [torch.float32, torch.bfloat16]
-
-
 @requires_sm90
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["tf32", "bfloat16"])
 @pytest.mark.parametrize("geometry", KERNEL_GEOMETRIES, ids=KERNEL_IDS)
-def test_kernel_random(geometry, dtype, tf32, cutlass):
-    """Random data: the kernel ran, within TF32's (bfloat16's) bound of the float64 result on the
-    operands as given; the result in x's dtype, or float32 where asked."""
+def test_kernel_random(geometry, operands, tf32, cutlass):
+    """Random data: the kernel ran, within float32's (bf16x3), TF32's or bfloat16's bound of the float64
+    result on the operands as given; the result in x's dtype, or float32 where asked."""
+    name, dtype, path = operands
     x, weight = case(geometry, dtype, "cuda")
-    assert conv_transpose3d_cascade_sum_path(x, weight, *geometry[5:]) == KERNEL_PATHS[dtype]
+    assert conv_transpose3d_cascade_sum_path(x, weight, *geometry[5:]) == path
     poison_cuda_allocator()
     names = cuda_kernel_names(lambda: conv_transpose3d_cascade_sum(x, weight, *geometry[5:]))
     assert any(KERNEL_NAME in n for n in names)
     out = conv_transpose3d_cascade_sum(x, weight, *geometry[5:])
     assert out.dtype == dtype
-    check(out, x, weight, geometry, TF32_RTOL if dtype == torch.float32 else RTOL[dtype])
+    check(out, x, weight, geometry, TF32_RTOL if name == "tf32" else RTOL[dtype])
     wide = conv_transpose3d_cascade_sum(x, weight, *geometry[5:], dtype=torch.float32)
     assert wide.dtype == torch.float32 and torch.equal(wide.to(dtype), out)
 
@@ -213,9 +243,10 @@ def test_kernel_random(geometry, dtype, tf32, cutlass):
 @requires_sm90
 @pytest.mark.parametrize("non_finite", [False, True], ids=["finite", "nan-inf"])
 @pytest.mark.parametrize("geometry", KERNEL_GEOMETRIES, ids=KERNEL_IDS)
-def test_kernel_integers_exact(geometry, non_finite, tf32, cutlass):
-    """TF32, integer-valued data (ties everywhere): the float64 result exactly and the float64
-    composite's picks; with NaN and inf in x, the same (non-finite sums do not depend on the order)."""
+def test_kernel_integers_exact(geometry, non_finite, float32_operands, tf32, cutlass):
+    """bf16x3 or TF32, integer-valued data (ties everywhere): the float64 result exactly and the float64
+    composite's picks; with NaN and inf in x, the same (non-finite sums do not depend on the order; bf16x3
+    keeps a non-finite x in its low part, whose products with a weight's high part keep it)."""
     x, weight = case(geometry, torch.float32, "cuda", integers=True)
     if non_finite:
         flat = x.view(-1)
@@ -247,7 +278,7 @@ def test_kernel_bfloat16_rounds_as_the_original(geometry, cutlass):
 
 @requires_sm90
 @pytest.mark.parametrize("layout", ["channels-last", "sliced", "misaligned", "misaligned-channels-last"])
-def test_kernel_strided_inputs(layout, tf32, cutlass):
+def test_kernel_strided_inputs(layout, float32_operands, tf32, cutlass):
     """x channels-last (read in place), a slice of a larger tensor, at a misaligned address (copied)."""
     x, weight = case(SPEC_LIKE, torch.float32, "cuda", integers=True)
     if layout == "channels-last":
@@ -276,10 +307,9 @@ SCHEDULES = {"whole": (2, 2, False), "3x1": (3, 5, True), "3x2": (6, 8, True), "
 
 
 @requires_sm90
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=["tf32", "bfloat16"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("kernel", [(5, 2), (4, 1)], ids=["k5p2", "k4p1"])
-def test_kernel_split_items_as_whole_ones(kernel, schedule, dtype, tf32, cutlass):
+def test_kernel_split_items_as_whole_ones(kernel, schedule, operands, tf32, cutlass):
     """Without picks the kernel splits the items past its last whole wave (by depth, then class groups;
     with kernel 4 and padding 1 the odd depth classes read no slice of their first depth) and one more
     kernel takes the parts' maxima: bitwise the result of the run with picks, which takes every item
@@ -293,6 +323,7 @@ def test_kernel_split_items_as_whole_ones(kernel, schedule, dtype, tf32, cutlass
     if batch is None:
         pytest.skip(f"no batch gives the {schedule} schedule on {sms} multiprocessors")
     geometry = (batch,) + geometry[1:]
+    dtype = operands[1]
     x, weight = case(geometry, dtype, "cuda", seed=2)
     x.view(-1)[torch.randint(0, x.numel(), (4,), generator=torch.Generator().manual_seed(3)).cuda()] = \
         torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan")], dtype=dtype, device="cuda")
@@ -329,7 +360,7 @@ def test_what_the_kernel_leaves_to_the_composite(tf32, cutlass):
 
 
 @requires_sm90
-def test_kernel_cuda_graph_capture(tf32, cutlass):
+def test_kernel_cuda_graph_capture(float32_operands, tf32, cutlass):
     """Captured in a CUDA graph, a replay on new values gives the eager call's result."""
     x, weight = case(SPEC_LIKE, torch.float32, "cuda")
     side = torch.cuda.Stream()
@@ -356,8 +387,8 @@ B_ARGS, B_SHAPE = (32, 48, 5, 2, 2), (2, 32, 7, 9, 8)
 
 @requires_sm90
 @pytest.mark.parametrize("mode", ["eval", "train", "autocast-eval"])
-def test_b_module_takes_the_kernel(mode, tf32, cutlass):
-    """B's drop-in on integer-valued data: its forward by the kernel (TF32, or bfloat16 under
+def test_b_module_takes_the_kernel(mode, float32_operands, tf32, cutlass):
+    """B's drop-in on integer-valued data: its forward by the kernel (bf16x3 or TF32, or bfloat16 under
     autocast), the original's output and (training) the weight's and bias's gradients exactly (the
     picks are PyTorch's); under autocast against the original under autocast."""
     original, fused = build_pair("ConvTranspose3dMaxPoolMaxPoolSum", B_ARGS)

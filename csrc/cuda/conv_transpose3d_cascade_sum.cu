@@ -41,6 +41,7 @@
 // (bulk_copy.cuh before CUTLASS's headers, which include cudaTypedefs.h inside their namespace)
 #include "bulk_copy.cuh"
 #include "cutlass_conv.cuh"
+#include "plane_rows.cuh"
 #include "transposed_cascade_sum.cuh"
 #endif
 
@@ -49,9 +50,28 @@ namespace {
 
 #ifdef FUSED_OPS_CUTLASS
 
-// conv_transpose3d_cascade_sum_path's names for the kernel, per element type
-constexpr const char* kTf32Path = "tf32 transposed cascade sum";
-constexpr const char* kBf16Path = "bf16 transposed cascade sum";
+// The kernel's operands (transposed_cascade_sum.cuh): a float32 x as bf16x3 (a float32 convolution's
+// accuracy) where PyTorch's float32 matrix products keep full float32
+// (torch.get_float32_matmul_precision() "highest", the default), as TF32 where a user allowed them
+// less ("high", "medium", or torch.backends.cuda.matmul.allow_tf32: as fast as TF32 goes); a bfloat16
+// x as it is.
+enum class CascadeOperands { kTf32, kBf16x3, kBf16 };
+
+CascadeOperands cascade_operands(const at::Tensor& x) {
+  if (x.scalar_type() == at::kBFloat16) return CascadeOperands::kBf16;
+  return at::globalContext().float32MatmulPrecision() == at::Float32MatmulPrecision::HIGHEST
+             ? CascadeOperands::kBf16x3
+             : CascadeOperands::kTf32;
+}
+
+// conv_transpose3d_cascade_sum_path's names for the kernel, per operands
+const char* kernel_path(CascadeOperands operands) {
+  switch (operands) {
+    case CascadeOperands::kTf32: return "tf32 transposed cascade sum";
+    case CascadeOperands::kBf16x3: return "bf16x3 transposed cascade sum";
+    default: return "bf16 transposed cascade sum";
+  }
+}
 
 // One dim of the stride-2 parity-class convolution (rewrites._transposed_axis): stage-1 position m
 // of class q reads input m + first + u by the original tap taps[q][u] (-1: none), u < width.
@@ -89,6 +109,7 @@ struct WeightTaps {
 
 // The kernel's problem, its taps and its weights' rearrangement.
 struct CascadePlan {
+  CascadeOperands operands;
   TransposedCascade p;  // (p.tap_operand set for the element type: set_tap_operands)
   uint8_t tap[kCascadeMaxTaps];  // per tap of the classes in order, (ud * 3 + uh) * 3 + uw
   WeightTaps weights;
@@ -96,11 +117,8 @@ struct CascadePlan {
 
 // The kernel's plan for these (checked) arguments, or none where it does not apply.
 std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCascadeSum& g) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  if (!bf16 && !tf32_convolution(x)) return std::nullopt;
-  if (!runs_sm90a(x.get_device())) return std::nullopt;
-  if (!(bf16 ? runs_bulk_copy(conv_transpose3d_cascade_sum_kernel<__nv_bfloat16, true>)
-             : runs_bulk_copy(conv_transpose3d_cascade_sum_kernel<float, true>))) {
+  if (x.scalar_type() != at::kBFloat16 && !tf32_convolution(x)) return std::nullopt;
+  if (!runs_sm90a(x.get_device()) || !runs_bulk_copy(conv_transpose3d_cascade_sum_kernel<float, true>)) {
     return std::nullopt;
   }
   if (g.in_channels != 32 || g.out_channels > 64) return std::nullopt;
@@ -113,6 +131,7 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
     axes[d] = *axis;
   }
   CascadePlan plan{};
+  plan.operands = cascade_operands(x);
   TransposedCascade& p = plan.p;
   for (int d = 0; d < 3; ++d) {
     p.cells[d] = static_cast<int>(g.cells(d));
@@ -165,18 +184,50 @@ void schedule(TransposedCascade& p, int64_t items, int64_t sms, bool picks) {
   p.group_end[p.class_groups - 1] = 8;
 }
 
-// out[e, o, i] = w[i, o, kernel_tap[e]] (w (32, O, kt, kr, ks) contiguous), 0 for o >= O: the
-// kernel's A operand, (T, 64, 32).
+// The operands' element type in memory: x's and the weight's (float for Bf16x3), and the kernel's.
 template <typename T>
-__global__ void cascade_weight_taps_kernel(const T* __restrict__ w, T* __restrict__ out,
+using Source = std::conditional_t<std::is_same_v<T, Bf16x3>, float, T>;
+template <typename T>
+using Element = typename TransposedCascadeConfig<T>::Element;
+
+// out[e, o, r] = w[i, o, kernel_tap[e]] (w (32, O, kt, kr, ks) contiguous), 0 for o >= O, in row
+// element r of input channel i = r % 32 (Bf16x3: part r / 32 of it): the kernel's A operand,
+// (T, 64, R).
+template <typename T>
+__global__ void cascade_weight_taps_kernel(const Source<T>* __restrict__ w, Element<T>* __restrict__ out,
                                            const __grid_constant__ WeightTaps taps) {
+  constexpr int R = TransposedCascadeConfig<T>::kRowElements;
   const int index = blockIdx.x * blockDim.x + threadIdx.x;
-  if (index >= taps.taps * 64 * 32) return;
-  const int e = index / (64 * 32), o = index / 32 % 64, i = index % 32;
-  out[index] = o < taps.out_channels ? w[(i * taps.out_channels + o) * taps.volume + taps.kernel_tap[e]] : T{};
+  if (index >= taps.taps * 64 * R) return;
+  const int e = index / (64 * R), o = index / R % 64, r = index % R;
+  const Source<T> v = o < taps.out_channels ? w[(r % 32 * taps.out_channels + o) * taps.volume + taps.kernel_tap[e]]
+                                            : Source<T>{};
+  if constexpr (std::is_same_v<T, Bf16x3>) {
+    out[index] = bf16x3_part(v, r / 32);
+  } else {
+    out[index] = v;
+  }
 }
 
-// The kernel over x and weight of element type T (float, __nv_bfloat16): (out, picks).
+// x's channels-last float32 rows (positions, 32) as Bf16x3's (positions, 64): a thread takes 8
+// channels of a position, their high parts to its row's first half, their low parts to its second.
+__global__ void bf16x3_rows_kernel(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, int64_t groups) {
+  const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // (position, 8 channels)
+  if (group >= groups) return;
+  const auto first = load_vector<float, 4>(x + group * 8), second = load_vector<float, 4>(x + group * 8 + 4);
+  Vector<__nv_bfloat16, 8> high, low;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float v = e < 4 ? first.v[e] : second.v[e - 4];
+    high.v[e] = bf16x3_part(v, 0);
+    low.v[e] = bf16x3_part(v, 1);
+  }
+  __nv_bfloat16* const row = out + group / 4 * 64 + group % 4 * 8;
+  *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row) = high;
+  *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row + 32) = low;
+}
+
+// The kernel over x and weight as operands T (float: TF32, __nv_bfloat16, Bf16x3): (out, picks).
 template <typename T>
 std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Tensor& weight,
                                               const TransposedCascadeSum& g, const CascadePlan& plan,
@@ -191,17 +242,27 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   const int64_t split = items - p.whole_items, parts = p.parts();
   TORCH_INTERNAL_ASSERT(split == 0 || !save_indices, "conv_transpose3d_cascade_sum: items split with picks");
   const int taps = plan.weights.taps;
-  // x channels-last, (N, D, H, W, I) contiguous, 16-byte aligned (the tensor map's base)
-  const at::Tensor x_last = relayout(x, {0, 2, 3, 4, 1});
+  constexpr int R = Config::kRowElements;
+  const auto element = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
+  // x channels-last, (N, D, H, W, R) contiguous, 16-byte aligned (the tensor map's base)
+  at::Tensor x_last = relayout(x, {0, 2, 3, 4, 1});
+  if constexpr (std::is_same_v<T, Bf16x3>) {
+    at::Tensor rows = at::empty({g.batch, g.in[0], g.in[1], g.in[2], R}, x.options().dtype(element));
+    const int64_t groups = x_last.numel() / 8;
+    bf16x3_rows_kernel<<<static_cast<unsigned>((groups + 255) / 256), 256, 0, stream>>>(
+        x_last.const_data_ptr<float>(), static_cast<__nv_bfloat16*>(rows.mutable_data_ptr()), groups);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    x_last = rows;
+  }
   const at::Tensor w = weight.contiguous();
-  at::Tensor w_taps = at::empty({1, taps, 64, Config::kChannels}, x.options());
-  cascade_weight_taps_kernel<T><<<(taps * 64 * 32 + 255) / 256, 256, 0, stream>>>(
-      static_cast<const T*>(w.const_data_ptr()), static_cast<T*>(w_taps.mutable_data_ptr()), plan.weights);
+  at::Tensor w_taps = at::empty({1, taps, 64, R}, x.options().dtype(element));
+  cascade_weight_taps_kernel<T><<<(taps * 64 * R + 255) / 256, 256, 0, stream>>>(
+      static_cast<const Source<T>*>(w.const_data_ptr()), static_cast<Element<T>*>(w_taps.mutable_data_ptr()),
+      plan.weights);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  const CUtensorMap x_map =
-      contiguous_tensor_map(x_last, {Config::kChannels, Config::kCols, Config::kSliceRows, 1, 1}, swizzle);
-  const CUtensorMap w_map = contiguous_tensor_map(w_taps, {Config::kChannels, 64, 1, 1}, swizzle);
+  const CUtensorMap x_map = contiguous_tensor_map(x_last, {R, Config::kCols, Config::kSliceRows, 1, 1}, swizzle);
+  const CUtensorMap w_map = contiguous_tensor_map(w_taps, {R, 64, 1, 1}, swizzle);
   at::Tensor out = at::empty({g.batch, 1, g.cells(0), g.cells(1), g.cells(2)}, x.options().dtype(at::kFloat));
   const auto byte = x.options().dtype(at::kByte);
   at::Tensor picks = save_indices ? at::empty({g.batch, g.cells(0), g.cells(1), g.cells(2), g.out_channels}, byte)
@@ -238,8 +299,10 @@ std::tuple<at::Tensor, at::Tensor> conv_transpose3d_cascade_sum_cuda(const at::T
 #ifdef FUSED_OPS_CUTLASS
   if (const auto plan = cascade_plan(x, g)) {
     const at::ScalarType result = result_dtype("conv_transpose3d_cascade_sum", x.scalar_type(), dtype);
-    auto [out, picks] = x.scalar_type() == at::kFloat ? run_kernel<float>(x, weight, g, *plan, save_indices)
-                                                      : run_kernel<__nv_bfloat16>(x, weight, g, *plan, save_indices);
+    auto [out, picks] = plan->operands == CascadeOperands::kTf32 ? run_kernel<float>(x, weight, g, *plan, save_indices)
+                        : plan->operands == CascadeOperands::kBf16x3
+                            ? run_kernel<Bf16x3>(x, weight, g, *plan, save_indices)
+                            : run_kernel<__nv_bfloat16>(x, weight, g, *plan, save_indices);
     return {out.to(result), picks};
   }
 #endif
@@ -253,7 +316,7 @@ std::string conv_transpose3d_cascade_sum_path_cuda(const at::Tensor& x, const at
       transposed_cascade_sum_setup(x, weight, stride, padding, output_padding, kernel2, false);
   const c10::cuda::CUDAGuard guard(x.device());
 #ifdef FUSED_OPS_CUTLASS
-  if (cascade_plan(x, g)) return x.scalar_type() == at::kFloat ? kTf32Path : kBf16Path;
+  if (const auto plan = cascade_plan(x, g)) return kernel_path(plan->operands);
   return kCascadeSumByAten;
 #else
   return std::string(kCascadeSumByAten) + " (built without CUTLASS)";

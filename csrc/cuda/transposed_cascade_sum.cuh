@@ -1,6 +1,6 @@
-// The kernel of conv_transpose3d_cascade_sum, TF32 or bfloat16 (launched by conv_transpose3d_cascade_sum.cu;
-// included only in a build with CUTLASS, whose sm_90a code it needs: wgmma by CuTe's
-// instructions, TMA by bulk_copy.cuh).
+// The kernel of conv_transpose3d_cascade_sum, TF32, bfloat16 or bf16x3 (Bf16x3 below; launched by
+// conv_transpose3d_cascade_sum.cu; included only in a build with CUTLASS, whose sm_90a code it needs:
+// wgmma by CuTe's instructions, TMA by bulk_copy.cuh).
 //
 // The math (../conv_transpose3d_cascade_sum.h): for stride 2, stage-1 position m = (md, mh, mw)
 // and parity class q = (qd, qh, qw), y[2 m + q] = sum over the class's taps (ud, uh, uw) (at most
@@ -84,20 +84,62 @@ struct TransposedCascade {
   __host__ __device__ int parts() const { return 3 * class_groups; }  // a split item's
 };
 
-// T: float (TF32) or __nv_bfloat16, the operands' element type.
+// float32 operands as bfloat16 pairs ("bf16x3"): each value v split into a high part h = bf16(v)
+// and a low part l = bf16(v - h), v = h + l within 2^-17 |v|; a product w x taken as
+// h_w h_x + h_w l_x + l_w h_x (the l_w l_x left out is within 2^-16 |w x|), each a bfloat16 wgmma
+// accumulated in float32: a float32 convolution's accuracy (KernelBench's float32 check, the
+// max-pools' picks), where TF32 rounds each operand to 2^-11 (SPEC's B: 7e-4 from a float64 run).
+// A row of x or of the weights holds the 32 channels' high parts, then their low parts.
+struct Bf16x3 {};
+
+// Part `part` (0 high, 1 low) of v as Bf16x3 holds it; a non-finite v all in its low part (0 high), so
+// that a product of one non-finite factor keeps its value: h_w l_x for a non-finite x, l_w h_x for a
+// non-finite weight (both non-finite: NaN where the product is infinite). A finite v whose bfloat16
+// rounding overflows keeps its high part finite (rounded toward zero).
+__device__ __forceinline__ __nv_bfloat16 bf16x3_part(float v, int part) {
+  if (!isfinite(v)) return part == 0 ? __float2bfloat16_rz(0.f) : __float2bfloat16_rn(v);
+  __nv_bfloat16 high = __float2bfloat16_rn(v);
+  if (isinf(__bfloat162float(high))) high = __float2bfloat16_rz(v);
+  return part == 0 ? high : __float2bfloat16_rn(v - __bfloat162float(high));
+}
+
+// The operands' element type T (float: TF32; __nv_bfloat16; Bf16x3) as the kernel holds it: wgmma's
+// element type, the parts a value takes, and per instruction step of a tap the 32-byte chunks of
+// the weights' (A) and x's (B) rows it multiplies: in order for one part; for Bf16x3 the high
+// parts' two chunks with each other, with x's low parts, then the weights' low parts with x's high.
+template <typename T>
+struct CascadeOperand {
+  using Element = T;
+  static constexpr int kParts = 1;
+  __host__ __device__ static constexpr int a_chunk(int step) { return step; }
+  __host__ __device__ static constexpr int b_chunk(int step) { return step; }
+};
+template <>
+struct CascadeOperand<Bf16x3> {
+  using Element = __nv_bfloat16;
+  static constexpr int kParts = 2;
+  __host__ __device__ static constexpr int a_chunk(int step) { return step < 4 ? step % 2 : step - 2; }
+  __host__ __device__ static constexpr int b_chunk(int step) { return step < 4 ? step : step - 4; }
+};
+
+// T: float (TF32), __nv_bfloat16 or Bf16x3, the operands' type (CascadeOperand).
 template <typename T>
 struct TransposedCascadeConfig {
+  using Operand = CascadeOperand<T>;
+  using Element = typename Operand::Element;
   static constexpr int kThreads = 384;               // the producer warp group, two consumers
   static constexpr int kChannels = 32;               // I
-  static constexpr int kRowBytes = kChannels * sizeof(T);  // a position's channels: the swizzle's span
+  static constexpr int kRowElements = kChannels * Operand::kParts;  // a position's (or output channel's) row
+  static constexpr int kRowBytes = kRowElements * sizeof(Element);  // the swizzle's span
   static constexpr int kCols = 32;                   // slice columns (30 positions + 2 dropped)
   static constexpr int kSliceRows = 8;               // input rows a slice holds: 6 + 2
   static constexpr int kSliceBytes = kSliceRows * kCols * kRowBytes;  // a slice's TMA box
   static constexpr int kSlotBytes = kSliceBytes + 8 * kRowBytes;  // + 8 rows that the last tap reads past it
   static constexpr int kSlots = 3;
   static constexpr int kWeightBytes = 64 * kRowBytes;  // a tap's weights
-  static constexpr int kWeightStages = sizeof(T) == 4 ? 8 : 16;
-  static constexpr int kSteps = kRowBytes / 32;      // wgmma instructions per tap (K 8 TF32, 16 bfloat16)
+  static constexpr int kWeightStages = kRowBytes == 128 ? 8 : 16;
+  // wgmma instructions per tap (K 8 TF32, 16 bfloat16; Bf16x3: three products of two chunks)
+  static constexpr int kSteps = Operand::kParts == 1 ? kRowBytes / 32 : 6;
   static constexpr int kPending = 3;                 // taps whose instructions may run while the next issues
   static constexpr int kPositions = 3 * kCols;        // a consumer's N: 3 rows of 32
   static constexpr int kAccumulators = kPositions / 2;  // 64 x 96 over 128 threads
@@ -191,8 +233,8 @@ __device__ __forceinline__ void store_channel_sums(const float (&value)[5], int 
 // The CTA's cell item (module comment): out[n, 0, d2, h2, w2] for its 2 x 10 output cells and,
 // where kPicks, picks[n, d2, h2, w2, o] = stage-2 offset * 8 + class (without, the maxima's values
 // alone: fewer instructions between the classes' sums). x_map: x as
-// (32 channels, W, H, D, N) innermost first, boxes (32, 32, 8, 1, 1); w_map: the taps' weights as
-// (32 input channels, 64 output channels, taps, 1), boxes (32, 64, 1, 1); both swizzled across
+// (R, W, H, D, N) innermost first, boxes (R, 32, 8, 1, 1), R = kRowElements (32 channels, Bf16x3 64
+// parts); w_map: the taps' weights as (R, 64 output channels, taps, 1), boxes (R, 64, 1, 1); both swizzled across
 // their rows (128 or 64 bytes). A CTA past p.whole_items takes a part of an item (module comment:
 // never with picks) and writes its maxima to partial (split item, part, row, channel, column),
 // (., ., 2, 64, 10).
@@ -334,8 +376,9 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
         cute::warpgroup_arrive();
 #pragma unroll
         for (int step = 0; step < C::kSteps; ++step) {  // (32 bytes along K a step)
-          wgmma_ss<T, C::kPositions>(high | (a + 2 * step), high | (b + 2 * step), acc,
-                                     std::make_index_sequence<C::kAccumulators>{});
+          wgmma_ss<typename C::Element, C::kPositions>(high | (a + 2 * C::Operand::a_chunk(step)),
+                                                       high | (b + 2 * C::Operand::b_chunk(step)), acc,
+                                                       std::make_index_sequence<C::kAccumulators>{});
         }
         cute::warpgroup_commit_batch();
         // all but the kPending latest taps' instructions are done: the tap kPending back frees its stage
@@ -354,7 +397,8 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < C::kAccumulators; ++j) {
         // (bfloat16: the sums rounded as the original's y is)
-        offer<kPicks>(pick[j], std::is_same_v<T, float> ? acc[j] : __bfloat162float(__float2bfloat16_rn(acc[j])), q);
+        offer<kPicks>(pick[j],
+                      std::is_same_v<T, __nv_bfloat16> ? __bfloat162float(__float2bfloat16_rn(acc[j])) : acc[j], q);
       }
     }
     barrier_arrive(&slot_empty[(depth - depth_begin) % C::kSlots]);  // the depth's first slice is read last here
