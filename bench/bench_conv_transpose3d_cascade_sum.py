@@ -1,6 +1,7 @@
-"""conv_transpose3d_cascade_sum (architecture B's forward less the bias; on an sm_90 GPU one TF32
-kernel, csrc/cuda/conv_transpose3d_cascade_sum.cu) against the parity-class formulation it replaces in
-B's rewrite (cuDNN's depth-stacked 2-D convolution of the padded parity classes, then
+"""conv_transpose3d_cascade_sum (architecture B's forward less the bias; on an sm_90 GPU one kernel,
+csrc/cuda/conv_transpose3d_cascade_sum.cu, its float32 operands as bf16x3 at PyTorch's default float32
+matmul precision and as TF32 under torch.set_float32_matmul_precision("high"): rows " tf32") against the
+parity-class formulation it replaces in B's rewrite (cuDNN's depth-stacked 2-D convolution of the padded parity classes, then
 parity_max_pool3d_cascade_sum) and PyTorch's eager ops (cuDNN's transposed convolution, channels-last
 too), in float32 with TF32 allowed (PyTorch's default), in one run (interleaved rounds; CUDA events on
 a GPU, the wall clock on a CPU; medians over the rounds). Each result is checked against the float64
@@ -37,6 +38,17 @@ def eager(x, weight):
     return F.max_pool3d(F.max_pool3d(y, STRIDE), 3).sum(1, keepdim=True)
 
 
+@contextlib.contextmanager
+def tf32_matmul_precision():
+    """torch.set_float32_matmul_precision("high") within the block: the op's float32 operands as TF32."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def main():
     args, device, shape = convolution_arguments(__doc__.splitlines()[0], "B")
     torch.manual_seed(0)
@@ -54,14 +66,18 @@ def main():
         "op": (lambda: conv_transpose3d_cascade_sum(x, weight, STRIDE, PADDING, 0, 3), "tf32", True),
         "op channels_last x": (lambda: conv_transpose3d_cascade_sum(x_last, weight, STRIDE, PADDING, 0, 3), "tf32",
                                True),
+        "op tf32": (lambda: conv_transpose3d_cascade_sum(x, weight, STRIDE, PADDING, 0, 3), "tf32", True),
         "parity formulation": (lambda: rewrites._cascade_sum(x, weight, (3, 3, 3), axes, positions, False)[0],
                                "tf32", True),
         "cuDNN eager": (lambda: eager(x, weight), "tf32", True),
         "cuDNN eager channels_last": (lambda: eager(x_last, w_last), "tf32", True),
     }
-    paths = {"tf32": conv_transpose3d_cascade_sum_path(x, weight, STRIDE, PADDING, 0, 3),
+    paths = {"float32": conv_transpose3d_cascade_sum_path(x, weight, STRIDE, PADDING, 0, 3),
              "bf16": conv_transpose3d_cascade_sum_path(x.bfloat16(), weight.bfloat16(), STRIDE, PADDING, 0, 3)}
+    with tf32_matmul_precision():
+        paths["float32 at matmul precision high"] = conv_transpose3d_cascade_sum_path(x, weight, STRIDE, PADDING, 0, 3)
     rows["B eval, fused module"] = (lambda: fused(x), "module", False)
+    rows["B eval, fused module tf32"] = (lambda: fused(x), "module", False)
     rows["B eval, original"] = (lambda: original(x), "module", False)
     step_grad = torch.rand(shape[0], 1, *expected.shape[2:], device=device)
     rows["B step, fused module"] = (module_training_step(fused, x, step_grad), "step", False)
@@ -79,6 +95,8 @@ def main():
         stack.enter_context(torch.enable_grad() if "step" in name else torch.no_grad())
         if name.endswith(" bf16"):
             stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+        if name.endswith(" tf32"):
+            stack.enter_context(tf32_matmul_precision())
         return stack
 
     run_against_cudnn(rows, expected, args, device, settings, f"x {tuple(x.shape)}, kernel {KERNEL}, stride {STRIDE}",

@@ -273,6 +273,10 @@ def measure(c: Config, batch: int | str, step: str, args) -> dict:
             row[f"{variant}_reps"] = reps[variant]
         row |= dict(speedup_vs_eager=row["eager_ms"] / row["fused_ms"],
                     speedup_vs_tuned=row["tuned_ms"] / row["fused_ms"])
+        for variant in ("eager", "fused"):  # (one call each: the most it allocates beyond what it had)
+            with cli.variant_settings(variant, train):
+                row[f"{variant}_peak_mib"] = cli.peak_extra_mib(calls[variant], args.device)
+        row["memory_ok"] = row["fused_peak_mib"] is None or row["fused_peak_mib"] <= row["eager_peak_mib"]
     except Exception as error:  # noqa: BLE001  (a row of the grid, not the end of it)
         row |= dict(ok=False, error=f"{type(error).__name__}: {error}")
         if args.device.type == "cuda":
@@ -318,7 +322,8 @@ def run(args) -> dict:
                                                    f"{TARGET_MS[args.device.type]:.0f} ms of them)")
                   + f" per variant after at least {WARMUP_CALLS} warm-up calls, spread over {cli.TIMING_ROUNDS} interleaved rounds "
                   "(the median of the rounds' medians)",
-                  estimate_s=estimate, elapsed_s=time.perf_counter() - began, ok=all(r["ok"] for r in rows),
+                  estimate_s=estimate, elapsed_s=time.perf_counter() - began,
+                  ok=all(r["ok"] and r.get("memory_ok", True) for r in rows),
                   rows=rows)
     result["summary"] = summarize(rows)
     return result
@@ -346,7 +351,9 @@ def summarize(rows: list[dict]) -> dict:
                 timed=len(timed), rewrites=len(rewrites),
                 worst_vs_tuned_rewrite=worst(rewrites, "speedup_vs_tuned"),
                 below_1_vs_tuned_rewrite=sum(r["speedup_vs_tuned"] < 1.0 for r in rewrites),
-                failed=[f"{r['config']} batch {r['batch']} {r['step']}" for r in rows if not r["ok"]])
+                failed=[f"{r['config']} batch {r['batch']} {r['step']}" for r in rows if not r["ok"]],
+                over_memory=[f"{r['config']} batch {r['batch']} {r['step']}" for r in timed
+                             if not r.get("memory_ok", True)])
 
 
 def write(result: dict, out_dir: str) -> str:
@@ -363,6 +370,13 @@ def check_column(r: dict) -> str:
     return "ERROR" if "error" in r else cli.check_column(r)
 
 
+def peak_column(r: dict) -> str:
+    """eager/fused peak MiB (- on a CPU), ! where fused's exceeds eager's."""
+    if r.get("fused_peak_mib") is None:
+        return "-"
+    return f"{r['eager_peak_mib']:.0f}/{r['fused_peak_mib']:.0f}" + ("" if r["memory_ok"] else "!")
+
+
 def print_table(result: dict) -> None:
     """A row per configuration, batch and step: times, the fused speed-ups, the formulation, the check; then
     the worst cases."""
@@ -374,13 +388,14 @@ def print_table(result: dict) -> None:
     name_width = max([len("config")] + [len(r["config"]) for r in rows]) + 1
     form_width = max([len("formulation")] + [len(str(r.get("formulation"))) for r in rows]) + 1
     print(f"{'config':<{name_width}}{'batch':>5} {'step':<6}{'eager ms':>10}{'tuned ms':>10}{'fused ms':>10}"
-          f"{'vs eager':>9}{'vs tuned':>9}  {'formulation':<{form_width}}{'check':<6}")
+          f"{'vs eager':>9}{'vs tuned':>9}{'peak MiB e/f':>14}  {'formulation':<{form_width}}{'check':<6}")
     for r in rows:
         if "error" in r:
             print(f"{r['config']:<{name_width}}{r['batch']:>5} {r['step']:<6}{r['error']}")
             continue
         print(f"{r['config']:<{name_width}}{r['batch']:>5} {r['step']:<6}{r['eager_ms']:>10.3f}{r['tuned_ms']:>10.3f}"
-              f"{r['fused_ms']:>10.3f}{r['speedup_vs_eager']:>8.2f}x{r['speedup_vs_tuned']:>8.2f}x  "
+              f"{r['fused_ms']:>10.3f}{r['speedup_vs_eager']:>8.2f}x{r['speedup_vs_tuned']:>8.2f}x"
+              f"{peak_column(r):>14}  "
               f"{str(r.get('formulation')) if r.get('formulation') is not None else '-':<{form_width}}"
               f"{check_column(r):<6}")
     s = result["summary"]
@@ -393,8 +408,12 @@ def print_table(result: dict) -> None:
                       if w is not None))
     print(f"worst fused/tuned where a rewrite is taken: {describe_worst(s['worst_vs_tuned_rewrite'])}; below 1.0: "
           f"{s['below_1_vs_tuned_rewrite']} of {s['rewrites']} (of all rows: {s['below_1_vs_tuned']} below 1.0)")
+    print("peak MiB e/f: the most memory one eager (fused) call allocated beyond what was allocated before it, ! where "
+          "fused's exceeds eager's")
     if s["failed"]:
         print(f"FAILED ({len(s['failed'])}): " + "; ".join(s["failed"]))
+    if s["over_memory"]:
+        print(f"OVER THE ORIGINAL'S MEMORY ({len(s['over_memory'])}): " + "; ".join(s["over_memory"]))
 
 
 def markdown(result: dict) -> str:

@@ -133,7 +133,7 @@ def run_against_cudnn(rows: dict, expected, args, device, settings: Callable, op
     """The last part of the benchmarks of B's and D's convolutions: each checked row of rows {name: (call,
     group, checked)} checked against `expected` (float64: its normwise error, max |got - exact| /
     max |exact|), every row timed in interleaved rounds, each call inside settings(name) (a context
-    manager), then a header line (`operands` says their shapes), the op's paths {"tf32", "bf16"}
+    manager), then a header line (`operands` says their shapes), the op's paths {operands' dtype: path}
     and print_against_cudnn's table."""
     from fused_ops import autotune
 
@@ -150,7 +150,7 @@ def run_against_cudnn(rows: dict, expected, args, device, settings: Callable, op
     ms = {name: statistics.median(rounds) for name, rounds in times.items()}
     print(f"{device_name(device)}; {operands}; {flop / 1e9:.0f} GFLOP; torch {torch.__version__}; "
           f"medians of {args.rounds} rounds of {reps} calls")
-    print(f"the op's path: float32 (TF32) {paths['tf32']}; bfloat16 {paths['bf16']}")
+    print("the op's path: " + "; ".join(f"{dtype} {path}" for dtype, path in paths.items()))
     print_against_cudnn(rows, ms, errors, flop)
 
 

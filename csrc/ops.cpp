@@ -171,6 +171,14 @@ TORCH_LIBRARY(fused_ops, m) {
       "batch_norm_update_running_stats(Tensor(a!) running_mean, Tensor(b!) running_var, "
       "Tensor(c!)? num_batches_tracked, Tensor mean, Tensor var, SymInt count, float? momentum) -> ()");
 
+  // D's eval forward: the spatial mean (N, O) of batch_norm(scale * conv_transpose3d(x, weight, bias, stride,
+  // 0, output_padding)) normalized with running_mean and running_var, for a transposed convolution without
+  // padding, from x's spatial sums (conv_transpose3d_batch_norm_eval_mean.h). Not differentiable.
+  m.def(
+      "conv_transpose3d_batch_norm_eval_mean(Tensor x, Tensor weight, Tensor? bias, Tensor? bn_weight, "
+      "Tensor? bn_bias, Tensor running_mean, Tensor running_var, int[3] stride, int[3] output_padding, "
+      "float scale, float eps, ScalarType? dtype=None) -> Tensor");
+
   // A 2-D convolution kernel (..., kh, kw) followed by an average pool's box,
   // as one kernel (..., kh + bh - 1, kw + bw - 1) in `dtype` (weight's for
   // None; any floating type): box_fold2d.h. Its backward takes the folded

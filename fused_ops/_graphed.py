@@ -12,9 +12,9 @@ made while an earlier one's backward is still to come (its autograd graph alive,
 freed by a backward) runs without the graph. Either is taken only on the default stream, on a
 module without forward hooks on its convolution (``fused_ops.autotune``), and stays valid while
 the module's configuration and the memory of its parameters and buffers stay: the graph reads
-them in place, so in-place updates (an optimizer step, load_state_dict) are seen, and anything
-derived from them is re-derived on each replay (``fused_ops._derived`` keeps nothing while
-capturing; autocast's cast cache is off during a capture). A replaced parameter, buffer or
+them in place, so in-place updates (an optimizer step, load_state_dict, ``.data``) are seen, and
+anything derived from them is derived again on each replay (the modules keep nothing derived from
+their parameters; autocast's cast cache is off during a capture). A replaced parameter, buffer or
 setting makes the next call capture again; a module whose graph has to be captured again and
 again stops being graphed.
 """

@@ -4,7 +4,8 @@ Each module computes its function by one of several formulations (``fused_ops.nn
 ``rewrite`` (an exact rewrite of its convolution, ``fused_ops.rewrites``, and a fused tail),
 ``fused`` (its convolution as the original's, then the fused tail), ``original`` (the
 original's own ops), and ``fused_channels_last`` / ``original_channels_last`` (the same with
-the convolution's input and weight channels last). Which is fastest depends on the
+the convolution's input and weight channels last, where that copies no more than the original
+does: x channels last already, or cast by autocast anyway). Which is fastest depends on the
 configuration, the input's size, dtype and layout, the device, and whether a training step
 is being recorded; none is fastest everywhere (a rewrite adds zero taps; at a batch of one
 the host's time per launch dominates).
@@ -50,7 +51,7 @@ from collections.abc import Callable, Hashable, Sequence
 import torch
 from torch import Tensor, nn
 
-from . import _derived, _graphed
+from . import _graphed, _trace
 
 FORMULATIONS = ("rewrite", "fused", "fused_channels_last", "original_channels_last", "original")
 
@@ -86,12 +87,8 @@ def is_enabled() -> bool:
 
 
 def clear() -> None:
-    """Forgets every choice made so far, the kernels kept from the parameters
-    (``fused_ops._derived``) and the modules' CUDA graphs (``fused_ops._graphed``): after a
-    CUDA graph's replays changed parameters or buffers (replays do not advance their
-    versions), before calling a module eagerly again."""
+    """Forgets every choice made so far and the modules' CUDA graphs (``fused_ops._graphed``)."""
     _CHOICES.clear()
-    _derived.clear()
     _graphed.drop()
     _GENERATION[0] += 1
 
@@ -153,7 +150,7 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
         name, out = run_first(run, untimed_order(formulations(x)), x)
         _LAST[0] = name
         return name, out
-    if _derived.traced(x):
+    if _trace.traced(x):
         return run_first(run, formulations(x), x)
     signature = _signature(module, x)
     memo = module.__dict__.get("_fused_ops_choice")

@@ -47,20 +47,13 @@ PEERS = {"eager": "eager", "tuned": "tuned (channels_last, cudnn.benchmark)", "c
 # gradients (2.5e-4 at SPEC's spatial size: see check); 8e-4 in float16 and 7e-3
 # in bfloat16 (C; the fused tails accumulate in float32, the eager ones round
 # each op's result).
+# float32's is KernelBench's (atol = rtol = 1e-4 against the original in the same settings), with TF32
+# convolutions too (PyTorch's default): the fused modules use TF32 only as far as they pass it (SPEC.md).
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-# float32 with TF32 convolutions (on a GPU, torch.backends.cudnn.allow_tf32): the
-# fused modules' rewritten convolutions (fused_ops.rewrites) run on TF32 tensor
-# cores where cuDNN's kernels for the originals often do not, and TF32 rounds
-# each product's inputs to 10-bit mantissas (2^-11 = 4.9e-4 relative). Measured
-# on an H200 against float64: up to 8e-4 (B's weight gradient).
-TF32_TOLERANCE = 2e-3
 
 
 def check_tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    """The check's tolerance for a run in `dtype` (under autocast: the autocast dtype) on `device` under the
-    current TF32 setting."""
-    if dtype == torch.float32 and device.type == "cuda" and torch.backends.cudnn.allow_tf32:
-        return TF32_TOLERANCE
+    """The check's tolerance for a run in `dtype` (under autocast: the autocast dtype) on `device`."""
     return TOLERANCE[dtype]
 
 
@@ -208,16 +201,14 @@ def check(original: torch.nn.Module, fused: torch.nn.Module, x: torch.Tensor, tr
     relative_errors of fused against original, and `ok`. A tensor passes
     within `tolerance`; or else, below float64, where the fused one is within
     the tolerance of a float64 run of the original (without autocast), or at
-    most twice as far from it as the original is, run eagerly or tuned by
-    hand (Tuned: channels last, cudnn_benchmark; the same function under the
-    same precision policy, other cuDNN plans). That is for results whose
-    roundings in the original are larger than the tolerance: a 16-bit eager
-    module rounds every op's result; architecture D's training output and its
-    convolution's gradients are small differences of large terms (a batch
-    norm's output sums to zero per channel); TF32 allowed, a searched plan
-    rounds where the eager one may not (B's weight gradient at a batch of one).
-    Then `fused_vs_float64`, `original_vs_float64` and `tuned_vs_float64`
-    hold those errors. A tensor whose dtype differs from
+    most twice as far from it as the original's own (eager) run is. That is for
+    results whose roundings in the original are larger than the tolerance: a
+    16-bit eager module rounds every op's result; architecture D's training
+    output and its convolution's gradients are small differences of large
+    terms (a batch norm's output sums to zero per channel). Then
+    `fused_vs_float64`, `original_vs_float64` and `tuned_vs_float64` hold
+    those errors (the last for comparison: the original tuned by hand,
+    channels last with cudnn_benchmark, rounds differently). A tensor whose dtype differs from
     the original's fails, whatever its values: `dtype_mismatch` names it, with
     both dtypes."""
     unstepped = copy.deepcopy(original)  # for the float64 run, before the step updates running statistics
@@ -232,7 +223,7 @@ def check(original: torch.nn.Module, fused: torch.nn.Module, x: torch.Tensor, tr
         exact = step_results(unstepped.double(), x.double(), train, None if grad is None else grad.double())
         fused_err, original_err = relative_errors(actual, exact), relative_errors(expected, exact)
         tuned_err = relative_errors(tuned, exact)
-        ok = all(e <= tolerance or fused_err[name] <= max(tolerance, 2 * original_err[name], 2 * tuned_err[name])
+        ok = all(e <= tolerance or fused_err[name] <= max(tolerance, 2 * original_err[name])
                  for name, e in errors.items())
         result = dict(errors=errors, ok=ok, fused_vs_float64=fused_err, original_vs_float64=original_err,
                       tuned_vs_float64=tuned_err)
@@ -404,7 +395,8 @@ def run_architecture(arch, args, train: bool) -> dict:
                speedup_vs_eager=speedups["speedup_vs_eager"], speedup_vs_tuned=speedups["speedup_vs_tuned"],
                speedup_vs_compile=speedups.get("speedup_vs_compile"), best_peer=best, best_peer_ms=times[best],
                vs_best_peer=times[best] / times["fused"], eager_peak_mib=peaks["eager"],
-               tuned_peak_mib=peaks["tuned"], compile_peak_mib=peaks.get("compile"), fused_peak_mib=peaks["fused"])
+               tuned_peak_mib=peaks["tuned"], compile_peak_mib=peaks.get("compile"), fused_peak_mib=peaks["fused"],
+               memory_ok=peaks["fused"] is None or peaks["fused"] <= peaks["eager"])
     if "fused_compiled" in times:
         row |= dict(fused_compiled_ms=times["fused_compiled"], fused_vs_compiled=times["fused_compiled"] / times["fused"])
         progress(f"{tag} the fused module eager: {row['fused_vs_compiled']:.2f}x the speed of it compiled")
@@ -433,7 +425,7 @@ TIMES_NOTES = ("tuned: the original with channels_last weights and input (the in
                "vs best: the speed-up over the fastest peer (eager, tuned, compile, autotune: torch.compile "
                "max-autotune, those timed), named",
                "peak MiB e/t/c/f: eager/tuned/compile/fused, the most memory one call allocated beyond what was "
-               "allocated before it (CUDA allocator statistics; - on a CPU)")
+               "allocated before it (CUDA allocator statistics; - on a CPU); ! where fused's exceeds eager's")
 
 
 def format_times(r: dict) -> str:
@@ -444,6 +436,7 @@ def format_times(r: dict) -> str:
     vs_best = f"{r['vs_best_peer']:.2f}x {r['best_peer']}"
     peaks = [r[f"{variant}_peak_mib"] for variant in ("eager", "tuned", "compile", "fused")]
     peak = "-" if peaks == [None] * 4 else "/".join("-" if p is None else f"{p:.0f}" for p in peaks)
+    peak += "" if r.get("memory_ok", True) else "!"
     return (f"{r['eager_ms']:>10.3f}{r['tuned_ms']:>10.3f}{compiled:>11}{r['fused_ms']:>10.3f}{vs_eager:>10}"
             f"{vs_compile:>11}{vs_best:>16}{peak:>20}")
 
@@ -472,7 +465,7 @@ def print_table(result: dict) -> None:
             print(f"* {r['model']}: beyond the tolerance ({r['tolerance']:.0e}) of the original; against a float64 "
                   f"run, fused {largest(r['fused_vs_float64']):.1e}, original {largest(r['original_vs_float64']):.1e}, "
                   f"tuned {largest(r['tuned_vs_float64']):.1e} (passes: fused within the tolerance or 2x the "
-                  f"original's, eager or tuned)")
+                  f"original's)")
         if "dtype_mismatch" in r:
             print(f"{r['model']}: the fused module's dtype differs from the original's: "
                   + ", ".join(f"{name} {d}" for name, d in r["dtype_mismatch"].items()))
@@ -551,5 +544,11 @@ def main(argv: list[str] | None = None) -> int:
                                for r in result["rows"] if not r["ok"])
             print(f"FAILED: the fused module differs from the original beyond the tolerance "
                   f"({describe_precision(result)}, {result['mode']}): {failed}")
+            status = 1
+        over = [r for r in result["rows"] if not r.get("memory_ok", True)]
+        if over:
+            print(f"FAILED: the fused module's peak memory exceeds the original's ({describe_precision(result)}, "
+                  f"{result['mode']}): " + ", ".join(f"{r['model']} ({r['fused_peak_mib']:.0f} MiB against "
+                                                     f"{r['eager_peak_mib']:.0f})" for r in over))
             status = 1
     return status

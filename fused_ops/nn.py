@@ -10,9 +10,8 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from . import _autocast, _graphed, autotune, reference, rewrites
-from ._derived import derived
-from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, max_pool3d_cascade_sum, max_pool3d_mean,
-                  parity_max_pool3d_mean)
+from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, conv_transpose3d_batch_norm_eval_mean,
+                  max_pool3d_cascade_sum, max_pool3d_mean, parity_max_pool3d_mean)
 from .sync_batch_norm import sync_batch_norm_gap, sync_process_group
 
 
@@ -70,15 +69,19 @@ def _pool_config(pool: nn.Module) -> tuple:
             getattr(pool, "count_include_pad", None), getattr(pool, "divisor_override", None))
 
 
-def _conv_channels_last(conv: nn.Module, x: Tensor) -> Tensor:
+def _conv_channels_last(conv: nn.Module, x: Tensor) -> Tensor | None:
     """conv(x) with its input and weight channels last (the input converted and cast to the
-    convolution's dtype in one copy, the weight's copy kept while it is unchanged), and so
-    its output: the tuned original's layout."""
+    convolution's dtype in one copy, the weight likewise on each call), and so its output: the
+    tuned original's layout. None where that copy of x would be more memory than the original
+    takes (x not channels last, and no autocast, whose cast of x the copy replaces): a call's peak
+    stays at most the original's."""
     fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+    if _autocast.cast_dtype(x) is None and not x.is_contiguous(memory_format=fmt):
+        return None
     weight, dtype = conv.weight, rewrites.kernel_dtype(x, conv.weight)
     x = x.to(dtype=_autocast.conv_dtype(x), memory_format=fmt)
     if not weight.is_contiguous(memory_format=fmt) or weight.dtype != dtype:
-        weight = derived(("channels_last", dtype), (weight,), lambda: weight.to(dtype=dtype, memory_format=fmt))
+        weight = weight.to(dtype=dtype, memory_format=fmt)
     return _conv(conv, x, weight)
 
 
@@ -246,6 +249,8 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
             pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
             return None if pooled is None else torch.sum(torch.sigmoid(pooled), dim=[1, 2, 3])
         y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
+        if y is None:
+            return None
         if name.startswith("original"):
             y = F.avg_pool2d(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, pool.count_include_pad,
                              pool.divisor_override)
@@ -327,6 +332,8 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         if fused and not _fusable_max_pool(pool, ceil_mode_ok=True):
             return None
         y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
+        if y is None:
+            return None
         if fused:
             mean = max_pool3d_mean(y, pool.kernel_size, pool.stride, pool.padding, pool.ceil_mode, self.divisor)
             return mean.view(*mean.shape, 1, 1, 1)
@@ -376,14 +383,16 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
             if rewritten is None:
                 return None
             out, channel_bias = rewritten
-            if channel_bias is not None:  # each channel's maximum carries its bias into the sum (its sum kept)
-                out = out + derived(("channel sum",), (channel_bias,), channel_bias.sum)
+            if channel_bias is not None:  # each channel's maximum carries its bias into the sum
+                out = out + channel_bias.sum()
             return _as_original(out, x, self._TAIL_OPS)
         fused = name.startswith("fused")
         if fused and not (_fusable_max_pool(first, ceil_mode_ok=False) and _fusable_max_pool(second, ceil_mode_ok=False)):
             return None
         y = (_conv_channels_last(self.conv_transpose, x) if name.endswith("channels_last")
              else _conv(self.conv_transpose, x))
+        if y is None:
+            return None
         if not fused:
             return torch.sum(_max_pool3d(second, _max_pool3d(first, y)), dim=1, keepdim=True)
         out = max_pool3d_cascade_sum(y, first.kernel_size, second.kernel_size, stride1=first.stride,
@@ -468,13 +477,8 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         bn = self.batch_norm
         batch_stats = self._batch_stats()
         if name == "rewrite" and not batch_stats:
-            mapped = self._running_stats_map(x)
-            if mapped is None:
-                return None
-            weight, shift = mapped
-            out = torch.addmm(shift, rewrites.spatial_sums(x), weight)  # (float64)
-            dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
-            return out.view(*out.shape, 1, 1, 1).to(dtype)
+            out = self._running_stats_mean(x)
+            return None if out is None else out.view(*out.shape, 1, 1, 1)
         y = self._convolution(name, x)
         if y is None:
             return None
@@ -490,30 +494,33 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             return _conv_channels_last(self.conv_transpose, x)
         return _conv(self.conv_transpose, x)
 
-    def _running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
-        """(W (I, O), b (O)) in float64 with the output, normalized with the running
-        statistics, ``s @ W + b`` for x's spatial sums s (N, I): the spatial mean of the
-        transposed convolution is affine in s (``rewrites.conv_transpose3d_spatial_mean_map``)
-        and so is the batch norm per channel, out = (scale * mean - running_mean) * rstd *
-        weight + bias. None where the transposed convolution pads. Kept while the parameters
-        and buffers stay (``fused_ops._derived``), per spatial size and device of x."""
+    def _running_stats_mean(self, x: Tensor) -> Tensor | None:
+        """The output (N, O) normalized with the running statistics, where the transposed convolution does
+        not pad (None elsewhere): affine in x's spatial sums s (N, I) there
+        (``rewrites.conv_transpose3d_spatial_mean_map``, the batch norm per channel folded in: out = (scale *
+        mean - running_mean) * rstd * weight + bias). By
+        ``conv_transpose3d_batch_norm_eval_mean`` (one op: x's sums, then the map from the parameters as they are
+        now) where nothing records a gradient and the dtypes are the op's; else the same map in differentiable ops,
+        in float64. Nothing derived from the parameters or buffers is kept between calls."""
         conv, bn = self.conv_transpose, self.batch_norm
-        # (num_batches_tracked too: nn.BatchNorm3d's own update of the running statistics, in
-        # F.batch_norm, leaves their versions; its count's add_ advances its own)
-        tensors = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked)
-        return derived(("running_stats_map", x.device, self.scale_factor, bn.eps), tensors,
-                       lambda: self._build_running_stats_map(x), variant=x.shape[2:])
-
-    def _build_running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
-        conv, bn = self.conv_transpose, self.batch_norm
-        mapped = rewrites.conv_transpose3d_spatial_mean_map(x, conv)
-        if mapped is None:
+        if not rewrites.spatial_mean_holds(x, conv):
             return None
-        weight, bias = mapped
+        dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
+        tensors = (conv.weight, conv.bias, bn.weight, bn.bias)
+        records = torch.is_grad_enabled() and (x.requires_grad or any([t is not None and t.requires_grad
+                                                                        for t in tensors]))
+        # (the op's dtypes: the batch norm's tensors of one dtype, x's or float32 for a 16-bit x)
+        statistics = {t.dtype for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var) if t is not None}
+        widened = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        if not records and x.dtype == conv.weight.dtype and statistics in ({x.dtype}, {widened}):
+            return conv_transpose3d_batch_norm_eval_mean(x, conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean,
+                                                         bn.running_var, conv.stride, conv.output_padding,
+                                                         self.scale_factor, bn.eps).to(dtype)
+        weight, bias = rewrites.conv_transpose3d_spatial_mean_map(x, conv)
         gain = (bn.running_var.double() + bn.eps).rsqrt()  # rstd * weight
         if bn.weight is not None:
             gain = gain * bn.weight.double()
         shift = (self.scale_factor * bias - bn.running_mean.double()) * gain
         if bn.bias is not None:
             shift = shift + bn.bias.double()
-        return weight * (self.scale_factor * gain), shift
+        return torch.addmm(shift, rewrites.spatial_sums(x), weight * (self.scale_factor * gain)).to(dtype)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import _autocast
-from ._derived import derived, traced
+from ._trace import traced
 from .ops import (_accumulation_dtype, _expand, _is_channels_last_3d, _pool_triples, _pooled_size, box_fold2d,
                   conv2d_sigmoid_sum, conv3d_max_pool3d_mean, conv_transpose3d_cascade_sum_path,
                   conv_transpose3d_cascade_weight_grad,
@@ -161,9 +161,15 @@ def _parity_kernel(weight: Tensor, axes) -> Tensor:
 
 
 def kernel_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
-    """The dtype a derived kernel is kept in: autocast's for x's convolution (the convolution
+    """The dtype a rearranged kernel is built in: autocast's for x's convolution (the convolution
     would cast it on every call), else the weight's own."""
     return _autocast.cast_dtype(x) or weight.dtype
+
+
+def _stacked_numel(x: Tensor, axes, positions: tuple[int, int, int]) -> int:
+    """The elements of _parity_conv3d's depth-stacked input per batch element: (Md, H', W', K'd, I)."""
+    spans = [axis.input_span(count) for axis, count in zip(axes, positions)]
+    return positions[0] * math.prod([last - first + 1 for first, last in spans[1:]]) * axes[0].kernel * x.shape[1]
 
 
 def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positions: tuple[int, int, int]) -> Tensor:
@@ -243,13 +249,10 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
     if not _folds_exactly(divisor):
         # conv(x) / d rounds twice where d is not a power of two: divide where PyTorch
         # divides, so that values PyTorch computes exactly (and their ties) are ours too
-        taps, class_bias = derived(("conv3d_max_pool", axes, dtype), (weight, bias), lambda: (
-            _parity_kernel(weight.to(dtype), axes),
-            None if bias is None else bias.repeat_interleave(math.prod(classes))))
-        return _parity_conv3d(x, taps, class_bias, axes, positions) / divisor, None
-    taps, channel_bias = derived(("conv3d_max_pool", axes, dtype, divisor), (weight, bias), lambda: (
-        _parity_kernel((weight / divisor).to(dtype), axes), None if bias is None else bias / divisor))
-    return _parity_conv3d(x, taps, None, axes, positions), channel_bias
+        class_bias = None if bias is None else bias.repeat_interleave(math.prod(classes))
+        return _parity_conv3d(x, _parity_kernel(weight.to(dtype), axes), class_bias, axes, positions) / divisor, None
+    taps = _parity_kernel((weight / divisor).to(dtype), axes)
+    return _parity_conv3d(x, taps, None, axes, positions), None if bias is None else bias / divisor
 
 
 def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor: float = 1.0) -> Tensor | None:
@@ -350,10 +353,8 @@ def _cascade_sum(x: Tensor, weight: Tensor, kernel2, axes, positions, save_picks
         # x in the convolution's dtype and channels-last, as the kernel reads it (one copy, none where it lies so)
         dtype = _autocast.conv_dtype(x)
         x_kernel = _channels_last(x, dtype)
-        w_kernel = weight if weight.dtype == dtype else derived(("conv_transpose3d_cascade_sum", dtype), (weight,),
-                                                                lambda: weight.to(dtype))
-        return torch.ops.fused_ops.conv_transpose3d_cascade_sum(x_kernel, w_kernel, *fused, list(kernel2), save_picks,
-                                                                None)
+        return torch.ops.fused_ops.conv_transpose3d_cascade_sum(x_kernel, weight.to(dtype), *fused, list(kernel2),
+                                                                save_picks, None)
     windows = _transposed_windows(x, weight, axes, positions)
     return torch.ops.fused_ops.parity_max_pool3d_cascade_sum(
         windows, list(kernel2), save_picks or (torch.is_grad_enabled() and windows.requires_grad), None)
@@ -474,10 +475,8 @@ def _cascade_sum_by_kernel(x: Tensor, conv: nn.ConvTranspose3d, kernel2) -> tupl
 
 
 def _transposed_parity_kernel(weight: Tensor, axes, dtype: torch.dtype) -> Tensor:
-    """_parity_kernel of a transposed convolution's weight (I, O, k_d, k_h, k_w) in `dtype`,
-    kept while the weight is unchanged (fused_ops._derived)."""
-    return derived(("conv_transpose3d", axes, dtype), (weight,),
-                   lambda: _parity_kernel(weight.transpose(0, 1).to(dtype), axes))
+    """_parity_kernel of a transposed convolution's weight (I, O, k_d, k_h, k_w) in `dtype`."""
+    return _parity_kernel(weight.transpose(0, 1).to(dtype), axes)
 
 
 def _tf32_convolutions() -> Hashable:
@@ -505,14 +504,14 @@ def _op_path(path_op: Callable, device: torch.device, dtype: torch.dtype, shapes
 # H200: bf16 1.43 ms against 2.40 for the parity-class convolution and cuDNN's 1.80, D's step 2.41 against 4.13
 # with the parity-class one; in TF32 the parity-class convolution, 2.85 ms, beats the kernel's 2.99, D's step
 # 6.36 against 7.04)
-_STRIDE1_BY_CUTLASS = (torch.bfloat16,)
+_STRIDE1_BY_CUTLASS = (torch.float32, torch.bfloat16)
 
 
 def _stride1_by_cutlass(x: Tensor, conv: nn.ConvTranspose3d, dtype: torch.dtype) -> bool:
     """Whether D's rewrite runs conv(x) in dtype by conv_transpose3d_stride1_channels_last: a dtype of
     _STRIDE1_BY_CUTLASS, a padding the op takes (below the kernel size; the rewrite takes larger
     ones too), and the op taking a CUTLASS kernel (an sm_90 GPU, channels a multiple of 16 bytes, a
-    build with CUTLASS). Not in a trace (_derived.traced: while compiling or under a fake mode; the
+    build with CUTLASS). Not in a trace (_trace.traced: while compiling or under a fake mode; the
     path is asked of real tensors; a compiled graph takes the parity-class convolution, which the
     compiler sees through)."""
     if dtype not in _STRIDE1_BY_CUTLASS or not x.is_cuda:
@@ -529,8 +528,8 @@ def _stride1_by_cutlass(x: Tensor, conv: nn.ConvTranspose3d, dtype: torch.dtype)
 def _stride1_layout(x: Tensor) -> torch.memory_format:
     """The layout of _TransposedConv3dStride1's parity-class y: channels_last_3d on a GPU (the
     convolution's own; its class docstring says why), contiguous on a CPU, and in a trace
-    (_derived.traced: while compiling or under a fake mode): with a channels-last y, a compiled D's backward on a GPU gave the
-    convolution's inputs zero gradients (torch 2.11; test_compile_fullgraph in
+    (_trace.traced: while compiling or under a fake mode): with a channels-last y, a compiled D's
+    backward on a GPU gave the convolution's inputs zero gradients (torch 2.11; test_compile_fullgraph in
     tests/test_nn_convtranspose3d_scale_batchnorm_gap.py). Cause not found: batch_norm_gap alone
     compiles right on a channels-last CUDA input, as does D on a CPU with y forced channels-last."""
     if not x.is_cuda or traced(x):
@@ -558,8 +557,23 @@ class _TransposedConv3dStride1(torch.autograd.Function):
     def forward(x, weight, bias, padding, axes, out_size, by_cutlass):
         if by_cutlass:
             return conv_transpose3d_stride1_channels_last(x, weight, bias, padding)
-        y = _parity_conv3d(x, _transposed_parity_kernel(weight, axes, weight.dtype), bias, axes, out_size)
-        return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous(memory_format=_stride1_layout(x))
+        kernel = _transposed_parity_kernel(weight, axes, weight.dtype)
+        layout = _stride1_layout(x)
+        n = x.shape[0]
+        # the batch in chunks whose depth-stacked input and output copies take at most half of y's
+        # size: the forward peaks under 1.5 times y, as the original holds y and its batch norm's input
+        # (SPEC's D in float32 without TF32: the stacked input alone is 2.5 times y)
+        y_numel = math.prod(out_size) * weight.shape[1]  # (a batch element's)
+        fit = n if traced(x) else max(1, y_numel * n // 2 // (y_numel + _stacked_numel(x, axes, out_size)))
+        if fit >= n:
+            y = _parity_conv3d(x, kernel, bias, axes, out_size)
+            return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous(memory_format=layout)
+        y = x.new_empty((n, weight.shape[1], *out_size)).contiguous(memory_format=layout)
+        size = -(-n // -(-n // fit))  # equal chunks
+        for first in range(0, n, size):
+            part = _parity_conv3d(x[first:first + size], kernel, bias, axes, out_size)
+            y[first:first + size].copy_(part.squeeze(5).permute(0, 4, 1, 2, 3))
+        return y
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -636,11 +650,16 @@ def conv_transpose3d_stride1(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | No
         return _TransposedConv3dStride1.apply(x, weight, bias, padding, axes, out_size, by_cutlass)
 
 
+def spatial_mean_holds(x: Tensor, conv: nn.ConvTranspose3d) -> bool:
+    """Whether conv(x)'s spatial mean is affine in x's spatial sums (module docstring): a transposed
+    convolution without padding, dilation or groups, and an input it takes."""
+    return _is_plain_conv(conv, x) and _triple(conv.padding) == (0, 0, 0)
+
+
 def conv_transpose3d_spatial_mean_map(x: Tensor, conv: nn.ConvTranspose3d) -> tuple[Tensor, Tensor] | None:
     """(W (I, O), b (O)) in float64 with ``conv(x).mean(dim=(2, 3, 4)) = s @ W + b`` for s = x's
-    spatial sums (N, I) (module docstring), or None where the transposed convolution pads,
-    dilates or groups."""
-    if not (_is_plain_conv(conv, x) and _triple(conv.padding) == (0, 0, 0)):
+    spatial sums (N, I) (module docstring), or None where that does not hold (spatial_mean_holds)."""
+    if not spatial_mean_holds(x, conv):
         return None
     stride, kernel, extra = _triple(conv.stride), _triple(conv.kernel_size), _triple(conv.output_padding)
     out_volume = math.prod([(x.shape[2 + d] - 1) * stride[d] + kernel[d] + extra[d] for d in range(3)])
@@ -713,9 +732,8 @@ def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) 
     if fold is None or (cast is None and x.dtype != conv.weight.dtype):  # (the latter: the original's error)
         return None
     dtype = kernel_dtype(x, conv.weight)
-    weight, bias = derived(("conv2d_pool_folded", fold.box, fold.divisor, dtype), (conv.weight, conv.bias),
-                           lambda: (box_fold2d(conv.weight, fold.box, fold.divisor, dtype=dtype),
-                                    None if conv.bias is None else _pool_folded_bias(conv.bias, fold).to(dtype)))
+    weight = box_fold2d(conv.weight, fold.box, fold.divisor, dtype=dtype)
+    bias = None if conv.bias is None else _pool_folded_bias(conv.bias, fold).to(dtype)
     if cast is not None and x.dtype != torch.float32:
         x = x.to(cast)
     return conv2d_sigmoid_sum(x, weight, bias, fold.stride, fold.padding)
@@ -731,8 +749,7 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     padded = [x.shape[2 + d] + 2 * padding[d] for d in range(2)]
     taps = [-(-fold.folded[d] // stride[d]) for d in range(2)]
     weight, bias, dtype = conv.weight, conv.bias, kernel_dtype(x, conv.weight)
-    s2d_kernel, bias = derived(("conv2d_avg_pool", box, stride, fold.divisor, dtype), (weight, bias), lambda: (
-        _space_to_depth_kernel(weight, fold, taps, dtype), _pool_folded_bias(bias, fold)))
+    s2d_kernel, bias = _space_to_depth_kernel(weight, fold, taps, dtype), _pool_folded_bias(bias, fold)
     # Pad (or crop) x to the blocks the outputs read, then blocks of S x S as channels (Sw, Sh, I),
     # channels last.
     blocks = [out[d] - 1 + taps[d] for d in range(2)]

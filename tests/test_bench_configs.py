@@ -14,7 +14,8 @@ from fused_ops.architectures import ARCHITECTURES
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 ROW_KEYS = {"config", "model", "name", "args", "batch", "spec_batch", "step", "input_shape", "errors", "ok",
             "max_rel_err", "tolerance", "verdict", "eager_ms", "tuned_ms", "fused_ms", "eager_reps", "tuned_reps",
-            "fused_reps", "speedup_vs_eager", "speedup_vs_tuned", "formulation"}
+            "fused_reps", "speedup_vs_eager", "speedup_vs_tuned", "formulation", "eager_peak_mib", "fused_peak_mib",
+            "memory_ok"}
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,8 @@ def test_grid_at_tiny_sizes_on_the_cpu(configs, tmp_path, capsys, monkeypatch):
         assert (r["formulation"] == "rewrite-test" if r["model"] == "C"
                 else r["formulation"] in getattr(fnn, r["name"]).FORMULATIONS)  # (A's has fused_conv too)
         assert (len(r["errors"]) > 1) == (r["step"] == "train")
+        # (no CUDA allocator statistics on a CPU)
+        assert r["eager_peak_mib"] is None and r["fused_peak_mib"] is None and r["memory_ok"]
     summary = result["summary"]
     rewrites = [r for r in rows if r["formulation"].startswith("rewrite")]
     assert summary["timed"] == 8 and summary["rewrites"] == len(rewrites) and summary["failed"] == []
@@ -94,9 +97,10 @@ def test_grid_at_tiny_sizes_on_the_cpu(configs, tmp_path, capsys, monkeypatch):
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("config "))
     assert lines[header].split() == ["config", "batch", "step", "eager", "ms", "tuned", "ms", "fused", "ms", "vs",
-                                     "eager", "vs", "tuned", "formulation", "check"]
+                                     "eager", "vs", "tuned", "peak", "MiB", "e/f", "formulation", "check"]
     assert [line.split()[0] for line in lines[header + 1:header + 9]] == [n for n in names for _ in range(2)]
-    assert lines[-1].startswith("worst fused/tuned where a rewrite is taken: ")
+    assert lines[-2].startswith("worst fused/tuned where a rewrite is taken: ")
+    assert lines[-1].startswith("peak MiB e/f: ")
 
     assert configs.main(["--markdown", str(tmp_path / "configs-cpu.json")]) == 0
     table = capsys.readouterr().out.splitlines()

@@ -1,5 +1,5 @@
 """Each formulation of each drop-in module (fused_ops.autotune) against the original, the
-autotuner's choice, the derived weights kept between calls, and CUDA graph capture."""
+autotuner's choice, parameters changed between calls, and CUDA graph capture."""
 import copy
 import os
 import subprocess
@@ -10,7 +10,7 @@ import torch
 import torch.nn.utils.prune as prune
 
 from conftest import build_pair, requires_cuda
-from fused_ops import _derived, autotune, reference
+from fused_ops import autotune, reference
 from fused_ops import nn as fnn
 
 # (architecture, constructor arguments, input shape): every formulation holds for each (the
@@ -26,6 +26,14 @@ IDS = ["A", "B", "C", "D"]
 # (name, args, shape, formulation) for each configuration and each formulation of its module
 FORMULATION_CASES = [pytest.param(*config, formulation, id=f"{letter}-{formulation}")
                      for config, letter in zip(CONFIGS, IDS) for formulation in getattr(fnn, config[0]).FORMULATIONS]
+
+
+def formulation_input(x, formulation):
+    """x as `formulation` takes it: channels last for the *_channels_last ones, which hold only where
+    they copy x no more than the original does (fused_ops.nn._conv_channels_last)."""
+    if formulation.endswith("channels_last"):
+        return x.contiguous(memory_format=torch.channels_last_3d if x.dim() == 5 else torch.channels_last)
+    return x
 
 
 def pair(name, args, device, dtype=torch.float64, train=True):
@@ -53,7 +61,7 @@ def step(module, x, grad):
 def test_each_formulation_is_the_original(name, args, shape, train, formulation, device):
     """float64: the output, every gradient and the running statistics, forced to each formulation."""
     original, fused = pair(name, args, device, train=train)
-    x = torch.rand(shape, dtype=torch.float64, device=device)
+    x = formulation_input(torch.rand(shape, dtype=torch.float64, device=device), formulation)
     grad = torch.rand_like(original(x.clone()))
     original, fused = pair(name, args, device, train=train)  # (fresh running statistics)
     expected = step(original, x, grad)
@@ -133,8 +141,7 @@ def test_autotuner_times_no_fake_tensor(name, args, shape, device, monkeypatch):
         out.sum().backward()
     assert tuned == []
     assert out.shape == expected.shape and out.dtype == expected.dtype
-    # eval without autograd (derived kernels kept where nothing records them), the rules: nothing
-    # fake kept for the next real call
+    # eval without autograd, the rules: nothing fake kept for the next real call
     autotune.set_enabled(False)
     original, fused = pair(name, args, device, dtype=torch.float32, train=False)
     x = torch.rand(shape, device=device)
@@ -162,28 +169,95 @@ def test_autotuner_off():
         assert result.stdout.strip() == str(enabled)
 
 
-def test_derived_weights_follow_the_parameters(device):
-    """The rearranged kernels kept between calls are rebuilt after an in-place update of a
-    parameter (an optimizer step) and after its replacement; none is kept for a call that
-    records the parameters' gradients."""
-    name, args, shape = CONFIGS[0]
-    original, fused = shared(name, args, device, dtype=torch.float64)
-    x = torch.rand(shape, dtype=torch.float64, device=device)
-    with autotune.force("rewrite"), torch.no_grad():
-        torch.testing.assert_close(fused(x), original(x))
-        kept = dict(_derived._KEPT[id(fused.conv.weight)][1])
-        fused(x)
-        assert all([_derived._KEPT[id(fused.conv.weight)][1][kind][1] is value[1] for kind, value in kept.items()])
-        fused.conv.weight.mul_(-2)  # shared with the original
-        torch.testing.assert_close(fused(x), original(x))
-        fused.conv.weight = torch.nn.Parameter(torch.rand_like(fused.conv.weight))  # (the same conv)
-        torch.testing.assert_close(fused(x), original(x))
-    before = dict(_derived._KEPT.get(id(fused.conv.weight), (None, {}))[1])
-    with autotune.force("rewrite"):
-        fused(x)
-    assert dict(_derived._KEPT.get(id(fused.conv.weight), (None, {}))[1]) == before
-    autotune.clear()  # (after a CUDA graph's replays changed the parameters: README)
-    assert id(fused.conv.weight) not in _derived._KEPT
+# Ways users change a module's parameters and buffers between calls (optimizers and hand-written
+# updates, EMA, weight clipping, re-initialisation, checkpoints): each a function of the module.
+def _through_data_in_place(m):
+    for p in m.parameters():
+        p.data.mul_(-1.5).add_(0.25)
+
+
+def _through_data_copy(m):
+    for p in m.parameters():
+        p.data.copy_(torch.rand_like(p) - 0.5)
+
+
+def _data_replaced(m):
+    for p in m.parameters():
+        p.data = torch.rand_like(p) - 0.5
+
+
+def _in_place_without_grad(m):
+    with torch.no_grad():
+        for p in m.parameters():
+            p.clamp_(-0.1, 0.1)
+
+
+def _optimizer_step(m):
+    for p in m.parameters():
+        p.grad = torch.rand_like(p)
+    torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9).step()
+    m.zero_grad()
+
+
+def _state_dict_loaded(m):
+    # (positive: a running variance among them)
+    m.load_state_dict({k: torch.rand_like(v) + 0.25 if v.is_floating_point() else v
+                       for k, v in m.state_dict().items()})
+
+
+def _parameters_replaced(m):
+    for module in m.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                setattr(module, name, torch.nn.Parameter(torch.rand_like(p) - 0.5))
+
+
+def _buffers_through_data(m):
+    for b in m.buffers():
+        if b.is_floating_point():
+            b.data.mul_(0.5).add_(0.75)
+
+
+PARAMETER_CHANGES = [_through_data_in_place, _through_data_copy, _data_replaced, _in_place_without_grad,
+                     _optimizer_step, _state_dict_loaded, _parameters_replaced, _buffers_through_data]
+
+
+@pytest.mark.parametrize("name,args,shape,formulation", FORMULATION_CASES)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_parameters_changed_between_calls_are_seen(name, args, shape, formulation, train, device):
+    """After calls without autograd (eval under no_grad, and training mode without autograd), the
+    parameters and buffers changed in each way users change them (PARAMETER_CHANGES: through .data
+    too, which no version counter sees) are seen by the next call of every formulation: the
+    original's result (float64), twice, for the same state."""
+    original, fused = pair(name, args, device, train=train)
+    fused.load_state_dict(original.state_dict())
+    x = formulation_input(torch.rand(shape, dtype=torch.float64, device=device), formulation)
+    with autotune.force(formulation), torch.no_grad():
+        for change in PARAMETER_CHANGES:
+            for _ in range(2):
+                torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12,
+                                           msg=lambda m: f"after {change.__name__}: {m}")
+            assert autotune.last_formulation() == formulation
+            change(fused)
+            original.load_state_dict(fused.state_dict())
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_parameters_changed_between_graphed_calls_are_seen(name, args, shape):
+    """The autotuner's choice replayed from a CUDA graph, where it takes one, sees the parameters and
+    buffers changed in each way between calls (eval without autograd, a batch of one: host-bound)."""
+    autotune.set_enabled(True)
+    original, fused = pair(name, args, "cuda", dtype=torch.float32, train=False)
+    fused.load_state_dict(original.state_dict())
+    x = torch.rand((1, *shape[1:]), device="cuda")
+    with torch.no_grad():
+        for change in PARAMETER_CHANGES:
+            for _ in range(3):
+                torch.testing.assert_close(fused(x), original(x), rtol=1e-4, atol=1e-5,
+                                           msg=lambda m: f"after {change.__name__}: {m}")
+            change(fused)
+            original.load_state_dict(fused.state_dict())
 
 
 @pytest.mark.parametrize("name,args,shape", [CONFIGS[1], CONFIGS[3]], ids=["B", "D"])
@@ -256,12 +330,12 @@ def test_make_graphed_callables_training(name, args, shape):
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_each_formulation_without_autograd(name, args, shape, train, mode, formulation, device):
-    """float64, no gradient recorded (the derived kernels kept, the one-pass stacking copy):
-    the output and the running statistics, twice (the second call reads what the first kept)."""
+    """float64, no gradient recorded (the one-pass stacking copy): the output and the running
+    statistics, twice."""
     original, fused = pair(name, args, device, train=train)
     context = torch.no_grad if mode == "no_grad" else torch.inference_mode
     for _ in range(2):
-        x = torch.rand(shape, dtype=torch.float64, device=device)
+        x = formulation_input(torch.rand(shape, dtype=torch.float64, device=device), formulation)
         with context():
             expected = [original(x), *original.buffers()]
             with autotune.force(formulation):

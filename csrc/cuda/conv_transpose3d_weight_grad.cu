@@ -6,8 +6,9 @@
 //   float32 where PyTorch's convolutions round to TF32 (cuDNN enabled, its TF32 allowed for
 //   convolutions): "shifted rows", a TF32 wgmma kernel of our own (shifted_rows_weight_grad.cuh:
 //   the math, the tiles) with two consumer warp groups, over operand copies in rows of one length
-//   by kernels of its own; a CTA takes up to 5 of the ks shifts, its K ranges' partial sums added
-//   after. SPEC's D on an H200 (2026-11-27): the kernel 1.49 ms, the op 1.88 with its relayouts
+//   by kernels of its own, a chunk of the batch at a time (the copies at most grad_y's size:
+//   run_shifted_rows_in_chunks); a CTA takes up to 5 of the ks shifts, its K ranges' partial sums
+//   added after. SPEC's D on an H200 (2026-11-27): the kernel 1.49 ms, the op 1.88 with its relayouts
 //   from NCDHW operands, against 2.9-3.0 for CUTLASS's fprop2d formulation (one 2-D convolution per
 //   depth tap over (depth, batch) channels, which this path replaced) and 6.4 for cuDNN.
 //
@@ -249,22 +250,51 @@ at::Tensor run_shifted_rows(const TransposedConvWeightGrad& g, int splits, const
   return out;
 }
 
+at::Tensor run_shifted_rows_plan(const KernelPlan& plan, const TransposedConvWeightGrad& g, const at::Tensor& grad_y,
+                                 const at::Tensor& x) {
+  switch (plan.shifts) {
+    case 1:
+      return run_shifted_rows<1>(g, plan.splits, grad_y, x);
+    case 2:
+      return run_shifted_rows<2>(g, plan.splits, grad_y, x);
+    case 3:
+      return run_shifted_rows<3>(g, plan.splits, grad_y, x);
+    case 4:
+      return run_shifted_rows<4>(g, plan.splits, grad_y, x);
+    default:
+      return run_shifted_rows<5>(g, plan.splits, grad_y, x);
+  }
+}
+
+// The shifted-rows path over the batch in equal chunks whose operand copies (to_rows': ks shifted
+// copies of x's rows, one of grad_y's) take at most grad_y's own bytes, each chunk's sums added to the
+// last in order. A module's backward that holds grad_y so peaks under twice its size, under what the
+// original holds there (D's: its batch norm's input and output gradients and saved input; SPEC's D,
+// whose copies of the whole batch are 2.5 times grad_y's size, in 2 chunks).
+at::Tensor run_shifted_rows_in_chunks(const TransposedConvWeightGrad& g, const at::Tensor& grad_y,
+                                      const at::Tensor& x) {
+  const int64_t row = shifted_rows_length(g);
+  const int64_t per_element = (g.kernel[2] * g.in_channels * g.in[0] * g.in[1] + g.out_channels * g.out(0) * g.out(1)) *
+                              row * static_cast<int64_t>(sizeof(float));
+  const int64_t fit = std::max<int64_t>(1, grad_y.numel() * static_cast<int64_t>(sizeof(float)) / per_element);
+  const int64_t chunks = (g.batch + fit - 1) / fit, size = (g.batch + chunks - 1) / chunks;
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
+  at::Tensor out;
+  for (int64_t first = 0; first < g.batch; first += size) {
+    TransposedConvWeightGrad chunk = g;
+    chunk.batch = std::min(size, g.batch - first);
+    const auto plan = shifted_rows_plan(chunk, sms);  // (a part of a problem whose plan fits)
+    TORCH_INTERNAL_ASSERT(plan.has_value());
+    const at::Tensor sums = run_shifted_rows_plan(*plan, chunk, grad_y.narrow(0, first, chunk.batch),
+                                                  x.narrow(0, first, chunk.batch));
+    out = out.defined() ? out.add_(sums) : sums;
+  }
+  return out;
+}
+
 at::Tensor run_plan(const KernelPlan& plan, const at::Tensor& grad_y, const at::Tensor& x,
                     const TransposedConvWeightGrad& g) {
-  if (plan.kind == KernelPlan::kShiftedRows) {
-    switch (plan.shifts) {
-      case 1:
-        return run_shifted_rows<1>(g, plan.splits, grad_y, x);
-      case 2:
-        return run_shifted_rows<2>(g, plan.splits, grad_y, x);
-      case 3:
-        return run_shifted_rows<3>(g, plan.splits, grad_y, x);
-      case 4:
-        return run_shifted_rows<4>(g, plan.splits, grad_y, x);
-      default:
-        return run_shifted_rows<5>(g, plan.splits, grad_y, x);
-    }
-  }
+  if (plan.kind == KernelPlan::kShiftedRows) return run_shifted_rows_in_chunks(g, grad_y, x);
   const int64_t kt = g.kernel[0], kr = g.kernel[1], ks = g.kernel[2];
   // x, grad_y -> NDHWC (a channels_last_3d tensor's permute is its memory: no copy)
   const at::Tensor x_ndhwc = relayout(x, {0, 2, 3, 4, 1});

@@ -1,0 +1,129 @@
+// CUDA kernel of conv_transpose3d_batch_norm_eval_mean (the math: ../conv_transpose3d_batch_norm_eval_mean.h):
+// x's spatial sums by ATen's reduction, each (input, output channel)'s tap sum (float64) and shared sign
+// by tap_sums_kernel, then a block per output channel o: per batch element the dot product of the finite
+// sums with the tap sums (a block sum), the non-finite ones' signs (block ORs), the bias, the scale and
+// the batch norm. Three launches a call, no host-side arithmetic on the weights or statistics.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <optional>
+
+#include "../conv_transpose3d_batch_norm_eval_mean.h"
+#include "block_reduce.cuh"
+
+namespace fused_ops {
+namespace {
+
+constexpr int kThreads = 256;
+
+// taps[o, i] = tap_sum(w[i, o, :]) (its sum, and its sign as a double), weight (I, O, T) contiguous.
+template <typename scalar_t>
+__global__ void tap_sums_kernel(const scalar_t* __restrict__ weight, const BatchNormEvalMean g,
+                                double* __restrict__ sums, double* __restrict__ signs) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // o * I + i
+  if (e >= g.in_channels * g.out_channels) return;
+  const int64_t o = e / g.in_channels, i = e % g.in_channels;
+  const TapSum tap = tap_sum(weight + (i * g.out_channels + o) * g.taps, g.taps);
+  sums[e] = tap.sum;
+  signs[e] = tap.sign;
+}
+
+// out[n, o] (module comment) for o = blockIdx.x; sums (N, I), taps and signs (O, I) (tap_sums_kernel's),
+// out (N, O), contiguous.
+template <typename scalar_t, typename param_t, typename out_t>
+__global__ void __launch_bounds__(kThreads)
+    batch_norm_eval_mean_kernel(const at::opmath_type<scalar_t>* __restrict__ sums, const double* __restrict__ taps,
+                                const double* __restrict__ signs, const scalar_t* __restrict__ conv_bias,
+                                const param_t* __restrict__ gamma, const param_t* __restrict__ beta,
+                                const param_t* __restrict__ running_mean, const param_t* __restrict__ running_var,
+                                const BatchNormEvalMean g, double scale, double eps, out_t* __restrict__ out) {
+  __shared__ double scratch[32];
+  const int64_t o = blockIdx.x;
+  const double* const tap = taps + o * g.in_channels;
+  const double* const sign = signs + o * g.in_channels;
+  const double gain = (gamma != nullptr ? static_cast<double>(gamma[o]) : 1.0) /
+                      sqrt(static_cast<double>(running_var[o]) + eps);
+  for (int64_t n = 0; n < g.batch; ++n) {
+    double dot = 0;
+    NonFiniteMean non_finite;
+    for (int64_t i = threadIdx.x; i < g.in_channels; i += blockDim.x) {
+      const double value = static_cast<double>(sums[n * g.in_channels + i]);
+      if (isfinite(value)) {
+        dot += value * tap[i];
+      } else {
+        non_finite.meet(value, static_cast<int>(sign[i]));
+      }
+    }
+    dot = block_sum(dot, scratch);
+    non_finite.positive = __syncthreads_or(non_finite.positive);
+    non_finite.negative = __syncthreads_or(non_finite.negative);
+    non_finite.nan = __syncthreads_or(non_finite.nan);
+    if (threadIdx.x == 0) {
+      const double bias = conv_bias != nullptr ? static_cast<double>(conv_bias[o]) : 0.0;
+      const double mean = non_finite.mean(dot * g.inverse_volume + bias);
+      out[n * g.out_channels + o] = static_cast<out_t>(scaled_batch_norm(
+          mean, scale, static_cast<double>(running_mean[o]), gain, beta != nullptr ? static_cast<double>(beta[o]) : 0.0));
+    }
+    __syncthreads();  // (block_sum's scratch reused)
+  }
+}
+
+template <typename T>
+const T* data_or_null(const std::optional<at::Tensor>& t) {
+  return is_given(t) ? t->const_data_ptr<T>() : nullptr;
+}
+
+at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
+    const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& bn_weight, const std::optional<at::Tensor>& bn_bias,
+    const at::Tensor& running_mean, const at::Tensor& running_var, at::IntArrayRef stride,
+    at::IntArrayRef output_padding, double scale, double eps, std::optional<at::ScalarType> dtype) {
+  const BatchNormEvalMean g = batch_norm_eval_mean_setup(x, weight, bias, bn_weight, bn_bias, running_mean,
+                                                         running_var, stride, output_padding, dtype);
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({g.batch, g.out_channels}, x.options().dtype(g.result));
+  if (out.numel() == 0) return out;
+  const at::Tensor sums = spatial_sums(x).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const auto per_channel = [](const std::optional<at::Tensor>& t) {
+    return is_given(t) ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
+  };
+  const auto gamma = per_channel(bn_weight), beta = per_channel(bn_bias);
+  const auto conv_bias = per_channel(bias);
+  const at::Tensor mean = running_mean.contiguous(), var = running_var.contiguous();
+  const at::Tensor taps = at::empty({2, g.out_channels, g.in_channels}, x.options().dtype(at::kDouble));
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t pairs = g.in_channels * g.out_channels;
+  FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv_transpose3d_batch_norm_eval_mean_cuda", [&] {
+    using x_t = scalar_t;
+    tap_sums_kernel<x_t><<<static_cast<unsigned>((pairs + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
+        w.const_data_ptr<x_t>(), g, taps[0].mutable_data_ptr<double>(), taps[1].mutable_data_ptr<double>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    FUSED_OPS_DISPATCH_FLOATING_TYPES(g.param_dtype, "conv_transpose3d_batch_norm_eval_mean_cuda", [&] {
+      using param_t = scalar_t;
+      dispatch_scalar_or_acc<x_t>(g.result, [&](auto* out_type) {
+        using out_t = std::remove_pointer_t<decltype(out_type)>;
+        batch_norm_eval_mean_kernel<x_t, param_t, out_t><<<static_cast<unsigned>(g.out_channels), kThreads, 0,
+                                                            stream>>>(
+            sums.const_data_ptr<at::opmath_type<x_t>>(), taps[0].const_data_ptr<double>(),
+            taps[1].const_data_ptr<double>(), data_or_null<x_t>(conv_bias), data_or_null<param_t>(gamma),
+            data_or_null<param_t>(beta), mean.const_data_ptr<param_t>(), var.const_data_ptr<param_t>(), g, scale, eps,
+            out.mutable_data_ptr<out_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fused_ops, CUDA, m) {
+  m.impl("conv_transpose3d_batch_norm_eval_mean", &conv_transpose3d_batch_norm_eval_mean_cuda);
+}
+
+}  // namespace fused_ops
