@@ -117,6 +117,8 @@ def main():
     fused_ops.conv_transpose3d_weight_grad(rand(3, 130, 3, 4, 74), rand(3, 40, 2, 3, 70), (2, 2, 5))
     fused_ops.conv_transpose3d_weight_grad(rand(2, 36, 5, 7, 9).contiguous(memory_format=cl),
                                            rand(2, 70, 3, 5, 7).contiguous(memory_format=cl), (3, 3, 3))
+    # in batch chunks (the operands' copies over grad_y's size: one batch element a chunk)
+    fused_ops.conv_transpose3d_weight_grad(rand(4, 8, 9, 9, 9), rand(4, 64, 5, 5, 5), (5, 5, 5))
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv_transpose3d_weight_grad: ok")
@@ -128,12 +130,17 @@ def main():
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv_transpose3d_stride1_channels_last: ok")
-    # B's forward in one kernel, TF32 and bfloat16: an odd geometry (40 output channels, the last row tile's
+    # B's forward in one kernel, bf16x3 (certified picks; integer-valued x and w: ties, every window picked
+    # again), TF32 and bfloat16: an odd geometry (40 output channels, the last row tile's
     # second half and a second column tile of one outside the output, output_padding), SPEC's kernel on a
     # channels-last x, kernels of 6, 2 and 1 (few taps a class, classes of none), kernels of 3 in depth (2 taps a
     # class: slices no tap reads), with and without the picks (without: items split in parts, their maxima's kernel)
-    for dtype in (torch.float32, torch.bfloat16):
-        for x, w, padding, output_padding in ((rand(2, 32, 4, 17, 35, dtype=dtype), rand(32, 40, 5, 3, 4, dtype=dtype),
+    for dtype, precision in ((torch.float32, "highest"), (torch.float32, "high"), (torch.bfloat16, "highest")):
+        torch.set_float32_matmul_precision(precision)
+        integers = (torch.randint(-2, 3, (1, 32, 5, 6, 7), device=DEV).to(dtype),
+                    torch.randint(-2, 3, (32, 24, 5, 5, 5), device=DEV).to(dtype), 2, 0)
+        for x, w, padding, output_padding in (integers,
+                                              (rand(2, 32, 4, 17, 35, dtype=dtype), rand(32, 40, 5, 3, 4, dtype=dtype),
                                                (2, 1, 1), (0, 1, 1)),
                                               (rand(1, 32, 8, 8, 8, dtype=dtype).contiguous(memory_format=cl),
                                                rand(32, 64, 5, 5, 5, dtype=dtype), 2, 0),
@@ -145,9 +152,21 @@ def main():
                 torch.ops.fused_ops.conv_transpose3d_cascade_sum(x, w, [2, 2, 2], fused_ops.ops._expand(padding, 3, ""),
                                                                  fused_ops.ops._expand(output_padding, 3, ""),
                                                                  [3, 3, 3], save, None)
+    torch.set_float32_matmul_precision("highest")
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv_transpose3d_cascade_sum: ok")
+    # D's eval forward: its map (tap sums, then a block per output channel), float32 and bfloat16 x, a
+    # non-finite x
+    for dtype in (torch.float32, torch.bfloat16):
+        x = rand(3, 5, 4, 3, 2, dtype=dtype)
+        x[1, 2, 0, 0, 0] = float("inf")
+        stats = (rand(7), rand(7), rand(7), rand(7) + 0.5)
+        fused_ops.conv_transpose3d_batch_norm_eval_mean(x, rand(5, 7, 3, 2, 4, dtype=dtype), rand(7, dtype=dtype),
+                                                        *stats, (2, 1, 3), (1, 0, 2), 2.0, 1e-5)
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    print("conv_transpose3d_batch_norm_eval_mean: ok")
     for dtype in (torch.float32, torch.bfloat16):
         bn = torch.nn.BatchNorm3d(3).to(DEV)
         run(f"batch_norm_gap {dtype}", lambda x, dtype: fused_ops.batch_norm_gap(

@@ -184,7 +184,7 @@ class _Formulations:
 # The formulations in the rules' order on a GPU (rewrites first) and on a CPU (the rewrites
 # last but the originals: torch.compile cannot lower them there).
 _ORDER = {"cuda": autotune.FORMULATIONS,
-          "cpu": ("fused", "fused_channels_last", "rewrite", "original_channels_last", "original")}
+          "cpu": ("fused", "fused_channels_last", "rewrite", "original")}
 
 
 def _order(x: Tensor, rewrite_first: bool = False) -> tuple[str, ...]:
@@ -207,7 +207,7 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
     folds so: the folded convolution, sigmoid and sum in one op
     (``fused_ops.conv2d_sigmoid_sum``: on a GPU one tensor-core kernel); ``fused``: the
     convolution, then the tail fused into one kernel (``fused_ops.avg_pool2d_sigmoid_sum``);
-    ``original``; and the last two with the convolution channels last."""
+    ``original``; and ``fused`` with the convolution channels last."""
 
     FORMULATIONS = ("fused_conv", *autotune.FORMULATIONS)
 
@@ -272,7 +272,7 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
     windows tile it too: the convolution, the division, the pool and the average in one op
     (``fused_ops.conv3d_max_pool3d_mean``: on a GPU one tensor-core kernel); ``fused``: the
     division, the pool and the average fused into one kernel over the convolution's output
-    (``fused_ops.max_pool3d_mean``); ``original``; and the last two with the convolution
+    (``fused_ops.max_pool3d_mean``); ``original``; and ``fused`` with the convolution
     channels last. The bias and the sum are applied to the (B, C, 1, 1, 1) result as the
     original does. The constructor is the original's (the same members, parameters drawn in
     the same order); ``global_avg_pool`` stays for its structure, the fused ops compute it."""
@@ -349,7 +349,7 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
     pools and sums them (in a training step on data, the weight's gradient from its picks
     alone); ``fused``: the two pools and the sum fused into one kernel over the
     transposed convolution's output (``fused_ops.max_pool3d_cascade_sum``); ``original``; and
-    the last two with the convolution channels last. The constructor is the original's (the
+    ``fused`` with the convolution channels last. The constructor is the original's (the
     same members, parameters drawn in the same order)."""
 
     @classmethod
@@ -412,7 +412,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
     batch norm folded in): one reduction of x and a small matmul; with batch statistics, a
     stride-1 transposed convolution run as a convolution
     (``fused_ops.rewrites.conv_transpose3d_stride1``), then the fused op; ``original``; and
-    ``fused`` and ``original`` with the convolution channels last. The constructor is the
+    ``fused`` with the convolution channels last. The constructor is the
     original's (the same members, parameters and buffers, drawn in the same order);
     ``batch_norm`` holds the parameters, buffers and settings the fused op reads (affine,
     track_running_stats, momentum, eps), ``global_avg_pool`` stays for its structure. An

@@ -502,8 +502,9 @@ def _op_path(path_op: Callable, device: torch.device, dtype: torch.dtype, shapes
 # The dtypes whose stride-1 transposed convolution D's rewrite runs by conv_transpose3d_stride1_channels_last's
 # CUTLASS kernel where it takes the call (bench/bench_conv_transpose3d_stride1_channels_last.py, SPEC's D on an
 # H200: bf16 1.43 ms against 2.40 for the parity-class convolution and cuDNN's 1.80, D's step 2.41 against 4.13
-# with the parity-class one; in TF32 the parity-class convolution, 2.85 ms, beats the kernel's 2.99, D's step
-# 6.36 against 7.04)
+# with the parity-class one; in TF32, 2026-11-28, D's step 5.31 ms against 6.09 with the parity-class one, whose
+# depth-stacked input took the step's peak over the original's before it ran in batch chunks: 469 MiB, 409 in
+# chunks, against the original's 608; 128 -> 64 channels, batch 8, 16^3: 2.33 ms against 4.24)
 _STRIDE1_BY_CUTLASS = (torch.float32, torch.bfloat16)
 
 

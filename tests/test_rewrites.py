@@ -1,6 +1,8 @@
 """fused_ops.rewrites (the exact rewrites of the architectures' convolutions)
 against the plain formulations in float64, their fallbacks, and the drop-in
 modules with TF32 convolutions on a GPU."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,36 +197,24 @@ def test_spec_configurations_are_rewritten(arch):
 @requires_cuda
 @pytest.mark.parametrize("arch", ARCHITECTURES, ids=lambda a: a.letter)
 @pytest.mark.parametrize("train", [True, False])
-def test_float32_passes_kernelbench_check_with_default_settings(arch, train):
-    """PyTorch's default settings (TF32 convolutions allowed, float32 matrix products in full float32):
-    each drop-in's float32 output passes KernelBench's check against the original in the same settings
-    (torch.allclose, atol = rtol = 1e-4; the float32 tolerance of fused_ops.cli) for fresh inputs, each
-    built under the same seed as KernelBench builds them; for C and D the parameters' gradients too,
-    relative to the largest (D's conv bias gradient cancels to ~0 in training). A's and B's gradients go
-    to each window's maximum, which any rounding may move to another element of a near tie: the main job
-    checks them against a float64 run (fused_ops.cli.check)."""
-    from fused_ops.cli import TOLERANCE
-    tolerance = TOLERANCE[torch.float32]
-    original, fused = build_pair(arch.name, arch.args, seed=42)
-    original.to("cuda").train(train)
-    fused.to("cuda").train(train)
+def test_float32_passes_the_main_jobs_check_with_default_settings(arch, train):
+    """PyTorch's default settings (TF32 convolutions allowed, float32 matrix products in full float32),
+    the modules built under one seed as KernelBench builds them: each drop-in's float32 output and (in
+    training) every parameter's gradient pass the main job's check against the original in the same
+    settings (fused_ops.cli.check: KernelBench's tolerance, 1e-4, a gradient relative to the largest; or
+    no farther from a float64 run than twice the original's own), for fresh inputs."""
+    from fused_ops import cli
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
         assert torch.get_float32_matmul_precision() == "highest"
-        for seed in range(3):
-            generator = torch.Generator("cuda").manual_seed(seed)
-            x = torch.rand(arch.input_shape("reduced"), device="cuda", generator=generator)
-            out, expected = fused(x), original(x)
-            assert torch.allclose(out, expected, atol=tolerance, rtol=tolerance), (
-                f"{arch.letter}: {((out - expected).abs() / (tolerance + tolerance * expected.abs())).max():.2f} "
-                f"times the tolerance")
-            if train and arch.letter in "CD":
-                grad = torch.rand_like(out)
-                grads = torch.autograd.grad(out, list(fused.parameters()), grad)
-                expected_grads = torch.autograd.grad(expected, list(original.parameters()), grad)
-                largest = max(g.abs().max().item() for g in expected_grads)
-                for (name, _), a, b in zip(fused.named_parameters(), grads, expected_grads):
-                    err = (a - b).abs().max().item() / largest
-                    assert err <= tolerance, f"{arch.letter} grad {name}: {err:.2e}"
+        for seed in range(2):
+            original, fused = build_pair(arch.name, arch.args, seed=42)
+            original.to("cuda").train(train)
+            fused.to("cuda").train(train)
+            x = torch.rand(arch.input_shape("reduced"), device="cuda",
+                           generator=torch.Generator("cuda").manual_seed(seed))
+            grad = torch.rand_like(copy.deepcopy(original)(x)) if train else None
+            checked = cli.check(original, fused, x, train, grad, cli.TOLERANCE[torch.float32])
+            assert checked["ok"], f"{arch.letter}: {cli.verdict(checked, cli.TOLERANCE[torch.float32])}"
 
 
 # --------------------------------------------------------------------------
