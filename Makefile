@@ -5,10 +5,11 @@
 # and the benchmark:
 #   make bench  install, build, run the CUDA tests, time every fused op and the four whole models (on a GPU),
 #               tables + JSON
+#   make kernelbench  KernelBench's four problem files that the drop-ins replace, for bench/kernelbench.py
 PYTHON ?= python3
 TORCH_PREFIX = $$($(PYTHON) -c "import torch; print(torch.utils.cmake_prefix_path)")
 
-.PHONY: deps cutlass install run test bench
+.PHONY: deps cutlass install run test bench kernelbench
 
 deps:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
@@ -43,3 +44,25 @@ run: install
 
 bench: install
 	$(PYTHON) bench/run.py --skip-build
+
+# KernelBench's (ScalingIntelligence/KernelBench) four level-2 problem files that the drop-ins replace (A 8, B 78,
+# C 65, D 77), at a pinned commit, into third_party/kernelbench/ (with COMMIT) for bench/kernelbench.py: from
+# GitHub, or without network from a local clone or bare git directory (KERNELBENCH_REPO=<its path>).
+KERNELBENCH_COMMIT = 423217d9fda91e0c2d67e4a43bf62f96f6d104f1
+KERNELBENCH_PROBLEMS = 8_Conv3d_Divide_Max_GlobalAvgPool_BiasAdd_Sum 78_ConvTranspose3d_Max_Max_Sum \
+	65_Conv2d_AvgPool_Sigmoid_Sum 77_ConvTranspose3d_Scale_BatchNorm_GlobalAvgPool
+KERNELBENCH_REPO ?=
+
+kernelbench:
+	rm -rf third_party/kernelbench.part && mkdir -p third_party/kernelbench.part
+	for problem in $(KERNELBENCH_PROBLEMS); do \
+		file=KernelBench/level2/$$problem.py; \
+		if [ -n "$(KERNELBENCH_REPO)" ]; then \
+			git -C "$(KERNELBENCH_REPO)" show $(KERNELBENCH_COMMIT):$$file > third_party/kernelbench.part/$$problem.py; \
+		else \
+			curl -fsSL -o third_party/kernelbench.part/$$problem.py \
+				https://raw.githubusercontent.com/ScalingIntelligence/KernelBench/$(KERNELBENCH_COMMIT)/$$file; \
+		fi || exit 1; \
+	done
+	echo $(KERNELBENCH_COMMIT) > third_party/kernelbench.part/COMMIT
+	rm -rf third_party/kernelbench && mv third_party/kernelbench.part third_party/kernelbench

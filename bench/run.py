@@ -5,12 +5,14 @@ eval forward and training step, the fused module against the original eager,
 tuned by hand and compiled, peak memory) and the configuration grid
 (bench/configs.py: 40 constructor configurations at batch 1, 8 and SPEC's, eval
 and training step, fused against eager and tuned), each in float32 and again
-under bfloat16 autocast, and where two GPUs are visible data-parallel training
-on them (bench/distributed.py under torchrun, NCCL); writes JSON under
-bench/results/ (and under $OUT when that is set), and prints short tables last.
+under bfloat16 autocast, where two GPUs are visible data-parallel training
+on them (bench/distributed.py under torchrun, NCCL), and where `make kernelbench`
+fetched KernelBench's four problem files (third_party/kernelbench/) KernelBench's
+own protocol on them (bench/kernelbench.py); writes JSON under bench/results/
+(and under $OUT when that is set), and prints short tables last.
 
     python bench/run.py [--skip-build] [--skip-tests] [--test-shard K/N]
-                        [--only tests|tails|models|configs|distributed]
+                        [--only tests|tails|models|configs|distributed|kernelbench]
                         [--no-compile] [--max-autotune] [--no-autocast] [--device cuda]
 
 On the lent GPU machines the whole suite outlasts one command (about 27 minutes on an H100):
@@ -26,6 +28,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = ["bench_avg_pool2d_sigmoid_sum", "bench_max_pool3d_mean", "bench_max_pool3d_cascade_sum",
               "bench_batch_norm_gap"]
+KERNELBENCH_PROBLEMS = os.path.join(ROOT, "third_party", "kernelbench")  # `make kernelbench`
 
 
 def build():
@@ -118,6 +121,26 @@ def run_distributed(precisions: list[list[str]]) -> list[tuple[bool, str]]:
     return results
 
 
+def run_kernelbench(device: str, batch: int | None, out_dirs: list[str],
+                    problems: str = KERNELBENCH_PROBLEMS) -> tuple[bool, str] | None:
+    """bench/kernelbench.py (KernelBench's protocol on its four problem files) in a process of its own, under
+    PyTorch's default settings as KernelBench runs, its JSON into each of out_dirs: (every drop-in passed, its
+    table), or None where `problems` is not there. On a CPU at batch 1 (unless given) and 3 timed calls:
+    KernelBench's sizes take minutes a call there."""
+    if not os.path.isdir(problems):
+        return None
+    argv = ["--device", device, "--problems", problems, *[arg for d in out_dirs for arg in ("--out", d)]]
+    cpu = device.split(":")[0] == "cpu"
+    if batch or cpu:
+        argv += ["--batch", str(batch or 1)]
+    if cpu:
+        argv += ["--trials", "3"]
+    # (its progress on stderr as it runs; its table, on stdout, printed with the others)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "kernelbench.py"), *argv],
+                          stdout=subprocess.PIPE, text=True)
+    return done.returncode == 0, done.stdout
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-build", action="store_true")
@@ -125,10 +148,10 @@ def main():
     parser.add_argument("--test-shard", metavar="K/N",
                         help="run only the K-th of N shards of the suite (every N-th test; on the lent GPU machines "
                              "the whole suite outlasts one command: run the shards in separate calls)")
-    parser.add_argument("--only", choices=("tests", "tails", "models", "configs", "distributed"),
+    parser.add_argument("--only", choices=("tests", "tails", "models", "configs", "distributed", "kernelbench"),
                         help="only the tests (no timing), or time only the tails, only the whole models, only the "
-                             "configuration grid, or only data-parallel training on two GPUs (default: the tests, "
-                             "then the others)")
+                             "configuration grid, only data-parallel training on two GPUs, or only KernelBench's "
+                             "protocol (default: the tests, then the others)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
     parser.add_argument("--max-autotune", action="store_true",
                         help="whole models: also time torch.compile(mode=\"max-autotune\") (slow to compile)")
@@ -137,7 +160,8 @@ def main():
                              "autocast)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--batch", type=int, default=None,
-                        help="batch size of the tails (default: the SPEC's on a GPU, 2 on a CPU)")
+                        help="batch size of the tails (default: the SPEC's on a GPU, 2 on a CPU) and of "
+                             "KernelBench's problems (default: theirs on a GPU, 1 on a CPU)")
     args = parser.parse_args()
 
     if not args.skip_build:
@@ -155,12 +179,12 @@ def main():
     from timing import device_slug
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tails = (None if args.only in ("models", "configs", "distributed")
+    tails = (None if args.only in ("models", "configs", "distributed", "kernelbench")
              else time_tails(device, args.batch, not args.no_compile, tests))
     models_argv = (["--device", device] + (["--no-compile"] if args.no_compile else [])
                    + (["--max-autotune"] if args.max_autotune else []))
     precisions = [[]] + ([] if args.no_autocast else [["--autocast", "bfloat16"]])
-    whole_models = ([] if args.only in ("tails", "configs", "distributed")
+    whole_models = ([] if args.only in ("tails", "configs", "distributed", "kernelbench")
                     else [models.run(models_argv + p) for p in precisions])
     grids = ([configs.run(configs.parse_args(["--device", device] + p)) for p in precisions]
              if args.only in (None, "configs") else [])
@@ -169,6 +193,9 @@ def main():
         print(f"distributed: needs two GPUs, {torch.cuda.device_count()} visible: not run")
     distributed = run_distributed(precisions) if args.only in (None, "distributed") and two_gpus else []
     out_dirs = [models.RESULTS] + ([os.environ["OUT"]] if os.environ.get("OUT") else [])
+    kernelbench = run_kernelbench(device, args.batch, out_dirs) if args.only in (None, "kernelbench") else None
+    if kernelbench is None and args.only in (None, "kernelbench"):
+        print(f"kernelbench: {KERNELBENCH_PROBLEMS} not there (make kernelbench): not run")
     for out_dir in out_dirs:
         if tails:
             os.makedirs(out_dir, exist_ok=True)
@@ -187,8 +214,11 @@ def main():
         configs.print_table(result)
     for _, output in distributed:
         print(output)
+    if kernelbench:
+        print(kernelbench[1])
     if ("failed" in tests or "error" in tests or not all(result["ok"] for result in whole_models + grids)
-            or not all(ok for ok, _ in distributed)):
+            or not all(ok for ok, _ in distributed) or (kernelbench and not kernelbench[0])
+            or (kernelbench is None and args.only == "kernelbench")):
         sys.exit(1)
 
 
