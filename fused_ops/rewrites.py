@@ -541,8 +541,9 @@ def _stride1_layout(x: Tensor) -> torch.memory_format:
 class _TransposedConv3dStride1(torch.autograd.Function):
     """A stride-1 transposed convolution in float32, float64 or bfloat16 (the last only where
     by_cutlass), (N, O, D', H', W'): where by_cutlass by conv_transpose3d_stride1_channels_last's
-    CUTLASS kernel; else as a convolution with the kernel flipped (the parity-class convolution
-    with P = 1; on an H200 3.2 ms against cuDNN's 4.5 for architecture D). On a GPU y is
+    CUTLASS kernel (_STRIDE1_BY_CUTLASS); else as a convolution with the kernel flipped (the
+    parity-class convolution with P = 1; on an H200 3.2 ms against cuDNN's 4.5 for architecture D),
+    in batch chunks where its depth-stacked input would take more than y's size. On a GPU y is
     channels_last_3d, as both convolutions write it (batch_norm_gap reads it so in place and
     writes its gradient so, which the weight gradient reads in place in bfloat16, and relayouts
     by a kernel of its own in TF32), but for _stride1_layout's exceptions. Backward by

@@ -270,54 +270,66 @@ constexpr int kFixupWarps = 8;
 
 __global__ void __launch_bounds__(32 * kFixupWarps)
     cascade_picks_fixup_kernel(const float* __restrict__ x, const float* __restrict__ w,
-                               const __grid_constant__ TransposedCascade p, const PickFixup f,
-                               const int* __restrict__ count, const int64_t* __restrict__ windows,
+                               const __grid_constant__ TransposedCascade p, const __grid_constant__ PickFixup f,
+                               const int* __restrict__ count, const int* __restrict__ windows,
                                uint8_t* __restrict__ picks) {
   __shared__ float elements[kFixupWarps][216];
+  __shared__ TransposedAxis axes[3];  // (indexed by class and tap: in shared memory, not the parameters)
+  constexpr int kAxesWords = sizeof(axes) / sizeof(int);  // (copied as words: the parameter read in place)
+  if (threadIdx.x < kAxesWords) {
+    reinterpret_cast<int*>(axes)[threadIdx.x] = reinterpret_cast<const int*>(f.axes)[threadIdx.x];
+  }
+  __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, listed = *count;
   float* const y = elements[warp];
   const int O = p.out_channels, volume = f.kernel[0] * f.kernel[1] * f.kernel[2];
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kFixupWarps + warp; e < listed;
-       e += static_cast<int64_t>(gridDim.x) * kFixupWarps) {
-    const int64_t index = windows[e];
-    const int o = static_cast<int>(index % O);
-    int64_t cell = index / O;
-    const int w2 = static_cast<int>(cell % p.cells[2]);
+  for (int e = blockIdx.x * kFixupWarps + warp; e < listed; e += gridDim.x * kFixupWarps) {
+    const int index = windows[e];
+    const int o = index % O;
+    int cell = index / O;
+    const int w2 = cell % p.cells[2];
     cell /= p.cells[2];
-    const int h2 = static_cast<int>(cell % p.cells[1]);
+    const int h2 = cell % p.cells[1];
     cell /= p.cells[1];
-    const int d2 = static_cast<int>(cell % p.cells[0]);
+    const int d2 = cell % p.cells[0];
     const int64_t n = cell / p.cells[0];
     for (int c = lane; c < 216; c += 32) {  // element c = stage-2 offset * 8 + class
       const int s2 = c / 8, q = c % 8;  // (the input positions of stage-1 position m's taps: m + start + u)
       const int z0 = 3 * d2 + s2 / 9 + p.start[0], h0 = 3 * h2 + s2 / 3 % 3 + p.start[1];
       const int v0 = 3 * w2 + s2 % 3 + p.start[2];
       float sum = 0.f;
-      for (int ud = 0; ud < f.axes[0].width; ++ud) {
-        const int t = f.axes[0].taps[q / 4][ud], z = z0 + ud;
+      for (int ud = 0; ud < axes[0].width; ++ud) {
+        const int t = axes[0].taps[q / 4][ud], z = z0 + ud;
         if (t < 0 || z < 0 || z >= f.in[0]) continue;
-        for (int uh = 0; uh < f.axes[1].width; ++uh) {
-          const int r = f.axes[1].taps[q / 2 % 2][uh], h = h0 + uh;
+        for (int uh = 0; uh < axes[1].width; ++uh) {
+          const int r = axes[1].taps[q / 2 % 2][uh], h = h0 + uh;
           if (r < 0 || h < 0 || h >= f.in[1]) continue;
-          for (int uw = 0; uw < f.axes[2].width; ++uw) {
-            const int s = f.axes[2].taps[q % 2][uw], v = v0 + uw;
+          for (int uw = 0; uw < axes[2].width; ++uw) {
+            const int s = axes[2].taps[q % 2][uw], v = v0 + uw;
             if (s < 0 || v < 0 || v >= f.in[2]) continue;
             const float* const xs = x + (((n * f.in[0] + z) * f.in[1] + h) * f.in[2] + v) * 32;
             const float* const ws = w + static_cast<int64_t>(o) * volume + (t * f.kernel[1] + r) * f.kernel[2] + s;
-            for (int i = 0; i < 32; ++i) sum = fmaf(xs[i], ws[static_cast<int64_t>(i) * O * volume], sum);
+            const int64_t channel_stride = static_cast<int64_t>(O) * volume;
+#pragma unroll 4
+            for (int i = 0; i < 32; ++i) sum = fmaf(xs[i], ws[i * channel_stride], sum);
           }
         }
       }
       y[c] = sum;
     }
     __syncwarp();
-    if (lane == 0) {
+    if (lane < 27) {  // stage 1: lane s2's stage-1 position, over its 8 classes
+      WindowPick<float> stage1;
+#pragma unroll
+      for (int q = 0; q < 8; ++q) stage1.update(y[lane * 8 + q], q);
+      y[lane * 8] = stage1.value;
+      reinterpret_cast<int*>(y)[lane * 8 + 1] = lane * 8 + stage1.offset;
+    }
+    __syncwarp();
+    if (lane == 0) {  // stage 2, over the 27 positions
       WindowPick<float> window;
-      for (int s2 = 0; s2 < 27; ++s2) {
-        WindowPick<float> stage1;
-        for (int q = 0; q < 8; ++q) stage1.update(y[s2 * 8 + q], q);
-        window.update(stage1.value, s2 * 8 + stage1.offset);
-      }
+#pragma unroll 1
+      for (int s2 = 0; s2 < 27; ++s2) window.update(y[s2 * 8], reinterpret_cast<const int*>(y)[s2 * 8 + 1]);
       picks[index] = static_cast<uint8_t>(window.offset);
     }
     __syncwarp();
@@ -363,12 +375,12 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
       tap_bound = at::empty({g.out_channels}, x_max.options());
       count = at::zeros({1}, x.options().dtype(at::kInt));
       windows = at::empty({g.batch * g.cells(0) * g.cells(1) * g.cells(2) * g.out_channels},
-                          x.options().dtype(at::kLong));
+                          x.options().dtype(at::kInt));
       cascade_tap_bound_kernel<<<static_cast<unsigned>(g.out_channels), 32, 0, stream>>>(
           w.const_data_ptr<float>(), plan.weights, p, tap_bound.mutable_data_ptr<float>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       certify = {tap_bound.const_data_ptr<float>(), x_max.const_data_ptr<float>(), count.mutable_data_ptr<int>(),
-                 windows.mutable_data_ptr<int64_t>()};
+                 windows.mutable_data_ptr<int>()};
     }
   }
   at::Tensor w_taps = at::empty({1, taps, 64, R}, x.options().dtype(element));
@@ -407,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
                             4 * device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
       cascade_picks_fixup_kernel<<<static_cast<unsigned>(blocks), 32 * kFixupWarps, 0, stream>>>(
           x_channels_last.const_data_ptr<float>(), w.const_data_ptr<float>(), p, f, count.const_data_ptr<int>(),
-          windows.const_data_ptr<int64_t>(), picks.mutable_data_ptr<uint8_t>());
+          windows.const_data_ptr<int>(), picks.mutable_data_ptr<uint8_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }
@@ -430,7 +442,10 @@ std::tuple<at::Tensor, at::Tensor> conv_transpose3d_cascade_sum_cuda(const at::T
       transposed_cascade_sum_setup(x, weight, stride, padding, output_padding, kernel2, save_indices);
   const c10::cuda::CUDAGuard guard(x.device());
 #ifdef FUSED_OPS_CUTLASS
-  if (const auto plan = cascade_plan(x, g)) {
+  const auto plan = cascade_plan(x, g);
+  // (with picks, their indices under 2^31: certified picks list them as int; SPEC's B has 2^20)
+  if (plan && (!save_indices || g.batch * g.cells(0) * g.cells(1) * g.cells(2) * g.out_channels <=
+                                    std::numeric_limits<int32_t>::max())) {
     const at::ScalarType result = result_dtype("conv_transpose3d_cascade_sum", x.scalar_type(), dtype);
     auto [out, picks] = plan->operands == CascadeOperands::kTf32 ? run_kernel<float>(x, weight, g, *plan, save_indices)
                         : plan->operands == CascadeOperands::kBf16x3

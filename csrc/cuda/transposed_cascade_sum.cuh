@@ -96,7 +96,7 @@ struct CascadeCertify {
   const float* tap_bound;  // (O)
   const float* x_max;      // max |x| (1), by bf16x3_rows_kernel
   int* count;              // listed windows
-  int64_t* windows;        // their picks indices
+  int* windows;            // their picks indices (the picks under 2^31: conv_transpose3d_cascade_sum_cuda)
 };
 constexpr float kCertifyEps = 1.0f / 8192;
 
@@ -509,7 +509,7 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
         const int64_t index = (row_cell + w2) * p.out_channels + o;
         picks[index] = static_cast<uint8_t>(cell[k].offset);
         if constexpr (kCertify) {
-          if (cell_close[k]) certify.windows[atomicAdd(certify.count, 1)] = index;
+          if (cell_close[k]) certify.windows[atomicAdd(certify.count, 1)] = static_cast<int>(index);
         }
       }
     }
