@@ -292,7 +292,9 @@ def run(args: argparse.Namespace) -> dict:
     """Every problem through evaluate(): the result (see main's JSON)."""
     device, dtype = torch.device(args.device), PRECISIONS[args.precision]
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # (as KernelBench does)
+        # (as KernelBench does; an index: torch 2.11's set_device refuses a bare "cuda")
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
     paths = problem_files(args.problems)
     commit_file = os.path.join(args.problems, "COMMIT")  # written by `make kernelbench`
     commit = open(commit_file).read().strip() if os.path.isfile(commit_file) else None

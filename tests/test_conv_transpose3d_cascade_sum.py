@@ -427,7 +427,7 @@ def test_b_module_takes_the_kernel(mode, float32_operands, tf32, cutlass):
 @requires_sm90
 def test_kernel_certified_picks_are_float64s(tf32, cutlass):
     """bf16x3 with picks (B's training step in float32): the windows with a near tie are picked again
-    from float32 sums, so that at SPEC's size the picks are the float64 composite's, every one (bf16x3's
+    from float64 sums, so that at SPEC's size the picks are the float64 composite's, every one (bf16x3's
     roundings alone picked otherwise in 11 of SPEC's 10^6 windows on an H200); the output is the run's
     without picks."""
     geometry = (16, 32, 64, (32, 32, 32), (5, 5, 5), (2, 2, 2), (2, 2, 2), (0, 0, 0), (3, 3, 3))

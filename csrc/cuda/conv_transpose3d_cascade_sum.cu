@@ -257,9 +257,10 @@ __global__ void cascade_tap_bound_kernel(const float* __restrict__ w, const __gr
 }
 
 // Certified picks (transposed_cascade_sum.cuh's CascadeCertify): a warp per listed window (n, cell, o)
-// sums its 216 elements y[n, o, 2 m + q] in float32 (x channels-last (N, D, H, W, 32), w (32, O, kt, kr,
-// ks), both float32; taps and channels in order), then picks as the kernel does: stage 1 over the 8
-// classes, stage 2 over the 27 stage-1 positions, each in scan order (WindowPick).
+// sums its 216 elements y[n, o, 2 m + q] in float64 (x channels-last (N, D, H, W, 32), w (32, O, kt, kr,
+// ks), both float32; taps and channels in order: a listed window is a near tie, which a float32 sum in
+// order, rounding more than cuDNN's, decided otherwise than float64 in some), then picks as the kernel does: stage 1 over the 8 classes, stage 2
+// over the 27 stage-1 positions, each in scan order (WindowPick).
 struct PickFixup {
   TransposedAxis axes[3];
   int kernel[3];  // kt, kr, ks
@@ -273,7 +274,7 @@ __global__ void __launch_bounds__(32 * kFixupWarps)
                                const __grid_constant__ TransposedCascade p, const __grid_constant__ PickFixup f,
                                const int* __restrict__ count, const int* __restrict__ windows,
                                uint8_t* __restrict__ picks) {
-  __shared__ float elements[kFixupWarps][216];
+  __shared__ double elements[kFixupWarps][216];
   __shared__ TransposedAxis axes[3];  // (indexed by class and tap: in shared memory, not the parameters)
   constexpr int kAxesWords = sizeof(axes) / sizeof(int);  // (copied as words: the parameter read in place)
   if (threadIdx.x < kAxesWords) {
@@ -281,7 +282,7 @@ __global__ void __launch_bounds__(32 * kFixupWarps)
   }
   __syncthreads();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, listed = *count;
-  float* const y = elements[warp];
+  double* const y = elements[warp];
   const int O = p.out_channels, volume = f.kernel[0] * f.kernel[1] * f.kernel[2];
   for (int e = blockIdx.x * kFixupWarps + warp; e < listed; e += gridDim.x * kFixupWarps) {
     const int index = windows[e];
@@ -297,7 +298,7 @@ __global__ void __launch_bounds__(32 * kFixupWarps)
       const int s2 = c / 8, q = c % 8;  // (the input positions of stage-1 position m's taps: m + start + u)
       const int z0 = 3 * d2 + s2 / 9 + p.start[0], h0 = 3 * h2 + s2 / 3 % 3 + p.start[1];
       const int v0 = 3 * w2 + s2 % 3 + p.start[2];
-      float sum = 0.f;
+      double sum = 0.0;
       for (int ud = 0; ud < axes[0].width; ++ud) {
         const int t = axes[0].taps[q / 4][ud], z = z0 + ud;
         if (t < 0 || z < 0 || z >= f.in[0]) continue;
@@ -311,7 +312,9 @@ __global__ void __launch_bounds__(32 * kFixupWarps)
             const float* const ws = w + static_cast<int64_t>(o) * volume + (t * f.kernel[1] + r) * f.kernel[2] + s;
             const int64_t channel_stride = static_cast<int64_t>(O) * volume;
 #pragma unroll 4
-            for (int i = 0; i < 32; ++i) sum = fmaf(xs[i], ws[i * channel_stride], sum);
+            for (int i = 0; i < 32; ++i) {
+              sum = fma(static_cast<double>(xs[i]), static_cast<double>(ws[i * channel_stride]), sum);
+            }
           }
         }
       }
@@ -319,17 +322,17 @@ __global__ void __launch_bounds__(32 * kFixupWarps)
     }
     __syncwarp();
     if (lane < 27) {  // stage 1: lane s2's stage-1 position, over its 8 classes
-      WindowPick<float> stage1;
+      WindowPick<double> stage1;
 #pragma unroll
       for (int q = 0; q < 8; ++q) stage1.update(y[lane * 8 + q], q);
       y[lane * 8] = stage1.value;
-      reinterpret_cast<int*>(y)[lane * 8 + 1] = lane * 8 + stage1.offset;
+      y[lane * 8 + 1] = lane * 8 + stage1.offset;
     }
     __syncwarp();
     if (lane == 0) {  // stage 2, over the 27 positions
-      WindowPick<float> window;
+      WindowPick<double> window;
 #pragma unroll 1
-      for (int s2 = 0; s2 < 27; ++s2) window.update(y[s2 * 8], reinterpret_cast<const int*>(y)[s2 * 8 + 1]);
+      for (int s2 = 0; s2 < 27; ++s2) window.update(y[s2 * 8], static_cast<int>(y[s2 * 8 + 1]));
       picks[index] = static_cast<uint8_t>(window.offset);
     }
     __syncwarp();
