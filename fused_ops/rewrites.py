@@ -538,6 +538,12 @@ def _stride1_layout(x: Tensor) -> torch.memory_format:
     return torch.channels_last_3d
 
 
+# The most a chunk of _TransposedConv3dStride1's parity-class convolution (its depth-stacked input and its
+# output) takes, as a share of y's size: the forward then peaks under (1 + share) times y, as the original
+# holds y and its batch norm's input (two y's).
+_PARITY_CHUNK_SHARE = 0.5
+
+
 class _TransposedConv3dStride1(torch.autograd.Function):
     """A stride-1 transposed convolution in float32, float64 or bfloat16 (the last only where
     by_cutlass), (N, O, D', H', W'): where by_cutlass by conv_transpose3d_stride1_channels_last's
@@ -562,11 +568,11 @@ class _TransposedConv3dStride1(torch.autograd.Function):
         kernel = _transposed_parity_kernel(weight, axes, weight.dtype)
         layout = _stride1_layout(x)
         n = x.shape[0]
-        # the batch in chunks whose depth-stacked input and output copies take at most half of y's
-        # size: the forward peaks under 1.5 times y, as the original holds y and its batch norm's input
-        # (SPEC's D in float32 without TF32: the stacked input alone is 2.5 times y)
+        # the batch in chunks whose depth-stacked input and output copies take at most _PARITY_CHUNK_SHARE of
+        # y's size (SPEC's D in float32: the stacked input alone is 2.5 times y)
         y_numel = math.prod(out_size) * weight.shape[1]  # (a batch element's)
-        fit = n if traced(x) else max(1, y_numel * n // 2 // (y_numel + _stacked_numel(x, axes, out_size)))
+        chunk = int(y_numel * n * _PARITY_CHUNK_SHARE) // (y_numel + _stacked_numel(x, axes, out_size))
+        fit = n if traced(x) else max(1, chunk)
         if fit >= n:
             y = _parity_conv3d(x, kernel, bias, axes, out_size)
             return y.squeeze(5).permute(0, 4, 1, 2, 3).contiguous(memory_format=layout)

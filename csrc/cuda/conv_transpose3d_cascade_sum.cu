@@ -6,9 +6,7 @@
 // 64 output channels: the convolution and its tail in one wgmma kernel (transposed_cascade_sum.cuh),
 // over a channels-last copy of x (none where x is channels-last already) and the weights
 // rearranged per tap (cascade_weight_taps_kernel). Sums in float32, rounded to bfloat16 where the
-// original's y is (before the pools) and to the result's dtype. With bf16x3 operands and picks (a
-// training step's), the picks certified: windows with a near tie are listed by the kernel and picked
-// again from float32 sums (cascade_picks_fixup_kernel; CascadeCertify). Everything else by the composite.
+// original's y is (before the pools) and to the result's dtype. Everything else by the composite.
 // SPEC's B on an H200, the kernel from a channels-last x: 0.59 ms in TF32, 0.47 in bfloat16 (0.68 and
 // 0.62 with every item whole and the earlier tap loop), against 1.42 for the whole op by the
 // parity-class formulation B's rewrite took before and 40.7 for cuDNN's transposed convolution
@@ -112,7 +110,6 @@ struct WeightTaps {
 // The kernel's problem, its taps and its weights' rearrangement.
 struct CascadePlan {
   CascadeOperands operands;
-  std::array<TransposedAxis, 3> axes;  // (certified picks' float32 sums: cascade_picks_fixup_kernel)
   TransposedCascade p;  // (p.tap_operand set for the element type: set_tap_operands)
   uint8_t tap[kCascadeMaxTaps];  // per tap of the classes in order, (ud * 3 + uh) * 3 + uw
   WeightTaps weights;
@@ -135,7 +132,6 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
   }
   CascadePlan plan{};
   plan.operands = cascade_operands(x);
-  plan.axes = axes;
   TransposedCascade& p = plan.p;
   for (int d = 0; d < 3; ++d) {
     p.cells[d] = static_cast<int>(g.cells(d));
@@ -214,129 +210,21 @@ __global__ void cascade_weight_taps_kernel(const Source<T>* __restrict__ w, Elem
 }
 
 // x's channels-last float32 rows (positions, 32) as Bf16x3's (positions, 64): a thread takes 8
-// channels of a position, their high parts to its row's first half, their low parts to its second; and
-// max |x| into *x_max (zero before; its bits as an int's: |x|'s order, a NaN above inf).
-__global__ void bf16x3_rows_kernel(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, int64_t groups,
-                                   float* __restrict__ x_max) {
+// channels of a position, their high parts to its row's first half, their low parts to its second.
+__global__ void bf16x3_rows_kernel(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, int64_t groups) {
   const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // (position, 8 channels)
-  float largest = 0.f;
-  if (group < groups) {
-    const auto first = load_vector<float, 4>(x + group * 8), second = load_vector<float, 4>(x + group * 8 + 4);
-    Vector<__nv_bfloat16, 8> high, low;
+  if (group >= groups) return;
+  const auto first = load_vector<float, 4>(x + group * 8), second = load_vector<float, 4>(x + group * 8 + 4);
+  Vector<__nv_bfloat16, 8> high, low;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float v = e < 4 ? first.v[e] : second.v[e - 4];
-      high.v[e] = bf16x3_part(v, 0);
-      low.v[e] = bf16x3_part(v, 1);
-      largest = __int_as_float(max(__float_as_int(largest), __float_as_int(fabsf(v))));
-    }
-    __nv_bfloat16* const row = out + group / 4 * 64 + group % 4 * 8;
-    *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row) = high;
-    *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row + 32) = low;
+  for (int e = 0; e < 8; ++e) {
+    const float v = e < 4 ? first.v[e] : second.v[e - 4];
+    high.v[e] = bf16x3_part(v, 0);
+    low.v[e] = bf16x3_part(v, 1);
   }
-  int bits = __float_as_int(largest);
-#pragma unroll
-  for (int lanes = 16; lanes > 0; lanes /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, lanes));
-  if (threadIdx.x % 32 == 0) atomicMax(reinterpret_cast<int*>(x_max), bits);
-}
-
-// tap_bound[o] (CascadeCertify): the largest over the classes of the sum over a class's taps and the 32
-// input channels of |w[i, o, tap]|; a block of 32 threads (input channel i) per output channel o.
-__global__ void cascade_tap_bound_kernel(const float* __restrict__ w, const __grid_constant__ WeightTaps taps,
-                                         const __grid_constant__ TransposedCascade p, float* __restrict__ tap_bound) {
-  const int o = blockIdx.x, i = threadIdx.x;
-  float bound = 0.f;
-  for (int q = 0, e = 0; q < 8; ++q) {
-    float sum = 0.f;
-    for (; e < p.class_end[q]; ++e) sum += fabsf(w[(i * taps.out_channels + o) * taps.volume + taps.kernel_tap[e]]);
-#pragma unroll
-    for (int lanes = 16; lanes > 0; lanes /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
-    bound = fmaxf(bound, sum);
-  }
-  if (i == 0) tap_bound[o] = bound;
-}
-
-// Certified picks (transposed_cascade_sum.cuh's CascadeCertify): a warp per listed window (n, cell, o)
-// sums its 216 elements y[n, o, 2 m + q] in float64 (x channels-last (N, D, H, W, 32), w (32, O, kt, kr,
-// ks), both float32; taps and channels in order: a listed window is a near tie, which a float32 sum in
-// order, rounding more than cuDNN's, decided otherwise than float64 in some), then picks as the kernel does: stage 1 over the 8 classes, stage 2
-// over the 27 stage-1 positions, each in scan order (WindowPick).
-struct PickFixup {
-  TransposedAxis axes[3];
-  int kernel[3];  // kt, kr, ks
-  int in[3];      // x's D, H, W
-};
-
-constexpr int kFixupWarps = 8;
-
-__global__ void __launch_bounds__(32 * kFixupWarps)
-    cascade_picks_fixup_kernel(const float* __restrict__ x, const float* __restrict__ w,
-                               const __grid_constant__ TransposedCascade p, const __grid_constant__ PickFixup f,
-                               const int* __restrict__ count, const int* __restrict__ windows,
-                               uint8_t* __restrict__ picks) {
-  __shared__ double elements[kFixupWarps][216];
-  __shared__ TransposedAxis axes[3];  // (indexed by class and tap: in shared memory, not the parameters)
-  constexpr int kAxesWords = sizeof(axes) / sizeof(int);  // (copied as words: the parameter read in place)
-  if (threadIdx.x < kAxesWords) {
-    reinterpret_cast<int*>(axes)[threadIdx.x] = reinterpret_cast<const int*>(f.axes)[threadIdx.x];
-  }
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, listed = *count;
-  double* const y = elements[warp];
-  const int O = p.out_channels, volume = f.kernel[0] * f.kernel[1] * f.kernel[2];
-  for (int e = blockIdx.x * kFixupWarps + warp; e < listed; e += gridDim.x * kFixupWarps) {
-    const int index = windows[e];
-    const int o = index % O;
-    int cell = index / O;
-    const int w2 = cell % p.cells[2];
-    cell /= p.cells[2];
-    const int h2 = cell % p.cells[1];
-    cell /= p.cells[1];
-    const int d2 = cell % p.cells[0];
-    const int64_t n = cell / p.cells[0];
-    for (int c = lane; c < 216; c += 32) {  // element c = stage-2 offset * 8 + class
-      const int s2 = c / 8, q = c % 8;  // (the input positions of stage-1 position m's taps: m + start + u)
-      const int z0 = 3 * d2 + s2 / 9 + p.start[0], h0 = 3 * h2 + s2 / 3 % 3 + p.start[1];
-      const int v0 = 3 * w2 + s2 % 3 + p.start[2];
-      double sum = 0.0;
-      for (int ud = 0; ud < axes[0].width; ++ud) {
-        const int t = axes[0].taps[q / 4][ud], z = z0 + ud;
-        if (t < 0 || z < 0 || z >= f.in[0]) continue;
-        for (int uh = 0; uh < axes[1].width; ++uh) {
-          const int r = axes[1].taps[q / 2 % 2][uh], h = h0 + uh;
-          if (r < 0 || h < 0 || h >= f.in[1]) continue;
-          for (int uw = 0; uw < axes[2].width; ++uw) {
-            const int s = axes[2].taps[q % 2][uw], v = v0 + uw;
-            if (s < 0 || v < 0 || v >= f.in[2]) continue;
-            const float* const xs = x + (((n * f.in[0] + z) * f.in[1] + h) * f.in[2] + v) * 32;
-            const float* const ws = w + static_cast<int64_t>(o) * volume + (t * f.kernel[1] + r) * f.kernel[2] + s;
-            const int64_t channel_stride = static_cast<int64_t>(O) * volume;
-#pragma unroll 4
-            for (int i = 0; i < 32; ++i) {
-              sum = fma(static_cast<double>(xs[i]), static_cast<double>(ws[i * channel_stride]), sum);
-            }
-          }
-        }
-      }
-      y[c] = sum;
-    }
-    __syncwarp();
-    if (lane < 27) {  // stage 1: lane s2's stage-1 position, over its 8 classes
-      WindowPick<double> stage1;
-#pragma unroll
-      for (int q = 0; q < 8; ++q) stage1.update(y[lane * 8 + q], q);
-      y[lane * 8] = stage1.value;
-      y[lane * 8 + 1] = lane * 8 + stage1.offset;
-    }
-    __syncwarp();
-    if (lane == 0) {  // stage 2, over the 27 positions
-      WindowPick<double> window;
-#pragma unroll 1
-      for (int s2 = 0; s2 < 27; ++s2) window.update(y[s2 * 8], static_cast<int>(y[s2 * 8 + 1]));
-      picks[index] = static_cast<uint8_t>(window.offset);
-    }
-    __syncwarp();
-  }
+  __nv_bfloat16* const row = out + group / 4 * 64 + group % 4 * 8;
+  *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row) = high;
+  *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row + 32) = low;
 }
 
 // The kernel over x and weight as operands T (float: TF32, __nv_bfloat16, Bf16x3): (out, picks).
@@ -356,36 +244,17 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   const int taps = plan.weights.taps;
   constexpr int R = Config::kRowElements;
   const auto element = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
-  // x channels-last, (N, D, H, W, I) contiguous, 16-byte aligned (the tensor map's base; Bf16x3's R parts
-  // of it below)
-  const at::Tensor x_channels_last = relayout(x, {0, 2, 3, 4, 1});
-  at::Tensor x_last = x_channels_last;
-  const at::Tensor w = weight.contiguous();
-  // certified picks (CascadeCertify): Bf16x3 with picks
-  constexpr bool certified = std::is_same_v<T, Bf16x3>;
-  CascadeCertify certify{};
-  at::Tensor x_max, tap_bound, count, windows;
-  if constexpr (certified) {
-    x_max = at::zeros({1}, x.options().dtype(at::kFloat));
+  // x channels-last, (N, D, H, W, R) contiguous, 16-byte aligned (the tensor map's base)
+  at::Tensor x_last = relayout(x, {0, 2, 3, 4, 1});
+  if constexpr (std::is_same_v<T, Bf16x3>) {
     at::Tensor rows = at::empty({g.batch, g.in[0], g.in[1], g.in[2], R}, x.options().dtype(element));
     const int64_t groups = x_last.numel() / 8;
     bf16x3_rows_kernel<<<static_cast<unsigned>((groups + 255) / 256), 256, 0, stream>>>(
-        x_last.const_data_ptr<float>(), static_cast<__nv_bfloat16*>(rows.mutable_data_ptr()), groups,
-        x_max.mutable_data_ptr<float>());
+        x_last.const_data_ptr<float>(), static_cast<__nv_bfloat16*>(rows.mutable_data_ptr()), groups);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     x_last = rows;
-    if (save_indices) {
-      tap_bound = at::empty({g.out_channels}, x_max.options());
-      count = at::zeros({1}, x.options().dtype(at::kInt));
-      windows = at::empty({g.batch * g.cells(0) * g.cells(1) * g.cells(2) * g.out_channels},
-                          x.options().dtype(at::kInt));
-      cascade_tap_bound_kernel<<<static_cast<unsigned>(g.out_channels), 32, 0, stream>>>(
-          w.const_data_ptr<float>(), plan.weights, p, tap_bound.mutable_data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      certify = {tap_bound.const_data_ptr<float>(), x_max.const_data_ptr<float>(), count.mutable_data_ptr<int>(),
-                 windows.mutable_data_ptr<int>()};
-    }
   }
+  const at::Tensor w = weight.contiguous();
   at::Tensor w_taps = at::empty({1, taps, 64, R}, x.options().dtype(element));
   cascade_weight_taps_kernel<T><<<(taps * 64 * R + 255) / 256, 256, 0, stream>>>(
       static_cast<const Source<T>*>(w.const_data_ptr()), static_cast<Element<T>*>(w_taps.mutable_data_ptr()),
@@ -407,25 +276,8 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
   kernel<<<static_cast<unsigned>(p.whole_items + split * parts), Config::kThreads, Config::kSmemBytes, stream>>>(
       x_map, w_map, out.mutable_data_ptr<float>(), save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr,
-      partial.mutable_data_ptr<float>(), p, certify);
+      partial.mutable_data_ptr<float>(), p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if constexpr (certified) {
-    if (save_indices) {
-      PickFixup f{};
-      for (int d = 0; d < 3; ++d) {
-        f.axes[d] = plan.axes[d];
-        f.kernel[d] = static_cast<int>(g.kernel[d]);
-        f.in[d] = static_cast<int>(g.in[d]);
-      }
-      const int64_t blocks =
-          std::min<int64_t>((windows.numel() + kFixupWarps - 1) / kFixupWarps,
-                            4 * device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
-      cascade_picks_fixup_kernel<<<static_cast<unsigned>(blocks), 32 * kFixupWarps, 0, stream>>>(
-          x_channels_last.const_data_ptr<float>(), w.const_data_ptr<float>(), p, f, count.const_data_ptr<int>(),
-          windows.const_data_ptr<int>(), picks.mutable_data_ptr<uint8_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
-  }
   if (split > 0) {
     cascade_parts_sum_kernel<<<static_cast<unsigned>(split * 2), 128, 0, stream>>>(partial.const_data_ptr<float>(),
                                                                                  out.mutable_data_ptr<float>(), p);
@@ -445,10 +297,7 @@ std::tuple<at::Tensor, at::Tensor> conv_transpose3d_cascade_sum_cuda(const at::T
       transposed_cascade_sum_setup(x, weight, stride, padding, output_padding, kernel2, save_indices);
   const c10::cuda::CUDAGuard guard(x.device());
 #ifdef FUSED_OPS_CUTLASS
-  const auto plan = cascade_plan(x, g);
-  // (with picks, their indices under 2^31: certified picks list them as int; SPEC's B has 2^20)
-  if (plan && (!save_indices || g.batch * g.cells(0) * g.cells(1) * g.cells(2) * g.out_channels <=
-                                    std::numeric_limits<int32_t>::max())) {
+  if (const auto plan = cascade_plan(x, g)) {
     const at::ScalarType result = result_dtype("conv_transpose3d_cascade_sum", x.scalar_type(), dtype);
     auto [out, picks] = plan->operands == CascadeOperands::kTf32 ? run_kernel<float>(x, weight, g, *plan, save_indices)
                         : plan->operands == CascadeOperands::kBf16x3
