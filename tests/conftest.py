@@ -1,3 +1,6 @@
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -130,6 +133,19 @@ def assert_close_to_reference(actual, reference, dtype, what="", normwise=False,
 # --------------------------------------------------------------------------
 # Drop-in modules (fused_ops.nn) against their originals (fused_ops.reference)
 # --------------------------------------------------------------------------
+
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def bench_script(name: str, monkeypatch):
+    """bench/<name>.py as a module, its own imports found as when it runs as a script (bench/ on the path
+    through monkeypatch)."""
+    monkeypatch.syspath_prepend(BENCH)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_pair(name, args, seed=0):

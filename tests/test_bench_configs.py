@@ -2,16 +2,15 @@
 (enough of them, SPEC's four among them, each valid for the original at the tiny
 size), and a run of the grid at tiny sizes on the CPU, in-process: its checks,
 its JSON, its table and its markdown."""
-import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
+from conftest import bench_script
 from fused_ops.architectures import ARCHITECTURES
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 ROW_KEYS = {"config", "model", "name", "args", "batch", "spec_batch", "step", "input_shape", "errors", "ok",
             "max_rel_err", "tolerance", "verdict", "eager_ms", "tuned_ms", "fused_ms", "eager_reps", "tuned_reps",
             "fused_reps", "speedup_vs_eager", "speedup_vs_tuned", "formulation", "eager_peak_mib", "fused_peak_mib",
@@ -22,11 +21,7 @@ ROW_KEYS = {"config", "model", "name", "args", "batch", "spec_batch", "step", "i
 def configs():
     """bench/configs.py as a module."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        monkeypatch.syspath_prepend(BENCH)  # its imports, as when run as a script
-        spec = importlib.util.spec_from_file_location("bench_configs", os.path.join(BENCH, "configs.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield bench_script("configs", monkeypatch)
 
 
 def test_the_list(configs):

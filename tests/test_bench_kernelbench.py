@@ -3,7 +3,6 @@ written here (KernelBench's own are not in the repository: `make kernelbench` fe
 (the drop-in, built under the protocol's seeding) passes every trial, and wrong ones fail it (off by more than
 the tolerance, right on one input only, a wrong shape, an exception, parameters drawn otherwise); the batch
 override; the timing's calls; main end to end on four files under KernelBench's names; bench/run.py's step."""
-import importlib.util
 import json
 import os
 
@@ -11,8 +10,8 @@ import pytest
 import torch
 
 import fused_ops.nn
+from conftest import bench_script
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 CPU = torch.device("cpu")
 
 # A problem file as KernelBench writes them (its Model inline, module-level sizes, get_inputs and
@@ -61,11 +60,7 @@ TINY_PROBLEMS = {
 @pytest.fixture
 def kernelbench(monkeypatch):
     """bench/kernelbench.py as a module."""
-    monkeypatch.syspath_prepend(BENCH)  # its imports, as when run as a script
-    spec = importlib.util.spec_from_file_location("bench_kernelbench", os.path.join(BENCH, "kernelbench.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("kernelbench", monkeypatch)
 
 
 @pytest.fixture
@@ -246,9 +241,7 @@ def test_main_without_the_problems(kernelbench, tmp_path, capsys):
 def test_run_py_step(kernelbench, monkeypatch, tmp_path):
     """bench/run.py's kernelbench step: skipped without the problems; with them, the script in its own process
     (on a CPU at batch 2 as asked, 3 timed calls), its JSON in each directory, its table."""
-    spec = importlib.util.spec_from_file_location("bench_run", os.path.join(BENCH, "run.py"))
-    run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run)
+    run = bench_script("run", monkeypatch)
     assert run.run_kernelbench("cpu", None, [str(tmp_path)], problems=str(tmp_path / "absent")) is None
     write_tiny_problems(kernelbench, tmp_path / "problems")
     ok, table = run.run_kernelbench("cpu", 2, [str(tmp_path / "out"), str(tmp_path / "out2")],

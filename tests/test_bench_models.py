@@ -1,27 +1,22 @@
 """bench/models.py, the whole-model benchmark: at tiny sizes on the CPU, both
 modes through the CLI's machinery, in float32 and under bfloat16 autocast, its
 JSON and its table."""
-import importlib.util
 import json
 import os
 
 import pytest
 
+from conftest import bench_script
 from fused_ops import cli
 from fused_ops.architectures import ARCHITECTURES
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 TINY = ["--device", "cpu", "--size", "tiny", "--no-compile", "--reps", "1"]
 
 
 @pytest.fixture
 def models(monkeypatch):
     """bench/models.py as a module."""
-    monkeypatch.syspath_prepend(BENCH)  # its imports, as when run as a script
-    spec = importlib.util.spec_from_file_location("bench_models", os.path.join(BENCH, "models.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("models", monkeypatch)
 
 
 def check_rows(result: dict) -> None:

@@ -1,21 +1,18 @@
 """bench/run.py's test shards: the shards of a collected suite partition it, each test in exactly
 one, every N-th from the K-th (so that each file's cases spread over the shards)."""
-import importlib.util
 import os
 import subprocess
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+from conftest import bench_script
+
 
 
 @pytest.fixture
 def run(monkeypatch):
     """bench/run.py as a module, its suite's collection replaced by 10 listed tests."""
-    monkeypatch.syspath_prepend(BENCH)
-    spec = importlib.util.spec_from_file_location("bench_run", os.path.join(BENCH, "run.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_script("run", monkeypatch)
     listing = "\n".join([f"tests/test_{i % 3}.py::test_case[{i}]" for i in range(10)] + ["", "10 tests collected"])
     monkeypatch.setattr(module.subprocess, "run",
                         lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, stdout=listing, stderr=""))
