@@ -66,6 +66,9 @@ _GRAPHS_ENABLED = _environment_flag("FUSED_OPS_CUDA_GRAPHS")  # (the graphed can
 _CHOICES: dict[tuple, tuple[str, bool]] = {}  # key -> (formulation, replayed from a CUDA graph)
 _FORCED: list[str] = []
 _LAST = [None]  # the formulation the latest call ran
+# The innermost torch.func transform of the call, or None (choose)
+_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
+_FunctorchInterpreter = torch._C._functorch.CInterpreter
 _GENERATION = [0]  # advanced by clear() and set_enabled(): the modules' remembered choices lapse
 # Each candidate is timed over ROUNDS rounds (candidates interleaved), each round a run of
 # calls at least ROUND_MS long (at most MAX_CALLS calls), after one warm-up call; the median
@@ -151,9 +154,11 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
     before runs it without building the key or the list of formulations (host time: at a
     batch of one a whole call on a GPU takes about 0.1 ms); where it no longer holds (run
     gives None), the call chooses again. Under a torch.func transform (grad, vjp, jacrev, vmap, ...;
-    not while compiling, where the compiler handles it) the call runs the original's own ops, which
-    functorch transforms: it cannot transform the fused ops' C++ autograd, nor vmap a layout change."""
-    if torch._C._functorch.peek_interpreter_stack() is not None and not torch.compiler.is_compiling():
+    compiled too) the call runs the original's own ops, which functorch transforms: it cannot
+    transform the fused ops' C++ autograd, nor vmap a layout change."""
+    transform = _functorch_interpreter()
+    # (dynamo reads the query's None as true; the type as it is)
+    if transform is not None and isinstance(transform, _FunctorchInterpreter):
         _LAST[0] = "original"
         return "original", run("original", x)
     if _FORCED:

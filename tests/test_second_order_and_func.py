@@ -253,9 +253,23 @@ def test_torch_func_with_the_autotuner(name, args, shape, device):
     torch.testing.assert_close(actual, expected, **TOLERANCE)
 
 
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_compiled_torch_func_is_the_original(name, args, shape, device):
+    """torch.compile of per-sample gradients (vmap of grad) traces the original's ops too."""
+    original, fused = pair(name, args, device, train=False)
+    x = make_input(shape, torch.float64, device)
+    params = {name: p.detach() for name, p in fused.named_parameters()}
+
+    def per_sample(module):
+        loss = lambda p, t: functional_call(module, p, (t.unsqueeze(0),)).sum()  # noqa: E731
+        return torch.compile(vmap(grad(loss), in_dims=(None, 0)), fullgraph=True)(params, x)
+    torch.testing.assert_close(per_sample(fused), per_sample_grads(original, x), **TOLERANCE)
+
+
 def test_compiled_module_keeps_its_formulations():
-    """The transform check leaves torch.compile alone (dynamo reads the interpreter-stack query as
-    true): a compiled call traces the rule's formulation, A's fused tail on a CPU."""
+    """The transform check leaves a plain torch.compile alone (dynamo reads the interpreter-stack
+    query's None as true, its type as it is): a compiled call traces the rule's formulation, A's
+    fused tail on a CPU."""
     name, args, shape = CONFIGS[0]
     original, fused = pair(name, args, "cpu", dtype=torch.float32, train=False)
     x = torch.rand(shape)
