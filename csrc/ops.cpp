@@ -10,16 +10,16 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(fused_ops, m) {
-  // sum over (C, OH, OW) of sigmoid(avg_pool2d(x)) -> (B,); with
-  // save_grad_factor, also sigmoid'(p) / divisor per pooled element (for the
-  // backward), else an empty tensor.
+  // sum over (C, OH, OW) of sigmoid(avg_pool2d(x)) -> (B,); with save_sigmoid,
+  // also each pooled element's sigmoid (for the backward), else an empty tensor.
   m.def(
       "avg_pool2d_sigmoid_sum(Tensor x, int[2] kernel_size, int[2] stride, int[2] padding, "
       "bool ceil_mode, bool count_include_pad, int? divisor_override, "
-      "bool save_grad_factor, ScalarType? dtype=None) -> (Tensor, Tensor)");
+      "bool save_sigmoid, ScalarType? dtype=None) -> (Tensor, Tensor)");
   m.def(
-      "avg_pool2d_sigmoid_sum_backward(Tensor grad_out, Tensor grad_factor, SymInt[2] input_hw, "
-      "int[2] kernel_size, int[2] stride, int[2] padding, bool channels_last) -> Tensor");
+      "avg_pool2d_sigmoid_sum_backward(Tensor grad_out, Tensor sigmoid, SymInt[2] input_hw, "
+      "int[2] kernel_size, int[2] stride, int[2] padding, bool count_include_pad, int? divisor_override, "
+      "bool channels_last) -> Tensor");
 
   // sum over (O, OH, OW) of sigmoid(conv2d(x, weight, bias, stride, padding)) -> (B,):
   // the convolution and its tail in one kernel on a GPU (conv2d_sigmoid_sum.h). With

@@ -175,8 +175,8 @@ class GraphedStep:
 
     def recorded_grads(self, x: Tensor, grad: Tensor, autocast: tuple[bool, torch.dtype]) -> list[Tensor | None]:
         """The gradients to x (where it requires them) and the parameters, their own backward
-        recorded (a backward with create_graph): the call made again without the graph by the
-        original's ops (the fused ops' backwards have no derivatives of their own; the captured
+        recorded (a backward with create_graph): the call made again without the graph (whose
+        activations are a replay's, not recorded) by the original's ops (the captured
         formulation where the original's does not hold), under the forward's autocast state,
         the buffers it updates restored after."""
         with buffers_restored(self._module(), keep_versions=True):
@@ -231,7 +231,7 @@ class _ReplayedStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         step = ctx.step
-        if torch.is_grad_enabled():  # (create_graph: a graph's gradients record no backward of their own)
+        if torch.is_grad_enabled():  # (create_graph: a graph's replay records no backward of its own)
             return None, *step.recorded_grads(ctx.saved_tensors[1], grad, ctx.autocast)
         with step._lock:
             step._grad_out.copy_(grad)

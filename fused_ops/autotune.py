@@ -32,8 +32,10 @@ original's own ops win, and between a graph and none the graph where the call is
 moments vary), else no graph (a replay's copy of the input into the graph's static input is
 device time).
 
-Nothing is timed, and each module takes its rule (the first formulation of its list that
-holds: the rewrite on a GPU, else the fused tail) where the autotuner is off
+Under a torch.func transform (grad, vjp, jacrev, vmap, ...) every module runs the original's own
+ops, untimed and forced or not (functorch transforms them; ``choose``). Nothing is timed, and each
+module takes its rule (the first formulation of its list that holds: the rewrite on a GPU, else
+the fused tail) where the autotuner is off
 (``FUSED_OPS_AUTOTUNE=0`` in the environment, or ``set_enabled(False)``), under
 torch.compile, torch.export and any trace of fake tensors (the compile patterns' pass:
 the compiler sees the rule's formulation), and while a
@@ -67,6 +69,9 @@ _GRAPHS_ENABLED = _environment_flag("FUSED_OPS_CUDA_GRAPHS")  # (the graphed can
 _CHOICES: dict[tuple, tuple[str, bool]] = {}  # key -> (formulation, replayed from a CUDA graph)
 _FORCED: list[str] = []
 _LAST = [None]  # the formulation the latest call ran
+# The innermost torch.func transform of the call, or None (choose)
+_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
+_FunctorchInterpreter = torch._C._functorch.CInterpreter
 _GENERATION = [0]  # advanced by clear() and set_enabled(): the modules' remembered choices lapse
 # Each candidate is timed over ROUNDS rounds (candidates interleaved), each round a run of
 # calls at least ROUND_MS long (at most MAX_CALLS calls), after one warm-up call; the median
@@ -147,7 +152,14 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
     module remembers its latest call's signature and choice, so that a call like the one
     before runs it without building the key or the list of formulations (host time: at a
     batch of one a whole call on a GPU takes about 0.1 ms); where it no longer holds (run
-    gives None), the call chooses again."""
+    gives None), the call chooses again. Under a torch.func transform (grad, vjp, jacrev, vmap, ...;
+    compiled too) the call runs the original's own ops, which functorch transforms: it cannot
+    transform the fused ops' C++ autograd, nor vmap a layout change."""
+    transform = _functorch_interpreter()
+    # (dynamo reads the query's None as true; the type as it is)
+    if transform is not None and isinstance(transform, _FunctorchInterpreter):
+        _LAST[0] = "original"
+        return "original", run("original", x)
     if _FORCED:
         name, out = run_first(run, untimed_order(formulations(x)), x)
         _LAST[0] = name

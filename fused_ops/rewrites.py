@@ -338,7 +338,7 @@ class _ConvTransposeCascadeSum(torch.autograd.Function):
                                                  enabled=ctx.autocast is not None):
             weight_ = weight.detach().requires_grad_()
             out, _ = _cascade_sum(x, weight_, ctx.geometry[3], *ctx.windows, save_picks=True)
-        # (the dense formulation's graph; the cascade's own backward refuses an output gradient that records one)
+        # (the dense formulation's graph, which autograd differentiates in grad_out)
         (grad_weight,) = torch.autograd.grad(out, weight_, grad_out, create_graph=True)
         return None, grad_weight, *[None] * 8
 

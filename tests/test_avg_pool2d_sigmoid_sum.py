@@ -98,9 +98,10 @@ def test_opcheck(device):
         torch.library.opcheck(OP, (t, *args, True))
         # without the saved factor the op is not differentiable: inference only
         torch.library.opcheck(OP, (t.detach(), *args, False))
-    grad_factor = OP(x, [3, 2], [2, 1], [1, 1], False, True, None, True)[1]
+    sigmoid = OP(x, [3, 2], [2, 1], [1, 1], False, True, None, True)[1].detach()
     grad_out = torch.rand(2, device=device)
-    torch.library.opcheck(BACKWARD, (grad_out, grad_factor, [9, 10], [3, 2], [2, 1], [1, 1], False))
+    torch.library.opcheck(BACKWARD, (grad_out, sigmoid, [9, 10], [3, 2], [2, 1], [1, 1], True, None, False))
+    torch.library.opcheck(BACKWARD, (grad_out, sigmoid, [9, 10], [3, 2], [2, 1], [1, 1], False, 5, False))
 
 
 def test_special_values(device, dtype):
@@ -199,22 +200,25 @@ def test_bad_input(shape, dtype, pool, error, match, device):
 
 def test_bad_backward_input(device):
     x = make_input((2, 3, 8, 8), torch.float32, device, requires_grad=True)
-    grad_factor = OP(x, [2, 2], [2, 2], [0, 0], False, True, None, True)[1]
+    sigmoid = OP(x, [2, 2], [2, 2], [0, 0], False, True, None, True)[1]
+    pool = ([2, 2], [2, 2], [0, 0], True, None, False)
     with pytest.raises(ValueError, match="grad_out must have shape"):
-        BACKWARD(torch.ones(3, device=device), grad_factor, [8, 8], [2, 2], [2, 2], [0, 0], False)
-    with pytest.raises(TypeError, match="grad_factor must be"):
-        BACKWARD(torch.ones(2, device=device, dtype=torch.float64), grad_factor, [8, 8], [2, 2], [2, 2], [0, 0], False)
+        BACKWARD(torch.ones(3, device=device), sigmoid, [8, 8], *pool)
+    with pytest.raises(TypeError, match="sigmoid must be"):
+        BACKWARD(torch.ones(2, device=device, dtype=torch.float64), sigmoid, [8, 8], *pool)
     with pytest.raises(ValueError, match="does not match"):
-        BACKWARD(torch.ones(2, device=device), grad_factor, [12, 8], [2, 2], [2, 2], [0, 0], False)
-    # the raw op without save_grad_factor cannot be differentiated
+        BACKWARD(torch.ones(2, device=device), sigmoid, [12, 8], *pool)
+    with pytest.raises(ValueError, match="divisor_override must be non-zero"):
+        BACKWARD(torch.ones(2, device=device), sigmoid, [8, 8], [2, 2], [2, 2], [0, 0], True, 0, False)
+    # the raw op without save_sigmoid cannot be differentiated
     out, _ = OP(x, [2, 2], [2, 2], [0, 0], False, True, None, False)
-    with pytest.raises(RuntimeError, match="save_grad_factor"):
+    with pytest.raises(RuntimeError, match="save_sigmoid"):
         out.sum().backward()
 
 
 @requires_cuda
 def test_mixed_devices():
     x = make_input((2, 3, 8, 8), torch.float32, "cuda", requires_grad=True)
-    grad_factor = OP(x, [2, 2], [2, 2], [0, 0], False, True, None, True)[1]
+    sigmoid = OP(x, [2, 2], [2, 2], [0, 0], False, True, None, True)[1]
     with pytest.raises(ValueError, match="same device"):
-        BACKWARD(torch.ones(2), grad_factor, [8, 8], [2, 2], [2, 2], [0, 0], False)
+        BACKWARD(torch.ones(2), sigmoid, [8, 8], [2, 2], [2, 2], [0, 0], True, None, False)

@@ -190,9 +190,9 @@ def test_second_forward_before_backward(name, args, shape, graphs_win, count_ste
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 def test_double_backward_through_a_replay(name, args, shape, graphs_win, count_step_replays, monkeypatch):
     """A gradient penalty (the input's gradient with create_graph, then differentiated) through a
-    replayed step of a fused formulation (whose ops' backwards have no derivatives: the create_graph
-    backward runs the original's ops): the original's second-order gradients, its running
-    statistics updated once."""
+    replayed step of a fused formulation (a replay records no graph: the create_graph backward runs
+    the original's ops): the original's second-order gradients, its running statistics updated
+    once."""
     fastest = autotune._fastest
     monkeypatch.setattr(autotune, "_fastest", lambda calls, device, **kwargs: "fused" if "fused" in calls
                         else fastest(calls, device, **kwargs))

@@ -6,6 +6,8 @@
 // both as the ops they are.
 #pragma once
 
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 
 #include "../memory_format.h"
@@ -135,33 +137,59 @@ inline variable_list convolution_grad_inputs(size_t inputs, std::array<bool, 3> 
   return grad_inputs;
 }
 
-// Second-order gradients. The backward ops have no derivatives of their own, so
-// a backward made with create_graph=True (grad mode on inside it) is refused
-// wherever its result would carry them wrong: a smooth tail's gradient depends
-// on x and the parameters (always refused); a max-pool tail's, its picks fixed,
-// is linear in the result's gradient and constant in x (right as it is, unless
-// the result's gradient itself records a graph).
-enum class Curvature { kSmooth, kPiecewiseLinear };
+// Second-order gradients. A backward made with create_graph=True runs with grad
+// mode on (records_graph): there each op's backward computes its gradients by
+// PyTorch's differentiable ops, whose graph autograd records, instead of its
+// backward op (which has no derivatives of its own): its reference composite
+// recomputed from what the forward saved and differentiated (recorded_grads), or
+// its gradient's formula in ATen ops. The plain backward is unchanged.
+inline bool records_graph() {
+  return at::GradMode::is_enabled();
+}
 
-inline void check_first_order(const char* op, Curvature curvature, const at::Tensor& grad) {
-  const bool refused =
-      at::GradMode::is_enabled() && (curvature == Curvature::kSmooth || grad.requires_grad());
-  TORCH_CHECK_NOT_IMPLEMENTED(!refused, "fused_ops.", op,
-                              ": second-order gradients (a backward with create_graph=True through it) are not "
-                              "implemented; a fused_ops.nn module computes them with its original's ops, within "
-                              "`with fused_ops.autotune.force(\"original\"):`");
+// Within its scope PyTorch's ops run without autocast: a recomputation in a
+// backward computes in the dtypes the forward saved, whatever the backward runs under.
+struct WithoutAutocast {
+  c10::impl::ExcludeDispatchKeyGuard guard{c10::autocast_dispatch_keyset};
+};
+
+// The gradients of `out` (a forward recomputed by PyTorch's ops from the tensors it
+// saved) to `inputs` for the output gradient `grad`, their own graph recorded;
+// undefined for an input `out` does not depend on.
+inline variable_list recorded_grads(const at::Tensor& out, const variable_list& inputs, const at::Tensor& grad) {
+  return torch::autograd::grad({out}, inputs, {grad.to(out.scalar_type())}, /*retain_graph=*/true,
+                               /*create_graph=*/true, /*allow_unused=*/true);
+}
+
+// A fused convolution's gradients where its backward records a graph: those of `out`
+// (its forward recomputed from x, the weight and the bias by PyTorch's ops) to the
+// `operands` (x, weight, bias) `mask` asks for, as the `inputs` gradients apply() returns.
+inline variable_list recorded_convolution_grads(size_t inputs, std::array<bool, 3> mask, const at::Tensor& out,
+                                                const std::array<at::Tensor, 3>& operands, const at::Tensor& grad) {
+  variable_list wrt;
+  for (size_t i = 0; i < 3; ++i) {
+    if (mask[i]) wrt.push_back(operands[i]);
+  }
+  variable_list grad_inputs(inputs);
+  if (wrt.empty()) return grad_inputs;
+  const variable_list grads = recorded_grads(out, wrt, grad);
+  for (size_t i = 0, k = 0; i < 3; ++i) {
+    if (mask[i]) grad_inputs[i] = grads[k++];
+  }
+  return grad_inputs;
 }
 
 // The backward of an op differentiable in its first input only, x, with
-// num_inputs inputs: grad_x(the result's gradient in x's dtype), then none; no
-// gradient at all where the graph after the result gave it none.
-template <typename GradX>
+// num_inputs inputs: grad_x(the result's gradient in x's dtype), or where the
+// backward records a graph recorded_grad_x of it, then none; no gradient at all
+// where the graph after the result gave it none.
+template <typename GradX, typename RecordedGradX>
 variable_list first_input_backward(AutogradContext* ctx, const variable_list& grads, size_t num_inputs,
-                                   const char* op, Curvature curvature, GradX grad_x) {
+                                   GradX grad_x, RecordedGradX recorded_grad_x) {
   variable_list grad_inputs(num_inputs);
   if (!grads[0].defined()) return grad_inputs;
-  check_first_order(op, curvature, grads[0]);
-  grad_inputs[0] = grad_x(grad_in_input_dtype(ctx, grads[0]));
+  const at::Tensor grad = grad_in_input_dtype(ctx, grads[0]);
+  grad_inputs[0] = records_graph() ? recorded_grad_x(grad) : grad_x(grad);
   return grad_inputs;
 }
 

@@ -2,8 +2,13 @@
 // below autograd, its backward through batch_norm_gap_backward. (Its forward
 // and backward take about 0.07 and 0.11 ms on a GPU at architecture D's size,
 // less than a Python autograd wrapper's host time, so that path bounded them;
-// the other ops' autograd kernels are beside it, for the same reason.)
+// the other ops' autograd kernels are beside it, for the same reason.) A backward
+// that records a graph (create_graph=True) computes its gradients by PyTorch's ops
+// (recorded_backward).
+#include <ATen/ATen.h>
 #include <torch/library.h>
+
+#include <array>
 
 #include "autograd_util.h"
 
@@ -40,11 +45,18 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [out, plane_dev, mean, rstd, var] =
         call_batch_norm_gap(x, scale, weight, bias, running_mean, running_var, eps, dtype);
-    // (no zero gradients filled for them before each backward: four small launches)
-    mark_non_differentiable(ctx, {plane_dev, mean, rstd, var});
     const bool batch_stats = !running_mean.has_value();
+    // (no zero gradients filled for them before each backward: small launches.) With running
+    // statistics plane_dev is differentiable (d plane_dev[b, c] / d x[b, c, s] = scale / S): a
+    // backward that records a graph computes the weight's gradient from it (recorded_backward).
+    if (batch_stats) {
+      mark_non_differentiable(ctx, {plane_dev, mean, rstd, var});
+    } else {
+      mark_non_differentiable(ctx, {mean, rstd, var});
+    }
     ctx->saved_data["batch_stats"] = batch_stats;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["eps"] = eps;
     save_input_dtype(ctx, x);
     ctx->saved_data["input_size"] = x.sym_sizes().slice(2);
     // Whether bias is an input (its gradient's edge follows x's and weight's, when given).
@@ -58,21 +70,80 @@ class BatchNormGapFunction : public torch::autograd::Function<BatchNormGapFuncti
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    if (!grads[0].defined()) return variable_list(8);  // no gradient for any input
-    check_first_order("batch_norm_gap", Curvature::kSmooth, grads[0]);
+    // grads[1]: plane_dev's, from a graph recorded_backward made (running statistics only)
+    if (!grads[0].defined() && !grads[1].defined()) return variable_list(8);  // no gradient for any input
     const auto saved = ctx->get_saved_variables();
     const bool has_weight = saved[1].defined();  // saved whenever given
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    const bool grad_input = ctx->needs_input_grad(0);
-    const bool grad_weight_needed = has_weight && ctx->needs_input_grad(1);
-    const bool grad_bias_needed = has_bias && ctx->needs_input_grad(has_weight ? 2 : 1);
+    const std::array<bool, 3> needed = {ctx->needs_input_grad(0), has_weight && ctx->needs_input_grad(1),
+                                        has_bias && ctx->needs_input_grad(has_weight ? 2 : 1)};
+    if (records_graph() || grads[1].defined()) {
+      const auto [grad_x, grad_weight, grad_bias] = recorded_backward(ctx, grads, saved, needed);
+      return {grad_x, at::Tensor(), grad_weight, grad_bias, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    }
     const at::Tensor grad_out = grad_in_input_dtype(ctx, grads[0]);
     auto [grad_x, grad_weight, grad_bias] = call_batch_norm_gap_backward(
         grad_out, defined_or_none(saved[0]), ctx->saved_data["input_size"].toSymIntVector(),
         ctx->saved_data["scale"].toDouble(), defined_or_none(saved[1]), saved[2], saved[3], saved[4],
-        ctx->saved_data["batch_stats"].toBool(), grad_input);
-    return {grad_input ? grad_x : at::Tensor(), at::Tensor(), grad_weight_needed ? grad_weight : at::Tensor(),
-            grad_bias_needed ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+        ctx->saved_data["batch_stats"].toBool(), needed[0]);
+    return {needed[0] ? grad_x : at::Tensor(), at::Tensor(), needed[1] ? grad_weight : at::Tensor(),
+            needed[2] ? grad_bias : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+
+ private:
+  // (grad_x, grad_weight, grad_bias), those `needed`, by PyTorch's differentiable ops (a
+  // backward that records a graph, or one through plane_dev), with g = grad_out[b, c]:
+  //   batch statistics, x saved (x requires grad): the forward recomputed from x and
+  //     differentiated (the statistics' derivatives in x: ../batch_norm_gap.h);
+  //   batch statistics, no x: grad_weight = rstd sum_b g[b] (dev[b] - mean_b dev),
+  //     grad_bias = sum_b g[b] (linear in g; the statistics are constants);
+  //   running statistics: grad_x[b, c, s] = scale (w rstd g[b] + grad_plane_dev[b]) / S,
+  //     grad_weight = rstd sum_b g[b] dev[b] (dev = plane_dev as an output, which records its
+  //     dependence on x), grad_bias = sum_b g[b].
+  static std::array<at::Tensor, 3> recorded_backward(AutogradContext* ctx, const variable_list& grads,
+                                                     const variable_list& saved, std::array<bool, 3> needed) {
+    auto& data = ctx->saved_data;
+    const double scale = data["scale"].toDouble();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor& plane_dev = saved[2];
+    const at::Tensor& rstd = saved[4];
+    const auto acc = rstd.scalar_type();
+    // (sizes as SymInts: torch.compile traces this where plane_dev gets a gradient)
+    const c10::SymInt batch = plane_dev.sym_size(0), channels = plane_dev.sym_size(1);
+    const at::Tensor g = grads[0].defined() ? grads[0].reshape_symint({batch, channels}).to(acc) : at::Tensor();
+    std::array<at::Tensor, 3> result;
+    if (needed[2] && g.defined()) result[2] = g.sum(0);
+    if (data["batch_stats"].toBool() && x.defined()) {
+      const WithoutAutocast without_autocast;
+      const at::Tensor normalized =
+          at::batch_norm((x * scale).to(acc), defined_or_none(weight.defined() ? weight.to(acc) : weight), {}, {}, {},
+                         true, 0.0, data["eps"].toDouble(), at::globalContext().userEnabledCuDNN());
+      variable_list wrt;
+      if (needed[0]) wrt.push_back(x);
+      if (needed[1]) wrt.push_back(weight);
+      if (wrt.empty()) return result;
+      const variable_list recorded = recorded_grads(normalized.mean({2, 3, 4}, true), wrt, grads[0]);
+      if (needed[0]) result[0] = recorded[0];
+      if (needed[1]) result[1] = recorded.back();
+      return result;
+    }
+    if (needed[1] && g.defined()) {
+      const at::Tensor centered = data["batch_stats"].toBool() ? plane_dev - plane_dev.mean(0) : plane_dev;
+      result[1] = (g * centered).sum(0) * rstd;
+    }
+    if (needed[0]) {  // (running statistics: with batch statistics x requiring grad is saved)
+      at::Tensor per_plane = at::zeros_symint({batch, channels}, rstd.options());
+      if (g.defined()) per_plane = per_plane + g * (weight.defined() ? weight.to(acc) * rstd : rstd);
+      if (grads[1].defined()) per_plane = per_plane + grads[1].to(acc);
+      const auto size = data["input_size"].toSymIntVector();
+      result[0] = per_plane.mul(scale)
+                      .div(size[0] * size[1] * size[2])
+                      .reshape_symint({batch, channels, 1, 1, 1})
+                      .expand_symint({batch, channels, size[0], size[1], size[2]})
+                      .to(data["x_dtype"].toScalarType());
+    }
+    return result;
   }
 };
 

@@ -3,6 +3,9 @@
 // Backward, with N = D' H' W' (the math: ../max_pool3d_mean.h):
 //   grad_x[b, c, e] = grad_mean[b, c] / N / divisor times the number of windows
 //   picking e, the picks read from the saved indices or recomputed from x.
+// A backward that records a graph (create_graph=True) computes it as grad_mean[b, c]
+// times that routing of a 1, a product autograd differentiates (autograd_util.h).
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "autograd_util.h"
@@ -51,7 +54,7 @@ class MaxPool3dMeanFunction : public torch::autograd::Function<MaxPool3dMeanFunc
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_input_backward(ctx, grads, 8, "max_pool3d_mean", Curvature::kPiecewiseLinear, [ctx](const at::Tensor& grad_mean) {
+    const auto grad_x = [ctx](const at::Tensor& grad_mean) {
       const auto saved = ctx->get_saved_variables();
       auto& data = ctx->saved_data;
       const at::Tensor grad_x = call_max_pool3d_mean_backward(
@@ -59,7 +62,17 @@ class MaxPool3dMeanFunction : public torch::autograd::Function<MaxPool3dMeanFunc
           data["kernel_size"].toIntVector(), data["stride"].toIntVector(), data["padding"].toIntVector(),
           data["ceil_mode"].toBool(), data["divisor"].toDouble());
       return grad_in_input_format(ctx, grad_x);
-    });
+    };
+    // Recording a graph: each plane's gradient routed as grad_x routes a 1 (the picks fixed,
+    // linear in grad_mean and constant in x), by a product autograd differentiates in grad_mean.
+    const auto recorded_grad_x = [&grad_x](const at::Tensor& grad_mean) {
+      const at::Tensor routing = [&] {
+        const at::NoGradGuard no_grad;  // (constant: the picks)
+        return grad_x(at::ones_like(grad_mean));
+      }();
+      return routing * grad_mean.reshape({grad_mean.size(0), grad_mean.size(1), 1, 1, 1});
+    };
+    return first_input_backward(ctx, grads, 8, grad_x, recorded_grad_x);
   }
 };
 

@@ -2,6 +2,9 @@
 // in fused_ops/ops.py: ~10 us of Python host time per call, even under no_grad).
 // Backward (the math: ../parity_max_pool3d.h): each output's gradient goes, per channel, to its saved pick,
 //   grad_y[n, m, c, q] = grad_out[n, 0, o] where (off, q) is (n, o, c)'s pick, m = k2 o + off; else 0.
+// A backward that records a graph (create_graph=True) computes it as the picks' 0/1 mask times
+// grad_out spread over its windows, ops autograd differentiates (autograd_util.h).
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "autograd_util.h"
@@ -43,14 +46,34 @@ class ParityMaxPool3dCascadeSumFunction : public torch::autograd::Function<Parit
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_input_backward(ctx, grads, 4, "parity_max_pool3d_cascade_sum", Curvature::kPiecewiseLinear, [ctx](const at::Tensor& grad_out) {
+    const auto grad_y = [ctx](const at::Tensor& grad_out) {
       const at::Tensor picks = ctx->get_saved_variables()[0];
       check_saved(picks, 5, "parity_max_pool3d_cascade_sum", "save_indices", "y");
       auto& data = ctx->saved_data;
       return call_parity_max_pool3d_cascade_sum_backward(grad_out, picks, data["stage1_size"].toSymIntVector(),
                                                          data["kernel2"].toIntVector(),
                                                          data["parity_classes"].toInt());
-    });
+    };
+    // Recording a graph: every y element lies in at most one window of each stage, so
+    // grad_y = picked * grad_out[n, 0, m / k2] with picked = grad_y of ones (1 where (n, m, c, q)
+    // is a pick, 0 elsewhere: also where m lies in no stage-2 window): grad_out spread over its
+    // windows' k2 positions a dim, zero-padded to y's, by ops autograd differentiates.
+    const auto recorded_grad_y = [ctx, &grad_y](const at::Tensor& grad_out) {
+      const at::Tensor picked = [&] {
+        const at::NoGradGuard no_grad;  // (constant: the picks)
+        return grad_y(at::ones_like(grad_out));
+      }();
+      const std::vector<int64_t> k2 = ctx->saved_data["kernel2"].toIntVector();
+      const int64_t n = grad_out.size(0), o[3] = {grad_out.size(2), grad_out.size(3), grad_out.size(4)};
+      const at::Tensor spread = grad_out.reshape({n, o[0], 1, o[1], 1, o[2], 1})
+                                    .expand({n, o[0], k2[0], o[1], k2[1], o[2], k2[2]})
+                                    .reshape({n, o[0] * k2[0], o[1] * k2[1], o[2] * k2[2]});
+      const at::Tensor padded = at::constant_pad_nd(
+          spread, {0, picked.size(3) - o[2] * k2[2], 0, picked.size(2) - o[1] * k2[1], 0,
+                   picked.size(1) - o[0] * k2[0]});
+      return picked * padded.reshape({n, picked.size(1), picked.size(2), picked.size(3), 1, 1});
+    };
+    return first_input_backward(ctx, grads, 4, grad_y, recorded_grad_y);
   }
 };
 

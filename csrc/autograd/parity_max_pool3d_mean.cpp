@@ -2,6 +2,9 @@
 // in fused_ops/ops.py: ~10 us of Python host time per call, even under no_grad).
 // Backward (the math: ../parity_max_pool3d.h): each window's gradient goes to its saved pick alone,
 //   grad_y[n, m, c, q] = grad_mean[n, c] / (Md Mh Mw) where q is (n, m, c)'s pick, else 0.
+// A backward that records a graph (create_graph=True) computes it as grad_mean[n, c] times that
+// routing of a 1, a product autograd differentiates (autograd_util.h).
+#include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "autograd_util.h"
@@ -38,11 +41,21 @@ class ParityMaxPool3dMeanFunction : public torch::autograd::Function<ParityMaxPo
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return first_input_backward(ctx, grads, 3, "parity_max_pool3d_mean", Curvature::kPiecewiseLinear, [ctx](const at::Tensor& grad_mean) {
+    const auto grad_y = [ctx](const at::Tensor& grad_mean) {
       const at::Tensor picks = ctx->get_saved_variables()[0];
       check_saved(picks, 5, "parity_max_pool3d_mean", "save_indices", "y");
       return call_parity_max_pool3d_mean_backward(grad_mean, picks, ctx->saved_data["parity_classes"].toInt());
-    });
+    };
+    // Recording a graph: each (n, c)'s gradient routed as grad_y routes a 1 (the picks fixed,
+    // linear in grad_mean and constant in y), by a product autograd differentiates in grad_mean.
+    const auto recorded_grad_y = [&grad_y](const at::Tensor& grad_mean) {
+      const at::Tensor routing = [&] {
+        const at::NoGradGuard no_grad;  // (constant: the picks)
+        return grad_y(at::ones_like(grad_mean));
+      }();
+      return routing * grad_mean.reshape({grad_mean.size(0), 1, 1, 1, grad_mean.size(1), 1});
+    };
+    return first_input_backward(ctx, grads, 3, grad_y, recorded_grad_y);
   }
 };
 

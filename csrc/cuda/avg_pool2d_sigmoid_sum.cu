@@ -14,12 +14,13 @@
 //
 // Backward: an item is (batch, plane, row group) of one column tile, a row
 // group being the rows that share their windows; grad_x is written once, in
-// vectors, each lane's vectors computed from the saved factor of the windows
-// holding them (a shared table gives, per column, the first pooled column
-// whose window holds it and how many do) and stored to every row of the group.
+// vectors, each lane's vectors computed from the saved sigmoid s of the windows
+// holding them, each window's factor s (1 - s) / divisor (a shared table gives, per
+// column, the first pooled column whose window holds it and how many do), and stored
+// to every row of the group.
 // Where rows are not whole 512-byte blocks (382 floats, say), the aligned-runs
 // backward writes contiguous grad_x instead, in runs of whole blocks, with the
-// factors bulk-copied into shared memory (its doc comment).
+// saved sigmoids bulk-copied into shared memory (its doc comment).
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -59,7 +60,7 @@ constexpr int kBackwardTileCols = 4096;
 constexpr int kStoreBlockBytes = 512;
 // The aligned-runs backward: one block of kAlignedWarps warps per
 // multiprocessor, taking up to kAlignedRunsSmemBytes of shared memory (the
-// device's limit if lower), most of it for factor rows (larger bulk reads:
+// device's limit if lower), most of it for sigmoid rows (larger bulk reads:
 // 64-register warps, 32 of them, leave no room for a second block); 16-byte
 // stores per lane in flight (4 measured no faster; 2-byte types: 1, which
 // fits the registers).
@@ -90,7 +91,7 @@ __device__ __forceinline__ Vector<scalar_t, VEC> row_vector(const scalar_t* row,
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
     forward_kernel(const scalar_t* __restrict__ x, PlaneRows xl, AvgPool2dGeometry g,
-                   at::opmath_type<scalar_t>* __restrict__ grad_factor, PlaneRows gl,
+                   at::opmath_type<scalar_t>* __restrict__ sigmoid_saved, PlaneRows gl,
                    at::opmath_type<scalar_t>* __restrict__ partial, int64_t items, int tiles_w,
                    int tile_ow, int span) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -135,9 +136,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
     }
     __syncwarp();
     const int outputs = (ow1 - ow0) * inner;
-    acc_t* gf_row = grad_factor == nullptr
-                        ? nullptr
-                        : grad_factor + gl.plane_offset(at.leading(), at[1]) + oh * gl.row_stride;
+    acc_t* s_row = sigmoid_saved == nullptr
+                       ? nullptr
+                       : sigmoid_saved + gl.plane_offset(at.leading(), at[1]) + oh * gl.row_stride;
     acc_t total = 0;
     for (int q = lane; q < outputs; q += 32) {
       const int ow = ow0 + q / inner, ci = q % inner;
@@ -146,7 +147,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
       const acc_t divisor = g.divisor<acc_t>(oh, ow);
       const acc_t s = sigmoid(sum / divisor);
       total += s;
-      if (gf_row != nullptr) gf_row[ow * inner + ci] = s * (1 - s) / divisor;
+      if (s_row != nullptr) s_row[ow * inner + ci] = s;
     }
     total = warp_sum(total);
     if (lane == 0) partial[item] = total;
@@ -155,24 +156,24 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
 }
 
 // grad_x[b, c, h, w] = grad_out[b] * sum over windows (oh, ow) containing
-// (h, w) of grad_factor[b, c, oh, ow]. Block column blockIdx.x takes column
+// (h, w) of g.factor(sigmoid[b, c, oh, ow], oh, ow). Block column blockIdx.x takes column
 // tile blockIdx.x; its warps take (b, p, row group) items in a grid-stride loop.
 // OVERLAP: windows may overlap (kernel > stride in some dim); a row group is
 // then one row, each element a sum over the windows holding it. Without it
 // row group j is the rows [j*stride - pad, (j+1)*stride - pad): window j's rows
 // (if j < out), then rows in no window; every element lies in at most one
-// window, so each lane loads its columns' factors once and stores them to all
+// window, so each lane computes its columns' factors once and stores them to all
 // the group's window rows.
 template <typename scalar_t, int VEC, bool OVERLAP>
 __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
     backward_kernel(const scalar_t* __restrict__ grad_out, int64_t grad_out_stride,
-                    const at::opmath_type<scalar_t>* __restrict__ grad_factor, PlaneRows gl,
+                    const at::opmath_type<scalar_t>* __restrict__ sigmoid_saved, PlaneRows gl,
                     AvgPool2dGeometry g, scalar_t* __restrict__ grad_x, PlaneRows xl,
                     int row_groups, int64_t items) {
   using acc_t = at::opmath_type<scalar_t>;
   using vector_t = Vector<scalar_t, VEC>;
   constexpr int kUnroll = kVectorsInFlight<scalar_t, VEC>;
-  // Per column of this block's tile: {offset in a grad_factor row of the
+  // Per column of this block's tile: {offset in a sigmoid row of the
   // first window holding it, number of windows holding it}.
   extern __shared__ __align__(16) unsigned char smem_bytes[];
   int2* windows = reinterpret_cast<int2*>(smem_bytes);
@@ -193,7 +194,7 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
   for (int64_t item = warp; item < items; item += warps, at.next()) {
     const int64_t b = at.leading();
     const acc_t grad = static_cast<acc_t>(grad_out[b * grad_out_stride]);
-    const acc_t* gf_plane = grad_factor + gl.plane_offset(b, at[1]);
+    const acc_t* s_plane = sigmoid_saved + gl.plane_offset(b, at[1]);
     scalar_t* gx_plane = grad_x + xl.plane_offset(b, at[1]) + c0;
     if constexpr (OVERLAP) {
       const int h = at[2];
@@ -206,7 +207,9 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
           const int2 win = windows[v * VEC + e];
           acc_t sum = 0;
           for (int oh = oh0; oh < oh1; ++oh) {
-            for (int k = 0; k < win.y; ++k) sum += gf_plane[oh * gl.row_stride + win.x + k * inner];
+            for (int k = 0; k < win.y; ++k) {
+              sum += g.factor(s_plane[oh * gl.row_stride + win.x + k * inner], oh, win.x / inner + k);
+            }
           }
           result.v[e] = static_cast<scalar_t>(grad * sum);
         }
@@ -216,7 +219,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
       const int j = at[2];
       const int r0 = max(g.h.origin(j), 0), r1 = min(g.h.origin(j) + g.h.stride, g.h.in);
       const int window_end = j < g.h.out ? g.h.end(j) : r0;
-      const acc_t* gf = gf_plane + min(j, g.h.out - 1) * gl.row_stride;
+      const int oh = min(j, g.h.out - 1);
+      const acc_t* s_row = s_plane + oh * gl.row_stride;
       for (int v0 = lane; v0 < tile_vectors; v0 += 32 * kUnroll) {
         vector_t value[kUnroll];
 #pragma unroll
@@ -225,7 +229,8 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             const int2 win = windows[v * VEC + e];
-            value[u].v[e] = static_cast<scalar_t>(win.y > 0 ? grad * gf[win.x] : acc_t(0));
+            value[u].v[e] =
+                static_cast<scalar_t>(win.y > 0 ? grad * g.factor(s_row[win.x], oh, win.x / inner) : acc_t(0));
           }
         }
         for (int h = r0; h < r1; ++h) {
@@ -245,11 +250,11 @@ __global__ void __launch_bounds__(32 * kWarps, kMinBlocks)
 // groups numbered plane by plane: group g = (b * C + c) * row_groups + j.
 template <typename acc_t>
 struct RowGroup {
-  int64_t start = 0;               // flat offset of its first element
-  int rows = 0;                    // its rows
-  int window_rows = 0;             // its first rows, those in window j (0: none)
-  const acc_t* factors = nullptr;  // grad_factor's row j of its plane
-  acc_t grad = 0;                  // grad_out of its batch element
+  int64_t start = 0;                // flat offset of its first element
+  int rows = 0;                     // its rows
+  int window_rows = 0;              // its first rows, those in window j (0: none)
+  const acc_t* sigmoids = nullptr;  // the saved sigmoid's row j of its plane
+  acc_t grad = 0;                   // grad_out of its batch element
 };
 
 template <typename scalar_t>
@@ -257,7 +262,7 @@ struct AlignedRunsArgs {
   using acc_t = at::opmath_type<scalar_t>;
   const scalar_t* grad_out;
   int64_t grad_out_stride;
-  const acc_t* grad_factor;
+  const acc_t* sigmoid_saved;
   PlaneRows gl;
   AvgPool2dGeometry g;
   int channels, row_groups;
@@ -272,7 +277,7 @@ struct AlignedRunsArgs {
     r.rows = min(h.origin(j) + h.stride, h.in) - r0;
     r.window_rows = j < h.out ? h.end(j) - r0 : 0;
     r.start = ((b * channels + c) * h.in + r0) * static_cast<int64_t>(g.w.in);
-    r.factors = grad_factor + gl.plane_offset(b, c) + j * gl.row_stride;
+    r.sigmoids = sigmoid_saved + gl.plane_offset(b, c) + j * gl.row_stride;
     r.grad = static_cast<acc_t>(grad_out[b * grad_out_stride]);
     return r;
   }
@@ -326,7 +331,7 @@ struct ShiftedRow {
 // grad_x whose rows span at least one store block. Row groups are numbered
 // plane by plane (group g = (b * C + c) * row_groups + j), and block i takes
 // the groups [G * i / n, G * (i + 1) / n) of G, n blocks: equal shares, each
-// written front to back, in units of `unit_groups` groups. A unit's factor
+// written front to back, in units of `unit_groups` groups. A unit's sigmoid
 // rows (rows follow groups: one per group in a window) and the next group's
 // are bulk-copied into shared memory two units ahead, a large read among the
 // writes instead of one per group (H200, 382 columns: 1.335 ms against 1.426
@@ -338,12 +343,13 @@ struct ShiftedRow {
 // of each.
 // The block's column table gives each column's window (W.out where it has
 // none), as a byte offset into a row of values: the warp's holds grad *
-// factor of each window of its group, then a 0. The rows of a group in its
-// window read that row, the others the block's row of zeros.
+// factor of each window of its group (from its saved sigmoid), then a 0. The
+// rows of a group in its window read that row, the others the block's row of
+// zeros.
 template <typename scalar_t>
 __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
     backward_aligned_runs_kernel(AlignedRunsArgs<scalar_t> a, scalar_t* __restrict__ grad_x,
-                                 int64_t groups, int unit_groups, int factor_buffer_bytes) {
+                                 int64_t groups, int unit_groups, int sigmoid_buffer_bytes) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int EPL = 16 / sizeof(scalar_t);  // elements per lane and store
   constexpr int kBlock = kStoreBlockBytes / sizeof(scalar_t);
@@ -355,7 +361,7 @@ __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
   const ShiftedRow<int, EPL> table(W);
   constexpr int kSize = sizeof(scalar_t);
   // Shared memory: two barriers, the column table, the zero row, a value row
-  // per warp, two factor buffers.
+  // per warp, two sigmoid buffers.
   extern __shared__ __align__(16) unsigned char smem[];
   uint64_t* const loaded = reinterpret_cast<uint64_t*>(smem);
   unsigned char* const window = smem + 16;
@@ -365,7 +371,7 @@ __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
   const int value_row = zero_row + (threadIdx.y + 1) * row_bytes;
   scalar_t* const values = reinterpret_cast<scalar_t*>(smem + value_row);
   acc_t* const buffers = reinterpret_cast<acc_t*>(smem + zero_row + (kAlignedWarps + 1) * row_bytes);
-  const int buffer_elements = factor_buffer_bytes / sizeof(acc_t);
+  const int buffer_elements = sigmoid_buffer_bytes / sizeof(acc_t);
   const int tid = threadIdx.y * 32 + threadIdx.x;
   for (int w = tid; w < W; w += 32 * blockDim.y) {
     const int q = gw.first_window(w);
@@ -381,15 +387,15 @@ __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
   }
   __syncthreads();
 
-  // Factor row of group g (of the group after it if g is in no window): the
+  // Sigmoid row of group g (of the group after it if g is in no window): the
   // rows of a run of groups are consecutive, at most one per group.
-  auto factor_row = [&](int64_t g) {
+  auto sigmoid_row = [&](int64_t g) {
     const int64_t plane = g / a.row_groups;
     return plane * OH + min(static_cast<int>(g - plane * a.row_groups), OH);
   };
   const int64_t total_rows = a.batch * a.channels * OH;
   const int64_t first = groups * blockIdx.x / gridDim.x, last = groups * (blockIdx.x + 1) / gridDim.x;
-  // Unit k: groups [g0, g1), factor rows [r0, r1) (the next group's row too).
+  // Unit k: groups [g0, g1), sigmoid rows [r0, r1) (the next group's row too).
   struct Unit {
     int64_t g0, g1, r0, r1;
   };
@@ -397,15 +403,15 @@ __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
     Unit t;
     t.g0 = first + static_cast<int64_t>(k) * unit_groups;
     t.g1 = min(t.g0 + unit_groups, last);
-    t.r0 = factor_row(t.g0);
-    t.r1 = min(factor_row(t.g1) + 1, total_rows);
+    t.r0 = sigmoid_row(t.g0);
+    t.r1 = min(sigmoid_row(t.g1) + 1, total_rows);
     return t;
   };
   const int units = static_cast<int>((last - first + unit_groups - 1) / unit_groups);
-  auto issue = [&](int k) {  // warp 0: unit k's factor rows into buffer k % 2
+  auto issue = [&](int k) {  // warp 0: unit k's sigmoid rows into buffer k % 2
     if (k < units) {
       const Unit t = unit(k);
-      bulk_load_async(buffers + (k & 1) * buffer_elements, a.grad_factor + t.r0 * OW,
+      bulk_load_async(buffers + (k & 1) * buffer_elements, a.sigmoid_saved + t.r0 * OW,
                       static_cast<int>(t.r1 - t.r0) * OW, &loaded[k & 1]);
     }
   };
@@ -418,7 +424,8 @@ __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
   auto block_up = [](int64_t o) { return (o + kBlock - 1) / kBlock * kBlock; };
   for (int k = 0; k < units; ++k) {
     const Unit t = unit(k);
-    const acc_t* const factors = bulk_load_destination(buffers + (k & 1) * buffer_elements, a.grad_factor + t.r0 * OW);
+    const acc_t* const sigmoids =
+        bulk_load_destination(buffers + (k & 1) * buffer_elements, a.sigmoid_saved + t.r0 * OW);
     barrier_wait(&loaded[k & 1], (k >> 1) & 1);
     // The warp's first group of the unit as (plane, j), then stepping kAlignedWarps.
     int64_t plane = (t.g0 + threadIdx.y) / a.row_groups;
@@ -432,8 +439,8 @@ __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
       const int64_t row = plane * OH + min(j, OH);
       const int64_t next_row = j + 1 < a.row_groups ? row + (j + 1 <= OH) : (plane + 1) * OH;
       if (cur.window_rows > 0) {
-        const acc_t* const f = factors + (row - t.r0) * OW;
-        for (int q = lane; q < OW; q += 32) values[q] = static_cast<scalar_t>(cur.grad * f[q]);
+        const acc_t* const s_row = sigmoids + (row - t.r0) * OW;
+        for (int q = lane; q < OW; q += 32) values[q] = static_cast<scalar_t>(cur.grad * a.g.factor(s_row[q], j, q));
       }
       __syncwarp();
       // This warp's run, as offsets from the group's start: [lo, hi); the
@@ -445,13 +452,14 @@ __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
       // the head's elements in it (0 outside the windows), used at the run's end.
       const int o0 = lo + EPL * lane;
       const int o_head = o0 + max(own_end - EPL + 1 - o0 + kStep - 1, 0) / kStep * kStep;
-      const acc_t* const next_factors = next_row < t.r1 ? factors + (next_row - t.r0) * OW : next.factors;
+      const acc_t* const next_sigmoids = next_row < t.r1 ? sigmoids + (next_row - t.r0) * OW : next.sigmoids;
+      const int next_j = j + 1 < a.row_groups ? j + 1 : 0;  // (its window row, where it has one)
       acc_t head[EPL];
 #pragma unroll
       for (int e = 0; e < EPL; ++e) {
         const int col = o_head + e - own_end;
         const int q = col >= 0 && o_head + e < hi && next.window_rows > 0 ? table.at(window, col) / kSize : gw.out;
-        head[e] = q < gw.out ? next_factors[q] : acc_t(0);
+        head[e] = q < gw.out ? a.g.factor(next_sigmoids[q], next_j, q) : acc_t(0);
       }
       int o = o0, i = 0, w = o;
       while (w >= W) w -= W, ++i;
@@ -507,14 +515,14 @@ __global__ void __launch_bounds__(32 * kAlignedWarps, 1)
 std::tuple<at::Tensor, at::Tensor> avg_pool2d_sigmoid_sum_cuda(
     const at::Tensor& x, at::IntArrayRef kernel_size, at::IntArrayRef stride,
     at::IntArrayRef padding, bool ceil_mode, bool count_include_pad,
-    std::optional<int64_t> divisor_override, bool save_grad_factor,
+    std::optional<int64_t> divisor_override, bool save_sigmoid,
     std::optional<at::ScalarType> dtype) {
   const auto g = avg_pool2d_sigmoid_sum_geometry(x, kernel_size, stride, padding, ceil_mode,
                                                  count_include_pad, divisor_override);
-  at::Tensor out, grad_factor;  // (no structured binding: lambdas capture them, C++20 only)
-  std::tie(out, grad_factor) = avg_pool2d_sigmoid_sum_outputs(x, g, save_grad_factor, dtype);
+  at::Tensor out, sigmoid_saved;  // (no structured binding: lambdas capture them, C++20 only)
+  std::tie(out, sigmoid_saved) = avg_pool2d_sigmoid_sum_outputs(x, g, save_sigmoid, dtype);
   const int64_t B = x.size(0);
-  if (B == 0) return {out, grad_factor};
+  if (B == 0) return {out, sigmoid_saved};
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const bool channels_last = is_channels_last(x);
@@ -539,12 +547,12 @@ std::tuple<at::Tensor, at::Tensor> avg_pool2d_sigmoid_sum_cuda(
     const size_t smem = static_cast<size_t>(span) * warps * sizeof(acc_t);
     const int64_t parts = xl.planes_per_batch * g.h.out * tiles_w;
     auto partial = at::empty({B, parts}, x.options().dtype(at::toOpMathType(x.scalar_type())));
-    const PlaneRows gl = save_grad_factor ? plane_rows(grad_factor, channels_last) : xl;
+    const PlaneRows gl = save_sigmoid ? plane_rows(sigmoid_saved, channels_last) : xl;
     dispatch_vector_width<scalar_t>(vec, [&](auto VEC) {
       const auto kernel = forward_kernel<scalar_t, VEC>;
       kernel<<<grid_stride_blocks(kernel, 32 * warps, smem, B * parts, warps), dim3(32, warps), smem, stream>>>(
           x.const_data_ptr<scalar_t>(), xl, g,
-          save_grad_factor ? grad_factor.mutable_data_ptr<acc_t>() : nullptr, gl,
+          save_sigmoid ? sigmoid_saved.mutable_data_ptr<acc_t>() : nullptr, gl,
           partial.mutable_data_ptr<acc_t>(), B * parts, tiles_w, tile_ow, span);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -555,24 +563,26 @@ std::tuple<at::Tensor, at::Tensor> avg_pool2d_sigmoid_sum_cuda(
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  return {out, grad_factor};
+  return {out, sigmoid_saved};
 }
 
 at::Tensor avg_pool2d_sigmoid_sum_backward_cuda(const at::Tensor& grad_out,
-                                                const at::Tensor& grad_factor,
+                                                const at::Tensor& sigmoid_saved,
                                                 at::IntArrayRef input_hw,
                                                 at::IntArrayRef kernel_size,
                                                 at::IntArrayRef stride, at::IntArrayRef padding,
+                                                bool count_include_pad,
+                                                std::optional<int64_t> divisor_override,
                                                 bool channels_last) {
-  auto args = avg_pool2d_sigmoid_sum_backward_setup(grad_out, grad_factor, input_hw,
-                                                    kernel_size, stride, padding, channels_last);
+  auto args = avg_pool2d_sigmoid_sum_backward_setup(grad_out, sigmoid_saved, input_hw, kernel_size, stride,
+                                                    padding, count_include_pad, divisor_override, channels_last);
   at::Tensor& grad_x = args.grad_x;
   const AvgPool2dGeometry& g = args.g;
   if (grad_x.numel() == 0) return grad_x;
   const c10::cuda::CUDAGuard guard(grad_x.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const PlaneRows xl = plane_rows(grad_x, channels_last);
-  const PlaneRows gl = plane_rows(args.grad_factor, channels_last);
+  const PlaneRows gl = plane_rows(args.sigmoid, channels_last);
   const bool overlap = g.h.kernel > g.h.stride || g.w.kernel > g.w.stride;
   // Row groups (the kernel's doc comment), enough to cover the input.
   const int row_groups = overlap ? g.h.in : (g.h.in + g.h.pad + g.h.stride - 1) / g.h.stride;
@@ -584,19 +594,19 @@ at::Tensor avg_pool2d_sigmoid_sum_backward_cuda(const at::Tensor& grad_out,
     // (whole-block rows the row-group kernel writes aligned already, and
     // faster: 1.48 against 1.61 ms at 384 columns; at 382 1.87 against 1.61),
     // on a device with the bulk copy engine, with room in shared memory for
-    // two factor rows per buffer: the aligned-runs kernel (grad_factor's rows
+    // two sigmoid rows per buffer: the aligned-runs kernel (the saved sigmoid's rows
     // follow its row groups, one after another).
     const AlignedRunsArgs<scalar_t> a{grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0),
-                                      args.grad_factor.const_data_ptr<acc_t>(), gl, g,
+                                      args.sigmoid.const_data_ptr<acc_t>(), gl, g,
                                       static_cast<int>(grad_x.size(1)), row_groups, grad_x.size(0),
                                       grad_x.numel()};
     const size_t row_bytes = xl.cols * sizeof(scalar_t);
-    const bool aligned_runs = !overlap && grad_x.is_contiguous() && args.grad_factor.is_contiguous() &&
+    const bool aligned_runs = !overlap && grad_x.is_contiguous() && args.sigmoid.is_contiguous() &&
                               row_bytes > kStoreBlockBytes &&
                               row_bytes % kStoreBlockBytes != 0 &&
                               reinterpret_cast<uintptr_t>(grad_x.const_data_ptr()) % kStoreBlockBytes == 0;
     if (aligned_runs) {
-      // Shared memory: the table and value rows, then two factor buffers of
+      // Shared memory: the table and value rows, then two sigmoid buffers of
       // unit_groups + 1 rows and 16 bytes each, as large as the device allows.
       const auto kernel = backward_aligned_runs_kernel<scalar_t>;
       int device = 0;
@@ -605,8 +615,8 @@ at::Tensor avg_pool2d_sigmoid_sum_backward_cuda(const at::Tensor& grad_out,
           std::min<int64_t>(kAlignedRunsSmemBytes, device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
       const int64_t fixed = 16 + ShiftedRow<int, 16 / sizeof(scalar_t)>(xl.cols).bytes() +
                             (kAlignedWarps + 1) * a.value_row_elements() * sizeof(scalar_t);
-      const int64_t factor_row_bytes = g.w.out * sizeof(acc_t);
-      const int64_t unit_groups = ((budget - fixed) / 2 / 16 * 16 - 16) / factor_row_bytes - 1;
+      const int64_t sigmoid_row_bytes = g.w.out * sizeof(acc_t);
+      const int64_t unit_groups = ((budget - fixed) / 2 / 16 * 16 - 16) / sigmoid_row_bytes - 1;
       if (unit_groups >= 1 && runs_bulk_copy(kernel)) {
         const int buffer_bytes = static_cast<int>((budget - fixed) / 2 / 16 * 16);
         const size_t smem = fixed + 2 * buffer_bytes;
@@ -632,7 +642,7 @@ at::Tensor avg_pool2d_sigmoid_sum_backward_cuda(const at::Tensor& grad_out,
             std::min<int64_t>((items + kWarps - 1) / kWarps, 65535));
         kernel<<<dim3(tiles, static_cast<unsigned>(row_blocks)), dim3(32, kWarps), table_bytes, stream>>>(
             grad_out.const_data_ptr<scalar_t>(), grad_out.stride(0),
-            args.grad_factor.const_data_ptr<acc_t>(), gl, g, grad_x.mutable_data_ptr<scalar_t>(),
+            args.sigmoid.const_data_ptr<acc_t>(), gl, g, grad_x.mutable_data_ptr<scalar_t>(),
             xl, row_groups, items);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };

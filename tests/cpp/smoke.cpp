@@ -27,15 +27,16 @@ int main(int argc, char** argv) {
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("fused_ops::avg_pool2d_sigmoid_sum_backward", "")
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, c10::SymIntArrayRef,
-                            at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, bool)>();
+                            at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, bool,
+                            std::optional<int64_t>, bool)>();
 
   at::manual_seed(0);
   const auto x = at::rand({3, 5, 17, 19}, at::kDouble).requires_grad_();
-  auto [out, grad_factor] = forward.call(x, {3, 3}, {2, 2}, {1, 1}, true, false, std::nullopt, true, std::nullopt);
+  auto [out, sigmoid] = forward.call(x, {3, 3}, {2, 2}, {1, 1}, true, false, std::nullopt, true, std::nullopt);
   const auto ref = at::sigmoid(at::avg_pool2d(x, {3, 3}, {2, 2}, {1, 1}, true, false)).sum({1, 2, 3});
   const auto grad_out = at::rand({3}, at::kDouble);
-  const auto grad_x = backward.call(grad_out, grad_factor, c10::fromIntArrayRefSlow({17, 19}),
-                                    {3, 3}, {2, 2}, {1, 1}, false);
+  const auto grad_x = backward.call(grad_out, sigmoid, c10::fromIntArrayRefSlow({17, 19}),
+                                    {3, 3}, {2, 2}, {1, 1}, false, std::nullopt, false);
   const auto grad_ref = torch::autograd::grad({ref}, {x}, {grad_out})[0];
   const double err_out = (out - ref).abs().max().item<double>();
   const double err_grad = (grad_x - grad_ref).abs().max().item<double>();
