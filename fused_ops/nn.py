@@ -491,12 +491,13 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         return _conv(self.conv_transpose, x)
 
     def _running_stats_map(self, x: Tensor) -> tuple[Tensor, Tensor] | None:
-        """(W (I, O), b (O)) in float64 with the output, normalized with the running
-        statistics, ``s @ W + b`` for x's spatial sums s (N, I): the spatial mean of the
-        transposed convolution is affine in s (``rewrites.conv_transpose3d_spatial_mean_map``)
+        """(W (3 I, O), b (O)) in float64 with the output, normalized with the running
+        statistics, ``s @ W + b`` for s = ``rewrites.spatial_sums(x)`` (N, 3 I): the spatial mean
+        of the transposed convolution is affine in s (``rewrites.conv_transpose3d_spatial_mean_map``)
         and so is the batch norm per channel, out = (scale * mean - running_mean) * rstd *
-        weight + bias. None where the transposed convolution pads. Kept while the parameters
-        and buffers stay (``fused_ops._derived``), per spatial size and device of x."""
+        weight + bias (W's three blocks scaled alike: an infinite mean keeps its class). None
+        where the transposed convolution pads. Kept while the parameters and buffers stay
+        (``fused_ops._derived``), per spatial size and device of x."""
         conv, bn = self.conv_transpose, self.batch_norm
         # (num_batches_tracked too: nn.BatchNorm3d's own update of the running statistics, in
         # F.batch_norm, leaves their versions; its count's add_ advances its own)
