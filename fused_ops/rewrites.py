@@ -203,9 +203,25 @@ def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positio
         stacked = x.new_empty(n, depth, height, width, taps, in_channels, dtype=dtype)
         for a in range(taps):
             stacked[:, :, :, :, a] = padded[:, a:a + stride * (depth - 1) + 1:stride]
-    stacked = stacked.reshape(n * depth, height, width, -1).permute(0, 3, 1, 2)
+    if traced(x):  # (a compiler's sizes may be symbolic: _channels_last_copy)
+        stacked = _channels_last_copy(stacked.permute(0, 1, 4, 5, 2, 3).reshape(n * depth, taps * in_channels,
+                                                                                 height, width))
+    else:
+        stacked = stacked.reshape(n * depth, height, width, -1).permute(0, 3, 1, 2)
     y = F.conv2d(stacked, kernel, bias, stride=(axes[1].stride, axes[2].stride))
     return y.permute(0, 2, 3, 1).reshape(n, *positions, out_channels, classes)
+
+
+def _channels_last_copy(t: Tensor) -> Tensor:
+    """t (N, C, H, W) copied channels last (contiguous first: a channels-last view's channels-last
+    contiguous() is the view itself), a rewritten convolution's input in a trace, where the compiler
+    fuses the copies into what writes t. Under dynamic shapes Inductor 2.13 fails on a convolution's
+    input that is a view with symbolic channels-last strides (a ValueRangeError as it lowers the
+    convolution: at the second size of an automatic-dynamic compile, at the first with
+    dynamic=True), and on such a view saved for the backward (a sympy comparison in a training
+    graph); a copy's strides are its own to choose. (Dynamo shows a symbolic size to isinstance as
+    an int: every trace takes the copy.)"""
+    return t.contiguous().contiguous(memory_format=torch.channels_last)
 
 
 def _rearranged_taps_exact(x: Tensor) -> bool:
@@ -777,18 +793,15 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     # one copy, in the dtype the convolution computes in (autocast's: cast as it is copied)
     n, i = x.shape[:2]
     dtype = _autocast.conv_dtype(x)
-    if traced(x):
-        # what a compiler fuses itself, as a copy into channels-last memory (not a view of one: under dynamic
-        # shapes Inductor 2.13 fails on a convolution's input, and on a tensor saved for the backward, that is
-        # a view with symbolic channels-last strides: a ValueRangeError lowering it, a sympy comparison)
-        s2d = x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 5, 3, 1, 2, 4).reshape(
-            n, stride[1] * stride[0] * i, blocks[0], blocks[1]).to(dtype).contiguous(memory_format=torch.channels_last)
-        return F.conv2d(s2d, s2d_kernel, bias)
+    if traced(x):  # (a compiler's sizes may be symbolic: _channels_last_copy)
+        blocked = x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 5, 3, 1, 2, 4)
+        s2d = blocked.reshape(n, stride[1] * stride[0] * i, blocks[0], blocks[1]).to(dtype)
+        return F.conv2d(_channels_last_copy(s2d), s2d_kernel, bias)
     if _stacked_in_one_pass(x, n * blocks[0] * x.shape[3]):
         # the rows of each block stacked as depth taps of x (N, I, H, Bw, Sw): (N, Bh, Bw, Sw, Sh, I)
         s2d = depth_stacked_channels_last(x.unflatten(3, (blocks[1], stride[1])), stride[0], stride[0], 0,
                                           [blocks[0], blocks[1], stride[1]], dtype=dtype)
-    else:  # differentiable
+    else:  # differentiable, and what a compiler fuses itself
         s2d = x.new_empty(n, blocks[0], blocks[1], stride[1], stride[0], i, dtype=dtype)
         s2d.copy_(x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 2, 4, 5, 3, 1))
     s2d = s2d.reshape(n, blocks[0], blocks[1], -1).permute(0, 3, 1, 2)
