@@ -17,10 +17,12 @@
 //
 // No cancellation: every sum is taken of y - shift[c], shift[c] = y[0, c, 0, 0, 0]
 // (an element of the channel: the shifted values have the size of the spread,
-// not of the mean). A chunk of a plane gives its moments (count, mean, M2) by
+// not of the mean), or 0 where that element is NaN or infinite (finite_shift).
+// A chunk of a plane gives its moments (count, mean, M2) by
 // two passes over its values (in registers on the GPU); chunks and planes
 // combine by Chan's formula, in float64 (a plane's mean is never rounded to
-// float32 before its difference from the channel's is taken). With
+// float32 before its difference from the channel's is taken; a non-finite
+// mean combines weighted by the counts: merge_moments). With
 // D[b] = m[b] - shift and M2[b] the plane's moments,
 //   d = mean_b D[b],  M2 = sum_b M2[b] + S * sum_b (D[b] - d)^2,  var = M2 / N.
 // The saved mean is shift + d rounded to the accumulation type; the saved
@@ -42,6 +44,7 @@
 // with (y - mu) = (y - mean) - lo (ChannelGrad).
 #pragma once
 
+#include <ATen/NumericUtils.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -59,6 +62,38 @@
 #include "max_pool3d.h"
 
 namespace fused_ops {
+
+// Non-finite values (NaN, +-inf in y) give PyTorch's statistics: a plane's mean
+// is NaN or infinite as the sum of its values is, and only where they are (in eval
+// mode its own output alone; with batch statistics its channel's mean and variance).
+// Two rules keep them there: the shift is finite, and means combine as sums do.
+
+template <typename acc_t>
+C10_HOST_DEVICE inline bool is_finite(acc_t v) {
+  return !at::_isnan(v) && !at::_isinf(v);
+}
+
+// The shift of a channel's sums: y[0, c, 0, 0, 0] where it is finite, else 0 (a
+// NaN or infinite shift would make every shifted value of the channel NaN).
+template <typename acc_t>
+C10_HOST_DEVICE inline acc_t finite_shift(acc_t y0) {
+  return is_finite(y0) ? y0 : acc_t(0);
+}
+
+// (count, mean, m2) merged with another set's (count_b, mean_b, m2_b) by Chan et
+// al.'s formula, mean + (mean_b - mean) * count_b / total; where either mean is not
+// finite, the mean weighted by the counts (count mean + count_b mean_b) / total,
+// which keeps an infinity where Chan's makes inf - inf = NaN (and gives NaN for
+// +inf with -inf, as a sum does). The caller adds count_b to count; an empty other
+// set leaves the moments.
+template <typename acc_t>
+C10_HOST_DEVICE inline void merge_moments(acc_t count, acc_t& mean, acc_t& m2, acc_t count_b, acc_t mean_b,
+                                          acc_t m2_b) {
+  if (count_b == acc_t(0)) return;
+  const acc_t total = count + count_b, delta = mean_b - mean, share = count_b / total;
+  m2 += m2_b + delta * delta * count * share;
+  mean = is_finite(mean) && is_finite(mean_b) ? mean + delta * share : (count * mean + count_b * mean_b) / total;
+}
 
 // How channel c is normalized, from its planes' shifted means D[b] = m[b] -
 // shift, combined in float64.

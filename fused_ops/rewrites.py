@@ -32,6 +32,12 @@ Architecture D in eval mode: the spatial mean of a transposed convolution
 without padding is linear in the input's spatial sums: every input element
 meets every tap inside the output, so
   mean_out y[n, o] = bias[o] + (sum_i (sum_t w[i, o, t]) * sum_p x[n, i, p]) / |out|.
+With an infinity in x[n, i] (its sum s = +-inf) the original's mean is the sum of
+the products w[i, o, t] * s over every tap: an infinity of their sign, or NaN where
+they take both signs or a tap is zero, where (sum_t w) * s has one sign. So the map
+also multiplies the infinite part of s (s where it is +-inf, else 0) by the signs of
+the largest and the smallest tap: sign(max) * s + sign(min) * s is NaN exactly there
+and s's infinity of the taps' sign elsewhere (and 0 for a finite s).
 
 Each function returns None where its rewrite does not hold for the
 configuration; the module then runs the original formulation. The modules
@@ -203,9 +209,41 @@ def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positio
         stacked = x.new_empty(n, depth, height, width, taps, in_channels, dtype=dtype)
         for a in range(taps):
             stacked[:, :, :, :, a] = padded[:, a:a + stride * (depth - 1) + 1:stride]
-    stacked = stacked.reshape(n * depth, height, width, -1).permute(0, 3, 1, 2)
+    if traced(x):  # (a compiler's sizes may be symbolic: _channels_last_copy)
+        stacked = _channels_last_copy(stacked.permute(0, 1, 4, 5, 2, 3).reshape(n * depth, taps * in_channels,
+                                                                                 height, width))
+    else:
+        stacked = stacked.reshape(n * depth, height, width, -1).permute(0, 3, 1, 2)
     y = F.conv2d(stacked, kernel, bias, stride=(axes[1].stride, axes[2].stride))
     return y.permute(0, 2, 3, 1).reshape(n, *positions, out_channels, classes)
+
+
+def _channels_last_copy(t: Tensor) -> Tensor:
+    """t (N, C, H, W) copied channels last (contiguous first: a channels-last view's channels-last
+    contiguous() is the view itself), a rewritten convolution's input in a trace, where the compiler
+    fuses the copies into what writes t. Under dynamic shapes Inductor 2.13 fails on a convolution's
+    input that is a view with symbolic channels-last strides (a ValueRangeError as it lowers the
+    convolution: at the second size of an automatic-dynamic compile, at the first with
+    dynamic=True), and on such a view saved for the backward (a sympy comparison in a training
+    graph); a copy's strides are its own to choose. (Dynamo shows a symbolic size to isinstance as
+    an int: every trace takes the copy.)"""
+    return t.contiguous().contiguous(memory_format=torch.channels_last)
+
+
+def _rearranged_taps_exact(x: Tensor) -> bool:
+    """Whether a rewrite whose convolution multiplies x by taps the original's does not have (the
+    parity classes' zeros, the space-to-depth kernel's zero padding: elements the original never
+    multiplies) or by sums of its taps (C's pool-folded kernel) gives the original's result for x:
+    where x holds no NaN or infinity (0 * inf = NaN, and (w1 + w2) * inf is an infinity where
+    w1 * inf + w2 * inf is NaN). Checked on a CPU, where reading x waits for no device: one pass, x's
+    sum, finite unless x holds a NaN or an infinity (or its values overflow the sum, which only passes
+    the call on to the next formulation). Assumed on other devices, in a trace and under torch.func's
+    transforms, where the check would wait for the device or make the graph depend on x's values
+    (NOTES.md, "Non-finite values")."""
+    if (x.device.type != "cpu" or traced(x) or torch.jit.is_tracing()
+            or torch._C._functorch.is_functorch_wrapped_tensor(x)):
+        return True
+    return bool(x.detach().sum(dtype=_accumulation_dtype(x.dtype)).isfinite())
 
 
 def _is_plain_conv(conv: nn.Module, x: Tensor) -> bool:
@@ -242,7 +280,7 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
     positions = tuple([_pooled_size(s, p, p, 0, pool.ceil_mode) for s, p in zip(conv_size, classes)])
     # every window whole (ceil_mode may add a partial last one)
     if min(positions) < 1 or any([m * p > s for s, p, m in zip(conv_size, classes, positions)]) \
-            or math.prod(classes) > 256:
+            or math.prod(classes) > 256 or not _rearranged_taps_exact(x):
         return None
     axes = tuple([_conv_pool_axis(kernel[d], padding[d], classes[d]) for d in range(3)])
     weight, bias, dtype = conv.weight, conv.bias, kernel_dtype(x, conv.weight)
@@ -390,7 +428,7 @@ def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1
     stride not the convolution's stride, a dilated or grouped convolution, a pool2 that
     overlaps or pads, no output, the stride's volume times pool2's over 256)."""
     found = _transposed_windows_geometry(x, conv, pool1, pool2)
-    if found is None:
+    if found is None or not _rearranged_taps_exact(x):
         return None
     axes, positions, _ = found
     return _transposed_windows(x, conv.weight, axes, positions), conv.bias
@@ -441,7 +479,7 @@ def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, p
     convolution. In the cascade's dtype (autocast's rules for its op). None where the rewrite does
     not hold (conv_transpose3d_max_pool_windows)."""
     found = _transposed_windows_geometry(x, conv, pool1, pool2)
-    if found is None:
+    if found is None or not _rearranged_taps_exact(x):
         return None
     axes, positions, out_size = found
     weight, kernel2 = conv.weight, _triple(pool2.kernel_size)
@@ -665,21 +703,29 @@ def spatial_mean_holds(x: Tensor, conv: nn.ConvTranspose3d) -> bool:
 
 
 def conv_transpose3d_spatial_mean_map(x: Tensor, conv: nn.ConvTranspose3d) -> tuple[Tensor, Tensor] | None:
-    """(W (I, O), b (O)) in float64 with ``conv(x).mean(dim=(2, 3, 4)) = s @ W + b`` for s = x's
-    spatial sums (N, I) (module docstring), or None where that does not hold (spatial_mean_holds)."""
+    """(W (3 I, O), b (O)) in float64 with ``conv(x).mean(dim=(2, 3, 4)) = spatial_sums(x) @ W + b``
+    (module docstring): W's rows the taps' sums over the output's volume (I, O), then the signs of each
+    (i, o)'s largest and smallest tap (which meet the infinite part of the sums: the signs, so that a
+    finite sum meets no infinite weight); or None where that does not hold (spatial_mean_holds)."""
     if not spatial_mean_holds(x, conv):
         return None
     stride, kernel, extra = _triple(conv.stride), _triple(conv.kernel_size), _triple(conv.output_padding)
     out_volume = math.prod([(x.shape[2 + d] - 1) * stride[d] + kernel[d] + extra[d] for d in range(3)])
-    weight = conv.weight.double().sum(dim=(2, 3, 4)) / out_volume
+    taps = conv.weight.double().flatten(2)
+    signs = [extreme.detach().sign() for extreme in (taps.amax(2), taps.amin(2))]  # (classes: no gradient)
+    weight = torch.cat([taps.sum(2) / out_volume, *signs])
     bias = conv.bias.double() if conv.bias is not None else weight.new_zeros(weight.shape[1])
     return weight, bias
 
 
 def spatial_sums(x: Tensor) -> Tensor:
-    """x's sums over (D, H, W), (N, C) in float64: accumulated in x's accumulation type (a
-    float64 reduction of float32 input would first convert the whole input), then widened."""
-    return x.sum(dim=(2, 3, 4), dtype=_accumulation_dtype(x.dtype)).double()
+    """x's sums s over (D, H, W), (N, C) in float64, then their infinite part twice (s where it is
+    +-inf, else 0): (N, 3 C), what conv_transpose3d_spatial_mean_map's W multiplies. The sums are
+    accumulated in x's accumulation type (a float64 reduction of float32 input would first convert
+    the whole input), then widened."""
+    sums = x.sum(dim=(2, 3, 4), dtype=_accumulation_dtype(x.dtype)).double()
+    infinite = torch.where(sums.isinf(), sums, 0.0).detach()  # (a class, not a value: no gradient)
+    return torch.cat([sums, infinite, infinite], 1)
 
 
 def conv_transpose3d_spatial_mean(x: Tensor, conv: nn.ConvTranspose3d) -> Tensor | None:
@@ -739,6 +785,8 @@ def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) 
     cast = _autocast.cast_dtype(x)
     if fold is None or (cast is None and x.dtype != conv.weight.dtype):  # (the latter: the original's error)
         return None
+    if not _rearranged_taps_exact(x):
+        return None
     dtype = kernel_dtype(x, conv.weight)
     weight = box_fold2d(conv.weight, fold.box, fold.divisor, dtype=dtype)
     bias = None if conv.bias is None else _pool_folded_bias(conv.bias, fold).to(dtype)
@@ -751,7 +799,7 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     """``pool(conv(x))`` as one convolution over the space-to-depth input, (N, O, H', W')
     channels last, or None where the rewrite does not hold (_pool_fold)."""
     fold = _pool_fold(x, conv, pool)
-    if fold is None:
+    if fold is None or not _rearranged_taps_exact(x):
         return None
     box, stride, padding, out = fold.box, fold.stride, fold.padding, fold.out
     padded = [x.shape[2 + d] + 2 * padding[d] for d in range(2)]
@@ -770,6 +818,10 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     # one copy, in the dtype the convolution computes in (autocast's: cast as it is copied)
     n, i = x.shape[:2]
     dtype = _autocast.conv_dtype(x)
+    if traced(x):  # (a compiler's sizes may be symbolic: _channels_last_copy)
+        blocked = x.reshape(n, i, blocks[0], stride[0], blocks[1], stride[1]).permute(0, 5, 3, 1, 2, 4)
+        s2d = blocked.reshape(n, stride[1] * stride[0] * i, blocks[0], blocks[1]).to(dtype)
+        return F.conv2d(_channels_last_copy(s2d), s2d_kernel, bias)
     if _stacked_in_one_pass(x, n * blocks[0] * x.shape[3]):
         # the rows of each block stacked as depth taps of x (N, I, H, Bw, Sw): (N, Bh, Bw, Sw, Sh, I)
         s2d = depth_stacked_channels_last(x.unflatten(3, (blocks[1], stride[1])), stride[0], stride[0], 0,

@@ -166,6 +166,47 @@ def test_large_mean_float32(device):
             check_forward_backward(x, 2.0, params, training, 0.1, torch.float32)
 
 
+@pytest.mark.parametrize("shape", [(3, 6, 3, 5, 7), (2, 6, 33, 33, 33)], ids=["small", "chunked"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last_3d", "transposed"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_non_finite_values(shape, layout, training, device, dtype):
+    """NaN and +-inf in x give PyTorch's results (batch_norm_gap.h: finite_shift, merge_moments): in
+    eval mode the planes holding them alone non-finite, in training their channels; the gradients
+    PyTorch's wherever those are finite. Channel 0: a NaN at y[0, 0, 0, 0, 0] (the sums' shift); 1:
+    +inf there; 2: -inf in another plane; 3: +inf in one plane and -inf in another; 4: two +inf in
+    one plane; 5: finite. "chunked": planes of several chunks, the last partial (the CUDA kernels'
+    padding lanes and their merges of chunks' moments)."""
+    nan, inf = float("nan"), float("inf")
+    base = make_input(shape, dtype, device)
+    last, mid = tuple([s - 1 for s in shape[2:]]), tuple([s // 2 for s in shape[2:]])
+    base[0, 0, 0, 0, 0] = nan
+    base[0, 1, 0, 0, 0] = inf
+    base[-1, 2][last] = -inf
+    base[0, 3][mid] = inf
+    base[-1, 3][mid] = -inf
+    base[-1, 4][mid] = inf
+    base[-1, 4][last] = inf
+    x = base if layout == "contiguous" else in_layout_5d(base, layout)
+    weight, bias, running_mean, running_var, nbt = params = make_params(shape[1], dtype, device)
+    bn = reference_module(x, *params, training, 0.1, 1e-5)
+    x = x.detach().requires_grad_()
+    leaves = [weight.requires_grad_(), bias.requires_grad_()]
+    out = batch_norm_gap(x, -1.5, *params, training=training, momentum=0.1)
+    y, ref = reference(x, -1.5, bn)
+    assert_close_to_reference(out, ref, dtype, "output", normwise=True)
+    assert out[:, :5].isfinite().sum() == (0 if training else shape[0] * 5 - 6)
+    for actual, expected in ((running_mean, bn.running_mean), (running_var, bn.running_var)):
+        assert_close_to_reference(actual, expected, dtype, "running statistics", normwise=True)
+    grad = (torch.rand(out.shape, dtype=torch.float64) + 0.5).to(dtype)
+    grads = torch.autograd.grad(out, [x, *leaves], grad.to(device))
+    expected = torch.autograd.grad(ref, [y, bn.weight, bn.bias], grad.double())
+    for name, actual, reference_grad in zip(["x", "weight", "bias"], grads, expected):
+        reference_grad = reference_grad * -1.5 if name == "x" else reference_grad
+        finite = reference_grad.isfinite()
+        assert finite.any()
+        assert_close_to_reference(actual.cpu()[finite], reference_grad[finite], dtype, f"grad_{name}", normwise=True)
+
+
 def test_mixed_dtype_parameters(device):
     """float16 / bfloat16 x with float32 parameters and running statistics, as
     PyTorch's batch norm takes them (autocast); grads in the parameters' dtype."""

@@ -19,7 +19,7 @@ from torch.func import functional_call, grad, jacrev, vjp, vmap
 
 import fused_ops
 from conftest import make_input
-from fused_ops import _derived, autotune
+from fused_ops import autotune
 from test_formulations import CONFIGS, FORMULATION_CASES, IDS, pair
 
 # Smaller configurations (every formulation holds for each: test_formulations.CONFIGS's conditions)
@@ -37,15 +37,11 @@ TOLERANCE = dict(rtol=1e-9, atol=1e-12)
 
 
 def module_call(module, formulation):
-    """module's function of (x, *parameters) (functional_call) under formulation, its derived
-    weights made anew each call: gradcheck perturbs its inputs in place through .data, which
-    advances no version counter (fused_ops._derived would keep a kernel derived from the
-    unperturbed weight where the call records no graph of it: D's rewrite in training builds its
-    kernel inside an autograd.Function's forward)."""
+    """module's function of (x, *parameters) (functional_call) under formulation (gradcheck
+    perturbs its inputs in place through .data: the modules keep nothing derived from them)."""
     names = [name for name, _ in module.named_parameters()]
 
     def call(x, *params):
-        _derived.clear()
         with autotune.force(formulation):
             return functional_call(module, dict(zip(names, params)), (x,))
     return call

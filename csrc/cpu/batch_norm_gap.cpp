@@ -23,14 +23,10 @@ template <typename acc_t>
 struct Moments {
   acc_t count = 0, mean = 0, m2 = 0;
 
-  // Adds another set: Chan et al.'s combination of two sets' moments.
+  // Adds another set: Chan et al.'s combination of two sets' moments (merge_moments).
   void merge(const Moments& other) {
-    if (other.count == 0) return;
-    const acc_t total = count + other.count;
-    const acc_t delta = other.mean - mean, share = other.count / total;
-    mean += delta * share;
-    m2 += other.m2 + delta * delta * count * share;
-    count = total;
+    merge_moments(count, mean, m2, other.count, other.mean, other.m2);
+    count += other.count;
   }
 };
 
@@ -89,12 +85,13 @@ void for_each_in_plane(const at::Tensor& x, F&& f) {
   }
 }
 
-// The channel's shift: y[0, c, 0, 0, 0] (batch_norm_gap.h).
+// The channel's shift: y[0, c, 0, 0, 0], or 0 where it is not finite (finite_shift, batch_norm_gap.h).
 template <typename scalar_t>
 at::opmath_type<scalar_t> channel_shift(const at::Tensor& x, int64_t c, const Multiply<scalar_t>& multiply) {
   using acc_t = at::opmath_type<scalar_t>;
   if (x.size(0) == 0) return 0;
-  return static_cast<acc_t>(multiply(static_cast<acc_t>(x.const_data_ptr<scalar_t>()[c * x.stride(1)])));
+  return finite_shift(
+      static_cast<acc_t>(multiply(static_cast<acc_t>(x.const_data_ptr<scalar_t>()[c * x.stride(1)]))));
 }
 
 // Moments added block by block and combined pairwise, in float64 (a binary
@@ -156,7 +153,9 @@ void plane_moments(const at::Tensor& x, const Multiply<scalar_t>& multiply, doub
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / blocks, c = item % blocks * kLanes;
         const int count = static_cast<int>(std::min<int64_t>(kLanes, C - c));
-        const Vec shift = multiply_lanes(CV::load(xp + c, count));  // y[0, c, 0, 0, 0]
+        __at_align__ acc_t shifts[kLanes] = {};  // y[0, c + l, 0, 0, 0] (channel_shift)
+        for (int l = 0; l < count; ++l) shifts[l] = channel_shift(x, c + l, multiply);
+        const Vec shift = Vec::loadu(shifts);
         const scalar_t* xb = xp + b * x.stride(0) + c;
         std::fill(moments.begin(), moments.end(), PairwiseMoments());
         for (int64_t s0 = 0; s0 < S; s0 += kBlock) {

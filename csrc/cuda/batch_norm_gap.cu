@@ -130,8 +130,9 @@ __device__ __forceinline__ at::opmath_type<scalar_t> scaled(const Multiply<scala
 // lane's vectors j lie at chunk start + (j * 32 + lane) * VEC: each load
 // instruction of the warp reads 32 consecutive vectors. A lane's vectors
 // inside the plane are a prefix of its kLoads (the plane's size is a
-// multiple of VEC); past the plane a lane takes the shift's element, which
-// adds exactly 0 to the first pass, and drops it from the second.
+// multiple of VEC); past the plane a lane takes the shift's element (0 where
+// the shift is: finite_shift), which adds exactly 0 to the first pass, and
+// drops it from the second.
 template <typename scalar_t, int VEC, bool FLAT>
 __global__ void __launch_bounds__(kThreads, min_blocks<FLAT>())
     plane_moments_kernel(const scalar_t* __restrict__ x, Planes p, Multiply<scalar_t> multiply,
@@ -147,16 +148,17 @@ __global__ void __launch_bounds__(kThreads, min_blocks<FLAT>())
   for (int64_t item = warp; item < items; item += warps, at.next()) {
     const int c = at[1];
     const scalar_t* plane = x + at.leading() * p.xs.b + c * p.xs.c;
-    const scalar_t* shift_element = x + c * p.xs.c;  // y[0, c, 0, 0, 0]
+    const scalar_t shift_element = x[c * p.xs.c];  // y[0, c, 0, 0, 0]
+    const acc_t shift = finite_shift(scaled(multiply, shift_element));
+    const scalar_t pad = shift == acc_t(0) ? scalar_t(0) : shift_element;  // (scaled to shift exactly)
     const int start = at[2] * chunk_elements<scalar_t, VEC>() + lane * VEC;
     const int inside = lane_vectors_inside<VEC>(p.size, start, kLoads);
     Vector<scalar_t, VEC> in[kLoads];
 #pragma unroll
     for (int j = 0; j < kLoads; ++j) {
       in[j] = j < inside ? load_vector<scalar_t, VEC>(plane + p.offset<FLAT>(start + j * 32 * VEC))
-                         : filled_vector<scalar_t, VEC>(*shift_element);
+                         : filled_vector<scalar_t, VEC>(pad);
     }
-    const acc_t shift = scaled(multiply, *shift_element);
     acc_t sum = 0;
 #pragma unroll
     for (int j = 0; j < kLoads; ++j) {
@@ -198,17 +200,6 @@ struct ChannelsLast {
   int vec;  // VEC (the launch's)
 };
 
-// (mean, m2) of `count` values merged with those of `count_b` others (Chan's formula; an empty
-// side leaves the other); the caller adds count_b to its count.
-template <typename acc_t>
-__device__ __forceinline__ void merge_moments(acc_t count, acc_t& mean, acc_t& m2, acc_t count_b, acc_t mean_b,
-                                              acc_t m2_b) {
-  if (count_b == acc_t(0)) return;
-  const acc_t delta = mean_b - mean, weight_b = count_b / (count + count_b);
-  mean += delta * weight_b;
-  m2 += m2_b + delta * delta * count * weight_b;
-}
-
 // Calls f(b, chunk, c0) for each of a warp's items of a ChannelsLast (a
 // grid-stride loop), c0 the first of the VEC channels the lane reads (none at
 // or past C).
@@ -241,11 +232,14 @@ __global__ void __launch_bounds__(kThreads)
     const int first = chunk * kChunkPositions;
     const int end = ::min(first + kChunkPositions, l.positions);
     const scalar_t* base = x + b * l.batch_stride + (active ? c0 : 0);
-    const Vector<scalar_t, VEC> shift_values = load_vector<scalar_t, VEC>(x + (active ? c0 : 0));  // y[0, c, 0, 0, 0]
+    // y[0, c, 0, 0, 0] (finite_shift), and what a lane takes past the chunk: the shift's element, or 0
+    // where the shift is (scaled to the shift exactly: adds 0 to the first pass)
+    Vector<scalar_t, VEC> pad = load_vector<scalar_t, VEC>(x + (active ? c0 : 0));
     acc_t shift[VEC], count = 0, mean[VEC], m2[VEC];
 #pragma unroll
     for (int e = 0; e < VEC; ++e) {
-      shift[e] = scaled(multiply, shift_values.v[e]);
+      shift[e] = finite_shift(scaled(multiply, pad.v[e]));
+      if (shift[e] == acc_t(0)) pad.v[e] = scalar_t(0);
       mean[e] = m2[e] = 0;
     }
     for (int s0 = first + row; s0 < end; s0 += rows * kPassPositions) {
@@ -254,7 +248,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < kPassPositions; ++j) {
         in[j] = j < inside ? load_vector<scalar_t, VEC>(base + static_cast<int64_t>(s0 + j * rows) * l.channels)
-                           : shift_values;
+                           : pad;
       }
       const acc_t n = static_cast<acc_t>(inside);
 #pragma unroll
@@ -361,7 +355,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   sum_m2 = block_sum(sum_m2, scratch);
   if (tid == 0) {
-    const double shift = batch > 0 ? scaled(multiply, x[c * x_stride_c]) : acc_t(0);
+    const double shift = batch > 0 ? finite_shift(scaled(multiply, x[c * x_stride_c])) : acc_t(0);
     const ChannelNorm<acc_t> norm =
         batch_stats ? ChannelNorm<acc_t>::batch(shift, d, sum_m2 + size * squares,
                                                 static_cast<double>(batch) * size, eps)
