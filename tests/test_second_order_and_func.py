@@ -20,7 +20,7 @@ from torch.func import functional_call, grad, jacrev, vjp, vmap
 import fused_ops
 from conftest import make_input
 from fused_ops import autotune
-from test_formulations import CONFIGS, FORMULATION_CASES, IDS, pair
+from test_formulations import CONFIGS, FORMULATION_CASES, IDS, formulation_input, pair
 
 # Smaller configurations (every formulation holds for each: test_formulations.CONFIGS's conditions)
 # for gradgradcheck, whose numerical Jacobians take a call per input and parameter element.
@@ -69,7 +69,7 @@ def test_second_order_is_the_original(name, args, shape, formulation, train, wrt
     """float64, forced to each formulation: the first-order gradients taken with create_graph and
     the penalty's gradients to x and to every parameter are the original's."""
     original, fused = pair(name, args, device, train=train)
-    x = make_input(shape, torch.float64, device, requires_grad=True)
+    x = formulation_input(make_input(shape, torch.float64, device), formulation).requires_grad_()
     expected = penalty_grads(original, x, wrt_all)
     with autotune.force(formulation):
         actual = penalty_grads(fused, x, wrt_all)
@@ -84,7 +84,7 @@ def test_module_gradgradcheck(name, args, shape, formulation, train, device):
     """gradgradcheck of each module's function of its input and parameters, forced to each
     formulation (fast mode: random projections of the Jacobians, a few calls each)."""
     _, fused = pair(name, args, device, train=train)
-    x = make_input(shape, torch.float64, device, requires_grad=True)
+    x = formulation_input(make_input(shape, torch.float64, device), formulation).requires_grad_()
     params = [p.detach().clone().requires_grad_() for p in fused.parameters()]
     call = module_call(fused, formulation)
     call(x, *params)
