@@ -33,6 +33,8 @@ from torch import Tensor, nn
 MEMORY_LIMIT = 256 << 20
 # A module whose graph for one signature was captured this many times is no longer graphed.
 MAX_CAPTURES = 4
+# Graphs kept per module (one per signature): beyond it the least recently replayed is released.
+MAX_GRAPHS = 8
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 _GRAPHS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -102,9 +104,12 @@ def _static_input(x: Tensor) -> Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
-def _check_held(device: torch.device, reserved: int) -> None:
-    if torch.cuda.memory_reserved(device) - reserved > MEMORY_LIMIT:
+def _check_held(device: torch.device, reserved: int) -> int:
+    """The device memory a capture reserved since `reserved` was read (what its graph holds)."""
+    held = torch.cuda.memory_reserved(device) - reserved
+    if held > MEMORY_LIMIT:
         raise CaptureRefused("the graph holds more than fused_ops._graphed.MEMORY_LIMIT bytes")
+    return held
 
 
 class GraphedCall:
@@ -120,7 +125,7 @@ class GraphedCall:
             self._graph, self._out = _capture(lambda: run(name, self._x))
         if self._out is None:
             raise CaptureRefused(f"formulation {name} does not hold for the captured call")
-        _check_held(x.device, reserved)
+        self.held = _check_held(x.device, reserved)
 
     def __call__(self, x: Tensor) -> Tensor:
         with self._lock:  # (one static input and output: calls from several threads take turns)
@@ -164,7 +169,7 @@ class GraphedStep:
             self._grad_out = torch.empty_like(out)
             self._backward, self._grads = _capture(lambda: backward(out, self._grad_out), self._forward.pool())
         self._out = out.detach()
-        _check_held(x.device, reserved)
+        self.held = _check_held(x.device, reserved)
 
     def __call__(self, x: Tensor) -> Tensor | None:
         with self._lock:
@@ -248,6 +253,25 @@ def tensor_pointers(module: nn.Module) -> tuple[int, ...]:
                   if t is not None])
 
 
+# The drop-in calls on a GPU in flight in this process, in any thread: a capture runs only while its
+# own call is the only one, and holds _CALLS_LOCK throughout, so that no other thread's call starts
+# launching into it (an operation on the legacy stream during a capture invalidates it, and fails).
+_ACTIVE = [0]
+_CALLS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def call_in_flight():
+    """Counts the block as a drop-in call in flight (for a capture: _CALLS_LOCK)."""
+    with _CALLS_LOCK:
+        _ACTIVE[0] += 1
+    try:
+        yield
+    finally:
+        with _CALLS_LOCK:
+            _ACTIVE[0] -= 1
+
+
 def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: Run, name: str,
                  x: Tensor) -> GraphedCall | GraphedStep | None:
     """The module's graph of formulation `name` for calls with `signature` (a GraphedStep where
@@ -258,17 +282,34 @@ def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: R
     graphs = _GRAPHS.setdefault(module, {})
     graph, captures = graphs.get(signature, (None, 0))
     if graph is not None and graph.stamp == stamp:
+        graphs[signature] = graphs.pop(signature)  # (the most recently replayed last)
         return graph
     if captures >= MAX_CAPTURES:
         return None
-    graphs[signature] = (None, MAX_CAPTURES)  # (the old graph's memory released before the new capture)
-    del graph
-    try:  # (a call the tuner may graph in grad mode records gradients: fused_ops.autotune._graph_kind)
-        graph = (GraphedStep if torch.is_grad_enabled() else GraphedCall)(module, run, name, x, stamp)
-    except RuntimeError:  # (CaptureRefused, or a capture CUDA refused)
+    if not _CALLS_LOCK.acquire(blocking=False):
         return None
+    try:
+        if _ACTIVE[0] > 1:  # (another thread's call in flight: captured at a later call)
+            return None
+        graphs[signature] = (None, MAX_CAPTURES)  # (the old graph's memory released before the new capture)
+        del graph
+        try:  # (a call the tuner may graph in grad mode records gradients: fused_ops.autotune._graph_kind)
+            graph = (GraphedStep if torch.is_grad_enabled() else GraphedCall)(module, run, name, x, stamp)
+        except RuntimeError:  # (CaptureRefused, or a capture CUDA refused)
+            return None
+    finally:
+        _CALLS_LOCK.release()
     graphs[signature] = (graph, captures + 1)
+    for old in list(graphs)[:-MAX_GRAPHS]:  # (the least recently replayed released)
+        del graphs[old]
     return graph
+
+
+def held() -> dict:
+    """{"graphs": how many graphs the modules keep, "bytes": the device memory their captures reserved}."""
+    graphs = [graph for module_graphs in list(_GRAPHS.values()) for graph, _ in module_graphs.values()
+              if graph is not None]
+    return {"graphs": len(graphs), "bytes": sum(graph.held for graph in graphs)}
 
 
 def drop(module: nn.Module | None = None, signature: Hashable = None) -> None:

@@ -12,25 +12,25 @@ configuration, the input's size, dtype and layout, the device, and whether a tra
 is being recorded; none is fastest everywhere (a rewrite adds zero taps; at a batch of one
 the host's time per launch dominates).
 
-As ``torch.backends.cudnn.benchmark`` does for convolution algorithms, the first call of a
-module for a new key (the module's class and configuration; the input's shape, strides,
-dtype and device; train or eval; whether gradients are recorded, and for which of the input
-and the parameters; the autocast state) times every formulation that holds for it, its
-forward or, where gradients are recorded, its forward and backward (the module's buffers
-restored after), and keeps the fastest for the key in this process; the later calls with
-that key run it. On a GPU the rearranged and channels-last convolutions run with
-cudnn.benchmark on, as the original tuned by hand would (where a rewrite is kept it beat the
-original run channels last with cudnn.benchmark too); the original's own convolutions run
-under the user's setting, as the original's calls do. Where a call may be replayed from a
-CUDA graph (on a GPU, on the default stream, either recording gradients or in eval mode
-recording none: ``fused_ops._graphed``), the fastest formulation is also timed replayed from
-a graph of its call (and of its backward), and kept so where that is faster (a batch of
-one: the host's time per op is most of a call); ``FUSED_OPS_CUDA_GRAPHS=0`` leaves that
-candidate out. Candidates within PREFERRED_MARGIN of the fastest count as ties, which the
-original's own ops win, and between a graph and none the graph where the call is host-bound
-(queueing it takes the host at least half the time the call takes to finish: the host's
-moments vary), else no graph (a replay's copy of the input into the graph's static input is
-device time).
+The autotuner chooses among them from the calls the user makes anyway: the first call of a
+key (the module's class and configuration; the input's shape with its batch size in a power-of-two
+bucket, its layout, dtype and device; train or eval; whether gradients are recorded, and for
+which of the input and the parameters; the autocast state) answers at once with the rule's
+formulation; the next calls with the key run each other formulation that holds in turn, each
+timed as it runs (CUDA events read at a later call, never waited for; a training call's backward
+from its output's gradient to its inputs'), until each has been timed a few times; the fastest
+then serves every later call with the key (``_Tuning``). No call is made that the user did not
+make, and every formulation computes the original's function, so the choice changes the speed,
+not what is computed (its roundings differ as the original's do between cuDNN algorithms). Once a
+signature has been called HOT_CALLS times its rearranged and channels-last convolutions run with
+cudnn.benchmark on (searched once, as by the original tuned by hand; the original's own
+convolutions always run under the user's setting), and where the calls were host-bound on a GPU
+(queueing a call takes the host at least half its time on the device: a batch of one) it is
+replayed from a CUDA graph of its call (``fused_ops._graphed``; ``FUSED_OPS_CUDA_GRAPHS=0`` leaves
+graphs out; at most ``_graphed.MAX_GRAPHS`` per module, ``memory()`` says what they hold), captured
+only while no other thread's call is in flight. Choices can be kept across processes
+(``FUSED_OPS_AUTOTUNE_FILE``, ``save``, ``load``) and made ahead of time (``warmup``). One module
+may be called from several threads at once.
 
 Under a torch.func transform (grad, vjp, jacrev, vmap, ...) every module runs the original's own
 ops, untimed and forced or not (functorch transforms them; ``choose``). Nothing is timed, and each
@@ -39,16 +39,15 @@ the fused tail) where the autotuner is off
 (``FUSED_OPS_AUTOTUNE=0`` in the environment, or ``set_enabled(False)``), under
 torch.compile, torch.export and any trace of fake tensors (the compile patterns' pass:
 the compiler sees the rule's formulation), and while a
-CUDA graph is being captured and the key was not tuned before (capture after warm-up
-calls, as ``torch.cuda.make_graphed_callables`` does, to capture the tuned one). Every
-formulation computes the original's function: the tests check each one (``force``) against
-the original, so the choice changes the speed, not what is computed (its roundings differ
-as the original's do between cuDNN algorithms).
+CUDA graph is being captured and the key has not settled (``warmup`` first, to capture the
+tuned one). The tests check each formulation (``force``) against the original.
 """
 import contextlib
-import functools
+import importlib.metadata
+import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 
@@ -66,19 +65,12 @@ def _environment_flag(name: str) -> bool:
 
 _ENABLED = _environment_flag("FUSED_OPS_AUTOTUNE")
 _GRAPHS_ENABLED = _environment_flag("FUSED_OPS_CUDA_GRAPHS")  # (the graphed candidate, fused_ops._graphed)
-_CHOICES: dict[tuple, tuple[str, bool]] = {}  # key -> (formulation, replayed from a CUDA graph)
 _FORCED: list[str] = []
 _LAST = [None]  # the formulation the latest call ran
 # The innermost torch.func transform of the call, or None (choose)
 _functorch_interpreter = torch._C._functorch.peek_interpreter_stack
 _FunctorchInterpreter = torch._C._functorch.CInterpreter
 _GENERATION = [0]  # advanced by clear() and set_enabled(): the modules' remembered choices lapse
-# Each candidate is timed over ROUNDS rounds (candidates interleaved), each round a run of
-# calls at least ROUND_MS long (at most MAX_CALLS calls), after one warm-up call; the median
-# round decides. (A host-bound training step at a batch of one, 0.3-0.9 ms, varies by tens of
-# percent from call to call on an H200's host: rounds of one call chose a different
-# formulation in each of three tunings, rounds of 4 ms the same one.)
-ROUNDS, ROUND_MS, MAX_CALLS = 5, 4.0, 50
 
 
 def set_enabled(enabled: bool) -> None:
@@ -94,8 +86,11 @@ def is_enabled() -> bool:
 
 
 def clear() -> None:
-    """Forgets every choice made so far and the modules' CUDA graphs (``fused_ops._graphed``)."""
-    _CHOICES.clear()
+    """Forgets every choice made so far (those loaded from FUSED_OPS_AUTOTUNE_FILE too) and the
+    modules' CUDA graphs (``fused_ops._graphed``)."""
+    with _LOCK:
+        _TUNINGS.clear()
+        _SAVED.clear()
     _graphed.drop()
     _GENERATION[0] += 1
 
@@ -129,32 +124,51 @@ def _signature(module: nn.Module, x: Tensor) -> tuple:
             torch.is_inference_mode_enabled(), autocast)
 
 
+def _bucket(signature: tuple) -> tuple:
+    """The signature as the choices share it: the batch size rounded up to a power of two (calls of
+    batch 5 to 8 alike), the strides as x's layout (contiguous, channels last, or the strides
+    themselves for any other)."""
+    shape, strides = signature[:2]
+    batch = 1 << max(0, shape[0] - 1).bit_length() if shape else None
+    dense = torch.empty(0).new_empty(shape, device="meta") if shape else None  # (strides of each layout)
+    if dense is None or strides == dense.stride():
+        layout = "contiguous"
+    elif len(shape) in (4, 5) and strides == dense.contiguous(
+            memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d).stride():
+        layout = "channels_last"
+    else:
+        layout = strides
+    return ((batch, *shape[1:]), layout, *signature[2:])
+
+
 def call_key(module: nn.Module, config: tuple, x: Tensor) -> tuple:
     """The key of a call in the choices shared by all modules: the module's class and
-    configuration, the call's signature, and which parameters require gradients."""
+    configuration, the call's signature in its bucket (_bucket), and which parameters require
+    gradients."""
     return _key(module, config, _signature(module, x))
 
 
 def _key(module: nn.Module, config: tuple, signature: tuple) -> tuple:
     grads = tuple([p.requires_grad for p in module.parameters()]) if signature[5] else ()  # (grad mode)
-    return type(module), config, signature, grads
+    return type(module), config, _bucket(signature), grads
 
 
 def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callable[[Tensor], Sequence[str]],
            run: Callable[[str, Tensor], Tensor | None], x: Tensor,
            graph_stamp: Callable[[], Hashable | None] = lambda: None) -> tuple[str, Tensor]:
-    """(name, result) of the formulation the call takes: forced, kept from an earlier call
-    with its key (call_key of `config()`), timed now (the first call with it), or the rule
-    (the first of `formulations(x)`, in order, whose `run(name, x)` is not None: the last
-    must always hold). Where the tuner found it faster, the kept formulation is replayed from
-    a CUDA graph (``fused_ops._graphed``) while `graph_stamp()` (the module's configuration
-    and tensor memory, None where its call may not be graphed) stays as at the capture. The
-    module remembers its latest call's signature and choice, so that a call like the one
-    before runs it without building the key or the list of formulations (host time: at a
-    batch of one a whole call on a GPU takes about 0.1 ms); where it no longer holds (run
-    gives None), the call chooses again. Under a torch.func transform (grad, vjp, jacrev, vmap, ...;
-    compiled too) the call runs the original's own ops, which functorch transforms: it cannot
-    transform the fused ops' C++ autograd, nor vmap a layout change."""
+    """(name, result) of the formulation the call takes: forced, the rule (the first of
+    `formulations(x)`, in order, whose `run(name, x)` is not None: the last must always hold), or,
+    with the autotuner on, the one the calls with its key (call_key of `config()`) choose as they
+    come: each candidate in turn timed on real calls (_Tuning) until the fastest is known, then
+    that one; where the tuner found it host-bound and the calls with this signature are many, it
+    is replayed from a CUDA graph (``fused_ops._graphed``) while `graph_stamp()` (the module's
+    configuration and tensor memory, None where its call may not be graphed) stays as at the
+    capture. The module remembers its latest call's signature and settled choice, so that a call
+    like the one before runs it without building the key or the list of formulations (host
+    time: at a batch of one a whole call on a GPU takes about 0.1 ms); where it no longer holds
+    (run gives None), the call chooses again. Under a torch.func transform (grad, vjp, jacrev,
+    vmap, ...; compiled too) the call runs the original's own ops, which functorch transforms: it
+    cannot transform the fused ops' C++ autograd, nor vmap a layout change."""
     transform = _functorch_interpreter()
     # (dynamo reads the query's None as true; the type as it is)
     if transform is not None and isinstance(transform, _FunctorchInterpreter):
@@ -166,37 +180,269 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
         return name, out
     if _trace.traced(x):
         return run_first(run, formulations(x), x)
+    if not x.is_cuda:
+        return _choose(module, config, formulations, run, x, graph_stamp)
+    with _graphed.call_in_flight():
+        return _choose(module, config, formulations, run, x, graph_stamp)
+
+
+def _choose(module: nn.Module, config, formulations, run, x: Tensor, graph_stamp) -> tuple[str, Tensor]:
     signature = _signature(module, x)
     memo = module.__dict__.get("_fused_ops_choice")
     if memo is not None and memo[0] == _GENERATION[0] and memo[1] == signature:
-        name, graphed = memo[2]
-        out = _replay(module, signature, graph_stamp, run, name, x) if graphed else None
-        if out is None:
-            out = _run_benchmarked(run, name, x)
+        out = _run_settled(module, signature, memo[2], graph_stamp, run, x)
         if out is not None:
-            _LAST[0] = name
-            return name, out
+            return memo[2].choice[0] if memo[2] is not None else memo[3], out
     order = formulations(x)
-    tuned = _ENABLED and len(order) > 1
-    key = _key(module, config(), signature) if tuned else None
-    choice = _CHOICES.get(key) if tuned else None
-    if choice is None and (not tuned or _capturing(x)):
-        name, out = run_first(run, order, x)
-        choice = (name, False)
-    else:
-        if choice is None:
-            choice = _CHOICES[key] = _tune(module, order, run, x, signature, graph_stamp)
-        name = choice[0]
-        out = _replay(module, signature, graph_stamp, run, name, x) if choice[1] else None
-        if out is None:
-            out = _run_benchmarked(run, name, x)
-        if out is None:
-            name, out = run_first(run, order, x)
-            choice = (name, False)
-    if not _capturing(x):
-        module.__dict__["_fused_ops_choice"] = (_GENERATION[0], signature, choice)
+    capturing = _capturing(x)
+    tuning = None
+    if _ENABLED and len(order) > 1:
+        key = _key(module, config(), signature)
+        with _LOCK:
+            tuning = _TUNINGS.get(key)
+            if tuning is None and not capturing:  # (a call being captured is not timed: the rule)
+                tuning = _TUNINGS[key] = _Tuning(key, order)
+    if tuning is not None and tuning.choice is None and not capturing:
+        name, out = tuning.call(module, run, x)
+        _LAST[0] = name
+        return name, out
+    if tuning is not None and tuning.choice is not None:
+        out = _run_settled(module, signature, tuning, graph_stamp, run, x)
+        if out is not None:
+            if not capturing:
+                module.__dict__["_fused_ops_choice"] = (_GENERATION[0], signature, tuning, None)
+            return tuning.choice[0], out
+    name, out = run_first(run, order, x)
+    if not capturing and (tuning is None or tuning.choice is not None):  # (the rule, kept)
+        module.__dict__["_fused_ops_choice"] = (_GENERATION[0], signature, None, name)
     _LAST[0] = name
     return name, out
+
+
+def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", graph_stamp, run,
+                 x: Tensor) -> Tensor | None:
+    """The call by its key's settled choice (tuning's, or the rule's where tuning is None: the
+    module's memo), or None where that does not hold for it. A signature called HOT_CALLS times
+    runs its rearranged convolutions with cudnn.benchmark on (_run_benchmarked: searched once,
+    then kept by PyTorch) and, where the tuner found the calls host-bound, from a CUDA graph."""
+    if tuning is None:
+        name, hot, graphed = module.__dict__["_fused_ops_choice"][3], False, False
+    else:
+        name, graphed = tuning.choice
+        # (no search while a caller captures the call: it would fail the capture)
+        hot = tuning.count(signature) >= HOT_CALLS and not _capturing(x)
+    out = _replay(module, signature, graph_stamp, run, name, x) if graphed and hot else None
+    if out is None:
+        out = _run_benchmarked(run, name, x) if hot else run(name, x)
+    if out is not None:
+        _LAST[0] = name
+    return out
+
+
+# Online tuning. The first call of a key runs the rule's formulation; the next calls with the key
+# run each candidate in turn, each timed as it runs (on a GPU by CUDA events read at a later
+# call, never waited for; a training call's backward timed from its output's gradient to the
+# last gradient of its inputs), until each has SAMPLES timings after its first call (which pays
+# for one-time set-up: cuDNN's plans, workspaces); the fastest median then settles the key
+# (PREFERRED_MARGIN: the original's ops win ties). A candidate whose first timing is over
+# ELIMINATE times the fastest's is not timed again. A timing not read within PENDING_CALLS calls
+# of the key (a training call whose backward never ran) is dropped; a key that has not settled
+# after MAX_TUNING_CALLS calls settles on the fastest timed so far (the rule where none was).
+SAMPLES, ELIMINATE, PENDING_CALLS, MAX_TUNING_CALLS = 3, 2.0, 16, 64
+# Calls of one signature after which its settled formulation's rearranged convolutions are
+# searched (cudnn.benchmark) and a host-bound call is replayed from a CUDA graph: a search or a
+# capture costs about a call's time or more, paid once for many calls.
+HOT_CALLS = 50
+# A call is host-bound where queueing it takes the host at least this share of its time on the device.
+HOST_BOUND_SHARE = 0.5
+
+
+def steady_calls(device: torch.device | str) -> int:
+    """About how many calls of one signature it takes before its calls run as they will from then on
+    (each formulation timed, then HOT_CALLS on a GPU): what a benchmark of the steady state warms up
+    with (fused_ops._timing.warm_up)."""
+    tuning = (SAMPLES + 1) * len(FORMULATIONS) + 1 if _ENABLED else 0
+    return tuning + (HOT_CALLS if torch.device(device).type == "cuda" else 0)
+
+
+_LOCK = threading.RLock()  # (the choices' state: one module may be called from several threads)
+_TUNINGS: dict[tuple, "_Tuning"] = {}
+
+
+class _Timing:
+    """One call's time: its forward's, and where it records gradients its backward's (from its
+    output's gradient to the last of its inputs' gradients), in milliseconds; on a GPU by CUDA
+    events on the call's stream, read once they have passed (`read`, never waiting)."""
+
+    def __init__(self, x: Tensor):
+        self.cuda = x.is_cuda
+        self.marks: list = []
+        self.host_ms = 0.0
+        self.backward = False  # (a backward to time: marks 3 and 4)
+        self.handles: list = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def time_backward(self, out: Tensor, inputs: list[Tensor]) -> None:
+        """Marks the backward's start (out's gradient computed) and end (the last of the inputs'),
+        by tensor hooks, which autograd.grad runs as backward() does."""
+        self.backward = True
+        left = [len(inputs)]
+
+        def reached(grad):
+            left[0] -= 1
+            if left[0] == 0:
+                self.mark()
+                self.close()
+        self.handles = [out.register_hook(lambda grad: self.mark())] + [t.register_hook(reached) for t in inputs]
+
+    def close(self) -> None:
+        """Removes the backward's hooks (the parameters' would run at every later backward)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def read(self) -> tuple[float, float, float] | None:
+        """(ms, the forward's ms, the host's ms queueing the forward) once every mark has passed,
+        else None."""
+        if len(self.marks) < (4 if self.backward else 2):
+            return None
+        if self.cuda:
+            if not self.marks[-1].query():
+                return None
+            spans = [a.elapsed_time(b) for a, b in zip(self.marks[::2], self.marks[1::2])]
+        else:
+            spans = [(b - a) * 1e3 for a, b in zip(self.marks[::2], self.marks[1::2])]
+        return sum(spans), spans[0], self.host_ms
+
+
+class _Tuning:
+    """A key's choice as its calls make it (the comment above SAMPLES): `choice` None while
+    candidates are timed, then (formulation, replayed from a CUDA graph)."""
+
+    def __init__(self, key: tuple, order: Sequence[str]):
+        self.key = key
+        self.candidates = list(order)
+        self.timings: dict[str, list[tuple[float, float, float]]] = {name: [] for name in order}  # (_Timing.read)
+        self.started: dict[str, int] = dict.fromkeys(order, 0)  # calls run, timed or not
+        self.pending: list[tuple[int, str, _Timing]] = []
+        self.calls = 0
+        self.choice: tuple[str, bool] | None = _SAVED.get(_saved_key(key)) if _SAVED else None
+        self.counts: dict[tuple, int] = {}
+
+    def count(self, signature: tuple) -> int:
+        """Counts a settled call with `signature`; how many there were."""
+        count = self.counts[signature] = self.counts.get(signature, 0) + 1
+        return count
+
+    def call(self, module: nn.Module, run, x: Tensor) -> tuple[str, Tensor]:
+        with _LOCK:
+            self._read()
+            name = self._next()
+            self.started[name] += 1
+            first = self.started[name] == 1
+        timing = _Timing(x)
+        timing.mark()
+        began = time.perf_counter()
+        try:
+            out = run(name, x)
+        except Exception as error:  # (a limit of one formulation: the others may hold)
+            out = error
+        timing.host_ms = (time.perf_counter() - began) * 1e3
+        timing.mark()
+        if not isinstance(out, Tensor):  # does not hold here, or raised: not a candidate of the key
+            with _LOCK:
+                if name in self.candidates and len(self.candidates) > 1:
+                    self.candidates.remove(name)
+            return self._first_that_runs(run, x, [] if out is None else [out])
+        if out.requires_grad:
+            inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
+            timing.time_backward(out, inputs)
+        if first:  # (untimed: one-time set-up)
+            timing.close()
+        else:
+            with _LOCK:
+                self.pending.append((self.calls, name, timing))
+        return name, out
+
+    def _first_that_runs(self, run, x: Tensor, errors: list[Exception]) -> tuple[str, Tensor]:
+        """(name, result) of the first candidate left that holds and does not raise; where every
+        one raises, the first error (the input is wrong for all: the rule's)."""
+        for name in list(self.candidates):
+            try:
+                out = run(name, x)
+            except Exception as error:
+                errors.append(error)
+                continue
+            if out is not None:
+                return name, out
+        raise errors[0]
+
+    def _read(self) -> None:
+        self.calls += 1
+        for entry in list(self.pending):
+            called, name, timing = entry
+            read = timing.read()
+            if read is not None:
+                self.timings[name].append(read)
+            if read is not None or self.calls - called > PENDING_CALLS:
+                timing.close()
+                self.pending.remove(entry)
+        medians = self._medians()
+        if medians:
+            best = min(medians.values())
+            for name, t in self.timings.items():  # (far slower at its first timing: not timed again)
+                if name in self.candidates and len(self.candidates) > 1 and t and t[0][0] > ELIMINATE * best:
+                    self.candidates.remove(name)
+        done = all(len(self.timings[name]) >= SAMPLES for name in self.candidates)
+        if done or self.calls > MAX_TUNING_CALLS:
+            self._settle()
+
+    def _next(self) -> str:
+        """The candidate to run: the settled one; else the first (in the rule's order) of those run
+        least often whose timings, read or pending, are still short of SAMPLES; else (all waiting
+        to be read) the fastest so far."""
+        if self.choice is not None:
+            return self.choice[0]
+        short = [name for name in self.candidates
+                 if len(self.timings[name]) + sum(1 for _, n, _ in self.pending if n == name) < SAMPLES]
+        if short:
+            return min(short, key=lambda name: self.started[name])
+        medians = self._medians()
+        return min(medians, key=medians.get) if medians else self.candidates[0]
+
+    def _medians(self) -> dict[str, float]:
+        return {name: statistics.median([t[0] for t in self.timings[name]]) for name in self.candidates
+                if self.timings[name]}
+
+    def _settle(self) -> None:
+        medians = self._medians()
+        if not medians:
+            self.choice = (self.candidates[0], False)
+        else:
+            best = min(medians, key=medians.get)
+            if "original" in medians and medians["original"] <= medians[best] * (1 + PREFERRED_MARGIN):
+                best = "original"
+            # (a host-bound call on a GPU: queueing its forward takes the host at least HOST_BOUND_SHARE of
+            # the forward's time on the device, which then waits for the host)
+            host_share = statistics.median([host / max(forward, 1e-6) for _, forward, host in self.timings[best]])
+            graphed = _GRAPHS_ENABLED and self.key[2][3].type == "cuda" and host_share >= HOST_BOUND_SHARE
+            self.choice = (best, graphed)
+        for _, _, timing in self.pending:
+            timing.close()
+        self.pending.clear()
+        _save_choice(self.key, self.choice)
+
+
+# The choice between the original's ops and another formulation within this fraction of each
+# other's time goes to the original's ops: closer than that, a few calls do not tell the two apart.
+PREFERRED_MARGIN = 0.03
 
 
 # The formulations that call the module's convolution as the original does (its own weight and
@@ -274,15 +520,114 @@ def last_formulation() -> str | None:
 
 
 def kept_choice(key: tuple) -> str | None:
-    """The formulation tuned for `key`, or None where none was."""
-    choice = _CHOICES.get(key)
-    return None if choice is None else choice[0]
+    """The formulation the calls with `key` settled on, or None where they have not (yet)."""
+    tuning = _TUNINGS.get(key)
+    return None if tuning is None or tuning.choice is None else tuning.choice[0]
 
 
 def kept_graphed(key: tuple) -> bool:
-    """Whether the calls with `key` are replayed from CUDA graphs (the tuner found it faster)."""
-    choice = _CHOICES.get(key)
-    return choice is not None and choice[1]
+    """Whether the calls with `key` settled on replaying a CUDA graph (where they are host-bound;
+    a signature's calls replay it from their HOT_CALLS-th on)."""
+    tuning = _TUNINGS.get(key)
+    return tuning is not None and tuning.choice is not None and tuning.choice[1]
+
+
+def warmup(module: nn.Module, example_inputs: Sequence[Tensor] | Tensor, max_calls: int = MAX_TUNING_CALLS) -> dict:
+    """Tunes `module` (a drop-in, or a model holding drop-ins: ``fuse(model)``) ahead of time for
+    calls like module(*example_inputs) in its present mode, grad mode and autocast state, as a
+    server does at start-up: calls it, and where the call records gradients backpropagates a sum
+    of its output, until the keys its calls meet settle (at most max_calls calls), synchronizing
+    after each. Returns {each key's module class and input shape: its settled formulation}. The
+    buffers the calls update (running statistics) are restored after."""
+    inputs = (example_inputs,) if isinstance(example_inputs, Tensor) else tuple(example_inputs)
+    before = set(_TUNINGS)
+    with _graphed.buffers_restored(module):
+        for _ in range(max_calls):
+            out = module(*inputs)
+            if isinstance(out, Tensor) and out.requires_grad:
+                wanted = [t for t in (*inputs, *module.parameters()) if t.requires_grad]
+                torch.autograd.grad(out.float().sum(), wanted, allow_unused=True)
+            for x in inputs:
+                _synchronize(x.device)
+            met = [t for key, t in list(_TUNINGS.items()) if key not in before]
+            if all(t.choice is not None for t in met):
+                break
+    return {f"{t.key[0].__name__} {tuple(t.key[2][0])}": t.choice[0] for t in met if t.choice is not None}
+
+
+def memory() -> dict:
+    """What the modules' CUDA graphs hold: {"graphs": how many, "bytes": the device memory their
+    captures reserved}. At most ``fused_ops._graphed.MAX_GRAPHS`` per module, the least recently
+    replayed released first."""
+    return _graphed.held()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# Choices kept across processes: FUSED_OPS_AUTOTUNE_FILE names a JSON file (off where unset), read
+# at import and written (whole, atomically) as each key settles; its choices are those of this
+# torch and fused_ops version, per device name (a key's device).
+_FILE = os.environ.get("FUSED_OPS_AUTOTUNE_FILE") or None
+_SAVED: dict[str, tuple[str, bool]] = {}
+
+
+def _versions() -> str:
+    try:
+        version = importlib.metadata.version("fused_ops")
+    except importlib.metadata.PackageNotFoundError:  # (a build in place, not installed)
+        version = "unknown"
+    return f"torch {torch.__version__}, fused_ops {version}"
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _saved_key(key: tuple) -> str:
+    """key as the file holds it: its module class's name, its device's name, the rest as repr."""
+    module_type, config, bucket, grads = key
+    device = bucket[3]
+    return repr((module_type.__qualname__, _device_name(device), config, bucket[:3], bucket[4:], grads))
+
+
+def load(path: str) -> int:
+    """Reads the choices in file `path` made by this torch and fused_ops version (save); the calls
+    whose keys it holds take them from their first call. Returns how many it read."""
+    with open(path) as f:
+        choices = json.load(f).get(_versions(), {})
+    with _LOCK:
+        _SAVED.update({key: (name, bool(graphed)) for key, (name, graphed) in choices.items()})
+    return len(choices)
+
+
+def save(path: str) -> None:
+    """Writes every settled choice (and those read by load) into file `path`, beside the choices
+    of other versions it holds."""
+    with _LOCK:
+        choices = dict(_SAVED) | {_saved_key(t.key): t.choice for t in _TUNINGS.values() if t.choice is not None}
+    try:
+        with open(path) as f:
+            everything = json.load(f)
+    except (OSError, ValueError):
+        everything = {}
+    everything[_versions()] = {key: list(choice) for key, choice in choices.items()}
+    part = f"{path}.{os.getpid()}.{threading.get_ident()}"
+    with open(part, "w") as f:
+        json.dump(everything, f, indent=1, sort_keys=True)
+    os.replace(part, path)
+
+
+def _save_choice(key: tuple, choice: tuple[str, bool]) -> None:
+    if _FILE is not None:
+        _SAVED[_saved_key(key)] = choice
+        save(_FILE)
+
+
+if _FILE is not None and os.path.exists(_FILE):
+    load(_FILE)
 
 
 def run_first(run, formulations, x: Tensor) -> tuple[str, Tensor]:
@@ -293,146 +638,3 @@ def run_first(run, formulations, x: Tensor) -> tuple[str, Tensor]:
         if out is not None:
             return name, out
     raise AssertionError(f"no formulation of {list(formulations)} holds")  # the last always does
-
-
-def _tune(module: nn.Module, formulations: Sequence[str], run, x: Tensor, signature: tuple,
-          graph_stamp) -> tuple[str, bool]:
-    """(name, graphed): the fastest of the formulations that hold, timed as the call is made:
-    the forward, and where the result records gradients, the backward to what requires them;
-    then, where the call may be graphed, the fastest replayed from a CUDA graph against itself.
-    The module's buffers (running statistics) are restored after. A formulation that raises
-    is passed over; where all do, the first one's error is raised."""
-    device = x.device
-    graphable = _graph_kind(module, x) is not None and not _saved_tensors_hooked()
-
-    def forward_backward(call):
-        def step(name, x):
-            out = call(name, x)
-            if out is not None and out.requires_grad:
-                inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
-                with torch.autocast(device.type, enabled=False):
-                    torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
-            return out
-        return step
-
-    # the backward's convolutions searched too (not OWN_CONVOLUTION): their plans, kept by PyTorch,
-    # serve the later backward calls (which run outside the module, under the user's setting)
-    unreplayed = forward_backward(run)
-    replayed = forward_backward(lambda name, x: _replay(module, signature, graph_stamp, run, name, x))
-    errors = []
-    # the timing calls' saved tensors kept from any saved-tensor hooks around the call (a
-    # non-reentrant checkpoint counts them, and its recomputation makes no timing calls)
-    with _graphed.buffers_restored(module), torch.autograd.graph.saved_tensors_hooks(_keep_saved, _keep_saved):
-        steps = {}
-        for name in formulations:
-            call = functools.partial(_run_benchmarked, unreplayed, name, x)
-            try:
-                if call() is None:  # does not hold
-                    continue
-            except Exception as error:  # (a limit of one formulation: the others may hold)
-                errors.append(error)
-                continue
-            steps[name] = call
-        if not steps:  # the input is wrong for all: the rule's error
-            raise errors[0]
-        # where a graph may replay the call, the formulations compared by their time on the device
-        # (what a replay takes; the host's time per op varies by tens of percent from moment to moment),
-        # then the fastest replayed against itself unreplayed; where the graph loses, by the time a call
-        # takes unreplayed
-        best = _fastest(steps, device, preferred="original", device_time=graphable)
-        graphed = graphable and replayed(best, x) is not None
-        if graphed:
-            graphed = _fastest({False: steps[best], True: functools.partial(replayed, best, x)}, device,
-                               preferred=_host_bound(steps[best], device))
-        if graphable and not graphed:
-            best = _fastest(steps, device, preferred="original")
-    if not graphed:
-        _graphed.drop(module, signature)
-    return best, graphed
-
-
-# A candidate preferred by _fastest (the original's own ops; a graph where the call is
-# host-bound, else no graph) is taken where it is within this fraction of the fastest: closer
-# than that, rounds of a few milliseconds do not tell the two apart, and the original's ops lose
-# nothing against the original, a graph nothing to the host's moments, no graph no input copy.
-PREFERRED_MARGIN = 0.03
-
-
-def _fastest(calls: dict, device: torch.device, preferred: Hashable = None, device_time: bool = False):
-    """The key of the fastest of `calls` (each timed over ROUNDS rounds, the calls interleaved,
-    after one synchronized call that sets how many calls a round makes): the median round
-    decides; `preferred` wins where it is within PREFERRED_MARGIN of the fastest. With
-    device_time (on a GPU), each round's calls are queued behind a wait on the device long
-    enough for the host to queue them all: their time on the device, not the host's."""
-    counts, times, host_ms = {}, {key: [] for key in calls}, {}
-    for key, call in calls.items():
-        began = time.perf_counter()
-        call()
-        host_ms[key] = (time.perf_counter() - began) * 1e3
-        _synchronize(device)
-        first_ms = (time.perf_counter() - began) * 1e3
-        counts[key] = max(1, min(MAX_CALLS, int(ROUND_MS / max(first_ms, 1e-3))))
-    device_time = device_time and device.type == "cuda"
-    for _ in range(ROUNDS):
-        for key, call in calls.items():
-            wait_ms = 2 * counts[key] * host_ms[key] + 0.05 if device_time else 0.0
-            times[key].append(_time_ms(call, counts[key], device, wait_ms) / counts[key])
-    medians = {key: statistics.median(rounds) for key, rounds in times.items()}
-    best = min(medians, key=medians.get)
-    if preferred in medians and medians[preferred] <= medians[best] * (1 + PREFERRED_MARGIN):
-        return preferred
-    return best
-
-
-def _host_bound(call, device: torch.device) -> bool:
-    """Whether queueing call() takes the host at least half as long as the whole call takes
-    (medians of 3 synchronized calls)."""
-    host, whole = [], []
-    for _ in range(3):
-        _synchronize(device)
-        began = time.perf_counter()
-        call()
-        host.append(time.perf_counter() - began)
-        _synchronize(device)
-        whole.append(time.perf_counter() - began)
-    return statistics.median(host) >= 0.5 * statistics.median(whole)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time_ms(call, calls: int, device: torch.device, wait_ms: float = 0.0) -> float:
-    """Milliseconds of `calls` calls queued back to back: CUDA events on a GPU (the host's
-    time shows where it falls behind, unless the device first waits wait_ms for it to queue
-    the calls), the wall clock on a CPU."""
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if wait_ms > 0:
-            torch.cuda._sleep(int(wait_ms * _sleep_cycles_per_ms(device)))
-        start.record()
-        for _ in range(calls):
-            call()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    began = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return (time.perf_counter() - began) * 1e3
-
-
-_SLEEP_CYCLES_PER_MS: dict[torch.device, float] = {}
-
-
-def _sleep_cycles_per_ms(device: torch.device) -> float:
-    """How many cycles of torch.cuda._sleep the device spins per millisecond (measured once)."""
-    if device not in _SLEEP_CYCLES_PER_MS:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(10 ** 6)
-        end.record()
-        end.synchronize()
-        _SLEEP_CYCLES_PER_MS[device] = 10 ** 6 / max(start.elapsed_time(end), 1e-3)
-    return _SLEEP_CYCLES_PER_MS[device]

@@ -6,7 +6,6 @@ it must not be (a second forward before the first one's backward, saved-tensor h
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -16,15 +15,22 @@ from conftest import requires_cuda
 from fused_ops import _graphed, autotune
 from test_formulations import CONFIGS, IDS, pair, shared
 
-_fastest = autotune._fastest
+def settle_graphed(monkeypatch, formulation=None):
+    """Each key settles at its first call on `formulation` (the rule's first where None or not
+    its module's), replayed from a graph from its first call on (its timing otherwise decides)."""
+    init = autotune._Tuning.__init__
+
+    def settled(self, key, order):
+        init(self, key, order)
+        self.choice = (formulation if formulation in order else order[0], True)
+    monkeypatch.setattr(autotune._Tuning, "__init__", settled)
+    monkeypatch.setattr(autotune, "HOT_CALLS", 1)
 
 
 @pytest.fixture
 def graphs_win(monkeypatch):
-    """The tuner takes the graphed candidate wherever it may (its timing otherwise decides)."""
-    def fastest(calls, device, **kwargs):
-        return True if set(calls) == {False, True} else _fastest(calls, device, **kwargs)
-    monkeypatch.setattr(autotune, "_fastest", fastest)
+    """The tuner takes the graphed candidate wherever it may, from a key's first call."""
+    settle_graphed(monkeypatch)
     autotune.clear()
     autotune.set_enabled(True)
     yield
@@ -193,9 +199,7 @@ def test_double_backward_through_a_replay(name, args, shape, graphs_win, count_s
     replayed step of a fused formulation (a replay records no graph: the create_graph backward runs
     the original's ops): the original's second-order gradients, its running statistics updated
     once."""
-    fastest = autotune._fastest
-    monkeypatch.setattr(autotune, "_fastest", lambda calls, device, **kwargs: "fused" if "fused" in calls
-                        else fastest(calls, device, **kwargs))
+    settle_graphed(monkeypatch, "fused")
     original, fused = pair(name, args, "cuda")
     x = torch.rand(shape, dtype=torch.float64, device="cuda", requires_grad=True)
     grad = torch.rand_like(original(x.detach()))
@@ -316,11 +320,17 @@ def test_failed_capture_leaves_random_ops_working():
     assert torch.equal(torch.rand(3, device="cuda"), first)
 
 
-@requires_cuda
-def test_host_bound_tells_the_host_from_the_device():
-    """The tuner's tie rule between a graph and none: a call whose time is the device's (a spin kernel
-    of tens of milliseconds, queued in microseconds) is not host-bound; one whose time is the host's
-    (a sleep, nothing queued) is."""
-    device = torch.device("cuda")
-    assert not autotune._host_bound(lambda: torch.cuda._sleep(50_000_000), device)
-    assert autotune._host_bound(lambda: time.sleep(0.01), device)
+def test_graphed_where_host_bound():
+    """A key settles on a CUDA graph where queueing its fastest formulation's forward took the host
+    at least HOST_BOUND_SHARE of the forward's time on the device (the device waited for the host),
+    not where the device's time was the larger; never on a CPU."""
+    def settled(device, forward_ms, host_ms):
+        key = (object, (), ((1, 3), "contiguous", torch.float32, torch.device(device)), ())
+        tuning = autotune._Tuning(key, ["fused", "original"])
+        tuning.timings = {"fused": [(forward_ms, forward_ms, host_ms)] * 3,
+                          "original": [(2 * forward_ms, 2 * forward_ms, host_ms)] * 3}
+        tuning._settle()
+        return tuning.choice
+    assert settled("cuda", 0.1, 0.09) == ("fused", autotune._GRAPHS_ENABLED)
+    assert settled("cuda", 5.0, 0.2) == ("fused", False)
+    assert settled("cpu", 0.1, 0.1) == ("fused", False)

@@ -16,7 +16,7 @@ import torch
 from conftest import build_pair
 from fused_ops import autotune
 from fused_ops import nn as fnn
-from test_formulations import CONFIGS, FORMULATION_CASES
+from test_formulations import CONFIGS, FORMULATION_CASES, formulation_input
 
 NAN, INF = float("nan"), float("inf")
 
@@ -82,7 +82,7 @@ def test_non_finite_input(name, args, shape, formulation, train, device):
     base = torch.rand(shape, generator=g, dtype=torch.float64).to(device)
     for pattern, values in input_patterns(shape):
         what = f"{pattern}, {formulation}"
-        x = with_values(base, values)
+        x = formulation_input(with_values(base, values), formulation)
         original, fused = (m.to(device, torch.float64).train(train) for m in build_pair(name, args))
         expected_out, expected_grads, expected_buffers = step(original, x)
         with autotune.force(formulation):
@@ -153,7 +153,7 @@ def test_non_finite_parameters(name, args, shape, formulation, train, device):
         with torch.no_grad():
             expected = original(x)
             with autotune.force(formulation):
-                out = fused(x)
+                out = fused(formulation_input(x, formulation))
         assert autotune.last_formulation() == formulation
         assert torch.equal(out.isfinite(), expected.isfinite()), f"{pattern}, {formulation}: {out} against {expected}"
         assert_same_where_finite(out, expected, f"{pattern}, {formulation}")
@@ -177,4 +177,5 @@ def test_non_finite_divisor_and_scale(name, device):
                 with torch.no_grad():
                     expected = original(x)
                     with autotune.force(formulation):
-                        assert_same(fused(x), expected, f"{attribute} {value}, {formulation}, train {train}")
+                        assert_same(fused(formulation_input(x, formulation)), expected,
+                                    f"{attribute} {value}, {formulation}, train {train}")

@@ -1,0 +1,126 @@
+"""The autotuner chooses from the user's own calls (issue 43): the first call of a key runs the rule's
+formulation, no call is made that the user did not make, batch sizes share a bucket's choice, choices
+are saved and loaded across processes and made ahead of time (warmup), and one module may be called
+from several threads at once."""
+import threading
+
+import pytest
+import torch
+
+from fused_ops import autotune
+from test_formulations import CONFIGS, IDS, pair
+
+
+@pytest.fixture
+def tuner():
+    autotune.clear()
+    autotune.set_enabled(True)
+    yield
+    autotune.clear()
+
+
+def counting_runs(monkeypatch, fused):
+    """The formulations fused's calls run (those that hold), in order."""
+    ran, run = [], fused._run
+
+    def counted(name, x):
+        out = run(name, x)
+        if out is not None:
+            ran.append(name)
+        return out
+    monkeypatch.setattr(fused, "_run", counted)
+    return ran
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_no_call_the_user_did_not_make(name, args, shape, train, tuner, monkeypatch):
+    """Each call runs one formulation once, the first the rule's; the key settles within
+    MAX_TUNING_CALLS calls, every output the original's."""
+    original, fused = pair(name, args, "cpu", train=train)
+    autotune.set_enabled(False)
+    with torch.no_grad():
+        pair(name, args, "cpu", train=train)[1](torch.rand(shape, dtype=torch.float64))
+    rule = autotune.last_formulation()
+    autotune.set_enabled(True)
+    ran = counting_runs(monkeypatch, fused)
+    calls = autotune.MAX_TUNING_CALLS + 2
+    for i in range(calls):
+        x = torch.rand(shape, dtype=torch.float64, requires_grad=train)
+        out = fused(x)
+        torch.testing.assert_close(out, original(x), rtol=1e-9, atol=1e-12)
+        if train:
+            out.sum().backward()
+    assert len(ran) == calls and ran[0] == rule
+    assert fused.formulation(x) == ran[-1]
+
+
+def test_batch_sizes_share_a_bucket(tuner):
+    name, args, shape = CONFIGS[0]
+    _, fused = pair(name, args, "cpu", train=False)
+    with torch.no_grad():
+        for batch in (3, 4, 5, 8, 1):
+            fused(torch.rand(batch, *shape[1:], dtype=torch.float64))
+    assert sorted(key[2][0][0] for key in autotune._TUNINGS) == [1, 4, 8]
+
+
+def test_saved_choices_load_in_a_new_process(tuner, tmp_path, monkeypatch):
+    """save writes the settled choices (per torch and fused_ops version); after load (a new process:
+    clear) the first call of a saved key runs its choice, untimed."""
+    name, args, shape = CONFIGS[2]
+    _, fused = pair(name, args, "cpu", train=False)
+    x = torch.rand(shape, dtype=torch.float64)
+    with torch.no_grad():
+        chosen = autotune.warmup(fused, x)
+        assert list(chosen.values()) == [fused.formulation(x)]
+    path = str(tmp_path / "choices.json")
+    autotune.save(path)
+    autotune.clear()
+    assert autotune.load(path) == 1
+    _, fresh = pair(name, args, "cpu", train=False)
+    ran = counting_runs(monkeypatch, fresh)
+    with torch.no_grad():
+        fresh(x)
+        assert fresh.formulation(x) == ran[0]
+    assert ran == list(chosen.values())
+
+
+def test_warmup_restores_the_running_statistics(tuner):
+    name, args, shape = CONFIGS[3]
+    original, fused = pair(name, args, "cpu", train=True)
+    before = [b.clone() for b in fused.buffers()]
+    chosen = autotune.warmup(fused, torch.rand(shape, dtype=torch.float64, requires_grad=True))
+    assert chosen and all(v in fused.FORMULATIONS for v in chosen.values())
+    for b, e in zip(fused.buffers(), before, strict=True):
+        assert torch.equal(b, e)
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_one_module_from_several_threads(name, args, shape, tuner):
+    """Four threads call one eval module at once, each its own inputs (batch sizes 1-4, while the
+    keys tune): every result the original's for its input, no error."""
+    original, fused = pair(name, args, "cpu", train=False)
+    errors, mismatches = [], []
+
+    def serve(seed):
+        g = torch.Generator().manual_seed(seed)
+        try:
+            for i in range(6):
+                x = torch.rand(1 + (seed + i) % 4, *shape[1:], dtype=torch.float64, generator=g)
+                with torch.no_grad():
+                    out, expected = fused(x), original(x)
+                if not torch.allclose(out, expected, rtol=1e-9, atol=1e-12):
+                    mismatches.append((seed, i))
+        except Exception as error:  # (reported below)
+            errors.append(error)
+    threads = [threading.Thread(target=serve, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and mismatches == []
+
+
+def test_memory_reports_the_graphs(tuner):
+    held = autotune.memory()
+    assert held == {"graphs": 0, "bytes": 0}
