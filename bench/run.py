@@ -8,11 +8,13 @@ and training step, fused against eager and tuned), each in float32 and again
 under bfloat16 autocast, where two GPUs are visible data-parallel training
 on them (bench/distributed.py under torchrun, NCCL), and where `make kernelbench`
 fetched KernelBench's four problem files (third_party/kernelbench/) KernelBench's
-own protocol on them (bench/kernelbench.py); writes JSON under bench/results/
+own protocol on them (bench/kernelbench.py), and the first calls and changing shapes
+(bench/first_calls.py: new modules' first calls, a server's changing batch sizes, ragged
+training); writes JSON under bench/results/
 (and under $OUT when that is set), and prints short tables last.
 
     python bench/run.py [--skip-build] [--skip-tests] [--test-shard K/N]
-                        [--only tests|tails|models|configs|distributed|kernelbench]
+                        [--only tests|tails|models|configs|distributed|kernelbench|first_calls]
                         [--no-compile] [--max-autotune] [--no-autocast] [--device cuda]
 
 On the lent GPU machines the whole suite outlasts one command (about 27 minutes on an H100):
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -141,6 +144,20 @@ def run_kernelbench(device: str, batch: int | None, out_dirs: list[str],
     return done.returncode == 0, done.stdout
 
 
+def run_first_calls(device: str, no_compile: bool, no_autocast: bool, out_dirs: list[str]) -> tuple[bool, str]:
+    """bench/first_calls.py (its JSON into each of out_dirs): (it succeeded, its tables)."""
+    argv = ["--device", device] + (["--no-compile"] if no_compile else []) + (["--no-autocast"] if no_autocast else [])
+    outputs, ok = [], True
+    for out_dir in out_dirs[:1]:
+        done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "first_calls.py"), *argv, "--out", out_dir],
+                              stdout=subprocess.PIPE, text=True, cwd=os.path.join(ROOT, "bench"))
+        ok, outputs = ok and done.returncode == 0, outputs + [done.stdout]
+    for path in [line for line in "".join(outputs).splitlines() if line.endswith(".json")]:
+        for out_dir in out_dirs[1:]:
+            shutil.copy(path, out_dir)
+    return ok, "".join(outputs)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-build", action="store_true")
@@ -148,10 +165,12 @@ def main():
     parser.add_argument("--test-shard", metavar="K/N",
                         help="run only the K-th of N shards of the suite (every N-th test; on the lent GPU machines "
                              "the whole suite outlasts one command: run the shards in separate calls)")
-    parser.add_argument("--only", choices=("tests", "tails", "models", "configs", "distributed", "kernelbench"),
+    parser.add_argument("--only", choices=("tests", "tails", "models", "configs", "distributed", "kernelbench",
+                                           "first_calls"),
                         help="only the tests (no timing), or time only the tails, only the whole models, only the "
-                             "configuration grid, only data-parallel training on two GPUs, or only KernelBench's "
-                             "protocol (default: the tests, then the others)")
+                             "configuration grid, only data-parallel training on two GPUs, only KernelBench's "
+                             "protocol, or only the first calls and changing shapes (bench/first_calls.py) "
+                             "(default: the tests, then the others)")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile variants")
     parser.add_argument("--max-autotune", action="store_true",
                         help="whole models: also time torch.compile(mode=\"max-autotune\") (slow to compile)")
@@ -179,12 +198,12 @@ def main():
     from timing import device_slug
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    tails = (None if args.only in ("models", "configs", "distributed", "kernelbench")
+    tails = (None if args.only in ("models", "configs", "distributed", "kernelbench", "first_calls")
              else time_tails(device, args.batch, not args.no_compile, tests))
     models_argv = (["--device", device] + (["--no-compile"] if args.no_compile else [])
                    + (["--max-autotune"] if args.max_autotune else []))
     precisions = [[]] + ([] if args.no_autocast else [["--autocast", "bfloat16"]])
-    whole_models = ([] if args.only in ("tails", "configs", "distributed", "kernelbench")
+    whole_models = ([] if args.only in ("tails", "configs", "distributed", "kernelbench", "first_calls")
                     else [models.run(models_argv + p) for p in precisions])
     grids = ([configs.run(configs.parse_args(["--device", device] + p)) for p in precisions]
              if args.only in (None, "configs") else [])
@@ -196,6 +215,8 @@ def main():
     kernelbench = run_kernelbench(device, args.batch, out_dirs) if args.only in (None, "kernelbench") else None
     if kernelbench is None and args.only in (None, "kernelbench"):
         print(f"kernelbench: {KERNELBENCH_PROBLEMS} not there (make kernelbench): not run")
+    first_calls = (run_first_calls(device, args.no_compile, args.no_autocast, out_dirs)
+                   if args.only in (None, "first_calls") else None)
     for out_dir in out_dirs:
         if tails:
             os.makedirs(out_dir, exist_ok=True)
@@ -216,9 +237,11 @@ def main():
         print(output)
     if kernelbench:
         print(kernelbench[1])
+    if first_calls:
+        print(first_calls[1])
     if ("failed" in tests or "error" in tests or not all(result["ok"] for result in whole_models + grids)
             or not all(ok for ok, _ in distributed) or (kernelbench and not kernelbench[0])
-            or (kernelbench is None and args.only == "kernelbench")):
+            or (kernelbench is None and args.only == "kernelbench") or (first_calls and not first_calls[0])):
         sys.exit(1)
 
 

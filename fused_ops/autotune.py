@@ -239,15 +239,19 @@ def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", 
     return out
 
 
-# Online tuning. The first call of a key runs the rule's formulation; the next calls with the key
-# run each candidate in turn, each timed as it runs (on a GPU by CUDA events read at a later
-# call, never waited for; a training call's backward timed from its output's gradient to the
-# last gradient of its inputs), until each has SAMPLES timings after its first call (which pays
-# for one-time set-up: cuDNN's plans, workspaces); the fastest median then settles the key
-# (PREFERRED_MARGIN: the original's ops win ties). A candidate whose first timing is over
-# ELIMINATE times the fastest's is not timed again. A timing not read within PENDING_CALLS calls
-# of the key (a training call whose backward never ran) is dropped; a key that has not settled
-# after MAX_TUNING_CALLS calls settles on the fastest timed so far (the rule where none was).
+# Online tuning. The first EXPLORE_AFTER calls of a key run its first candidate (the rule's
+# formulation, or the one a neighbouring batch-size bucket settled on: _Tuning.__init__); the next
+# calls run each other candidate in turn, each timed as it runs (on a GPU by CUDA events read at a
+# later call, never waited for; a training call's backward timed from its output's gradient to
+# the last gradient of its inputs), until each has SAMPLES timings after its first call (which
+# pays for one-time set-up: cuDNN's plans, workspaces); the fastest median then settles the key
+# (PREFERRED_MARGIN: the original's ops win ties). A candidate is not run again whose median is
+# over ELIMINATE times the fastest's, or whose first call took over ELIMINATE times the first
+# candidate's first call. A timing not read within PENDING_CALLS calls of the key (a training call
+# whose backward never ran) is dropped; a key that has not settled after MAX_TUNING_CALLS calls
+# settles on the fastest timed so far (the first candidate where none was). (A few calls of a
+# new shape, a server's rare batch size, thus run the rule's formulation, as the tuner off does.)
+EXPLORE_AFTER = 4
 SAMPLES, ELIMINATE, PENDING_CALLS, MAX_TUNING_CALLS = 3, 2.0, 16, 64
 # Calls of one signature after which its settled formulation's rearranged convolutions are
 # searched (cudnn.benchmark) and a host-bound call is replayed from a CUDA graph: a search or a
@@ -261,7 +265,7 @@ def steady_calls(device: torch.device | str) -> int:
     """About how many calls of one signature it takes before its calls run as they will from then on
     (each formulation timed, then HOT_CALLS on a GPU): what a benchmark of the steady state warms up
     with (fused_ops._timing.warm_up)."""
-    tuning = (SAMPLES + 1) * len(FORMULATIONS) + 1 if _ENABLED else 0
+    tuning = EXPLORE_AFTER + (SAMPLES + 1) * len(FORMULATIONS) + 1 if _ENABLED else 0
     return tuning + (HOT_CALLS if torch.device(device).type == "cuda" else 0)
 
 
@@ -322,6 +326,15 @@ class _Timing:
         return sum(spans), spans[0], self.host_ms
 
 
+def _settled_neighbour(key: tuple) -> "_Tuning | None":
+    """The settled tuning of key's nearest batch-size bucket (otherwise the same key), or None."""
+    bucket = key[2]
+    near = [t for k, t in list(_TUNINGS.items()) if t.choice is not None and k[:2] == key[:2] and k[3] == key[3]
+            and k[2][1:] == bucket[1:] and k[2][0][1:] == bucket[0][1:]]
+    batch = bucket[0][0].bit_length()
+    return min(near, key=lambda t: abs(t.key[2][0][0].bit_length() - batch), default=None)
+
+
 class _Tuning:
     """A key's choice as its calls make it (the comment above SAMPLES): `choice` None while
     candidates are timed, then (formulation, replayed from a CUDA graph)."""
@@ -329,9 +342,14 @@ class _Tuning:
     def __init__(self, key: tuple, order: Sequence[str]):
         self.key = key
         self.candidates = list(order)
+        neighbour = _settled_neighbour(key)
+        if neighbour is not None and neighbour.choice[0] in order:  # (its choice first, then the others it kept running)
+            name = neighbour.choice[0]
+            self.candidates = [name] + [n for n in order if n in neighbour.candidates and n != name]
         self.timings: dict[str, list[tuple[float, float, float]]] = {name: [] for name in order}  # (_Timing.read)
         self.started: dict[str, int] = dict.fromkeys(order, 0)  # calls run, timed or not
-        self.pending: list[tuple[int, str, _Timing]] = []
+        self.pending: list[tuple[int, str, _Timing, bool]] = []  # (call, name, timing, its first call)
+        self.first: dict[str, float] = {}  # each candidate's first call's ms
         self.calls = 0
         self.choice: tuple[str, bool] | None = _SAVED.get(_saved_key(key)) if _SAVED else None
         self.counts: dict[tuple, int] = {}
@@ -364,11 +382,8 @@ class _Tuning:
         if out.requires_grad:
             inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
             timing.time_backward(out, inputs)
-        if first:  # (untimed: one-time set-up)
-            timing.close()
-        else:
-            with _LOCK:
-                self.pending.append((self.calls, name, timing))
+        with _LOCK:
+            self.pending.append((self.calls, name, timing, first))
         return name, out
 
     def _first_that_runs(self, run, x: Tensor, errors: list[Exception]) -> tuple[str, Tensor]:
@@ -387,19 +402,21 @@ class _Tuning:
     def _read(self) -> None:
         self.calls += 1
         for entry in list(self.pending):
-            called, name, timing = entry
+            called, name, timing, first = entry
             read = timing.read()
-            if read is not None:
+            if read is not None and first:
+                self.first[name] = read[0]
+            elif read is not None:
                 self.timings[name].append(read)
             if read is not None or self.calls - called > PENDING_CALLS:
                 timing.close()
                 self.pending.remove(entry)
-        medians = self._medians()
-        if medians:
-            best = min(medians.values())
-            for name, t in self.timings.items():  # (far slower at its first timing: not timed again)
-                if name in self.candidates and len(self.candidates) > 1 and t and t[0][0] > ELIMINATE * best:
-                    self.candidates.remove(name)
+        medians, lead = self._medians(), self.first.get(self.candidates[0])
+        best = min(medians.values(), default=None)
+        for name in self.candidates[1:]:  # (far slower: not run again)
+            if ((name in medians and medians[name] > ELIMINATE * best)
+                    or (lead is not None and self.first.get(name, 0.0) > ELIMINATE * lead)):
+                self.candidates.remove(name)
         done = all(len(self.timings[name]) >= SAMPLES for name in self.candidates)
         if done or self.calls > MAX_TUNING_CALLS:
             self._settle()
@@ -410,8 +427,11 @@ class _Tuning:
         to be read) the fastest so far."""
         if self.choice is not None:
             return self.choice[0]
+        if self.calls <= EXPLORE_AFTER:
+            return self.candidates[0]
         short = [name for name in self.candidates
-                 if len(self.timings[name]) + sum(1 for _, n, _ in self.pending if n == name) < SAMPLES]
+                 if len(self.timings[name]) + sum(1 for _, n, _, first in self.pending if n == name and not first)
+                 < SAMPLES]
         if short:
             return min(short, key=lambda name: self.started[name])
         medians = self._medians()
@@ -434,7 +454,7 @@ class _Tuning:
             host_share = statistics.median([host / max(forward, 1e-6) for _, forward, host in self.timings[best]])
             graphed = _GRAPHS_ENABLED and self.key[2][3].type == "cuda" and host_share >= HOST_BOUND_SHARE
             self.choice = (best, graphed)
-        for _, _, timing in self.pending:
+        for _, _, timing, _ in self.pending:
             timing.close()
         self.pending.clear()
         _save_choice(self.key, self.choice)

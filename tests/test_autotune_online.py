@@ -124,3 +124,18 @@ def test_one_module_from_several_threads(name, args, shape, tuner):
 def test_memory_reports_the_graphs(tuner):
     held = autotune.memory()
     assert held == {"graphs": 0, "bytes": 0}
+
+
+def test_a_new_bucket_starts_from_its_neighbours_choice(tuner, monkeypatch):
+    """A batch-size bucket met after another settled starts with that one's choice, and times only the
+    formulations that one kept running."""
+    name, args, shape = CONFIGS[1]
+    _, fused = pair(name, args, "cpu", train=False)
+    with torch.no_grad():
+        settled = autotune.warmup(fused, torch.rand(4, *shape[1:], dtype=torch.float64))
+        ran = counting_runs(monkeypatch, fused)
+        fused(torch.rand(1, *shape[1:], dtype=torch.float64))
+    (neighbour,) = [t for t in autotune._TUNINGS.values() if t.choice is not None]
+    (new,) = [t for t in autotune._TUNINGS.values() if t.choice is None]
+    assert ran == list(settled.values()) and new.candidates[0] == ran[0]
+    assert set(new.candidates) <= set(neighbour.candidates) | {ran[0]}
