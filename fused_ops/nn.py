@@ -4,6 +4,8 @@ Each has the original's constructor, parameters, buffers and state_dict keys
 (built under the same seed it draws the same initial parameters), and
 ``from_module(original)`` wraps an existing instance, sharing its parameters.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -503,7 +505,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         now) where nothing records a gradient and the dtypes are the op's; else the same map in differentiable ops,
         in float64. Nothing derived from the parameters or buffers is kept between calls."""
         conv, bn = self.conv_transpose, self.batch_norm
-        if not rewrites.spatial_mean_holds(x, conv):
+        # (the mean of scale * y is scale * mean(y) for a finite scale only: an infinite one meets each
+        # element of y, its zeros and signs, not their mean)
+        if not rewrites.spatial_mean_holds(x, conv) or not math.isfinite(self.scale_factor):
             return None
         dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
         tensors = (conv.weight, conv.bias, bn.weight, bn.bias)

@@ -682,11 +682,14 @@ def conv_transpose3d_batch_norm_eval_mean(x: Tensor, weight: Tensor, bias: Tenso
     (csrc/conv_transpose3d_batch_norm_eval_mean.h); nothing derived from the parameters is kept between calls.
 
     x: (N, I, D, H, W); weight (I, O, kt, kr, ks) and bias (O) of x's dtype; bn_weight, bn_bias, running_mean,
-    running_var (O) of one floating dtype (x's, or float32 for a 16-bit x). dtype: the result's, x's (None) or
-    its accumulation type. Not differentiable.
+    running_var (O) of one floating dtype (x's, or float32 for a 16-bit x). scale: finite (the mean of
+    scale * y is scale * mean(y) for a finite scale only). dtype: the result's, x's (None) or its accumulation
+    type. Not differentiable.
     """
     _check_tensors("conv_transpose3d_batch_norm_eval_mean", x=x, weight=weight, running_mean=running_mean,
                    running_var=running_var)
+    if not math.isfinite(scale):
+        raise ValueError(f"conv_transpose3d_batch_norm_eval_mean: scale must be finite, got {scale}")
     return _ops.conv_transpose3d_batch_norm_eval_mean(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
                                                       _expand(stride, 3, "stride"),
                                                       _expand(output_padding, 3, "output_padding"), float(scale),

@@ -6,6 +6,8 @@ its parameters and statistics as they are on each call.
 
   out[n, o] = (scale * (bias[o] + sum_i s[n, i] sum_t w[i, o, t] / |out|) - running_mean[o])
               * gamma[o] / sqrt(running_var[o] + eps) + beta[o],   s = x's spatial sums"""
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,6 +119,9 @@ def test_bad_input_raises_clearly(device):
         call(x, t, (*geometry[:5], (1, 1, 1), (1, 0, 0)))
     with pytest.raises(TypeError, match="running_mean must be a Tensor"):
         call(x, dict(t, running_mean=[0.0]), geometry)
+    for scale in (math.inf, -math.inf, math.nan):
+        with pytest.raises(ValueError, match="scale must be finite"):
+            call(x, t, geometry, scale=scale)
     if device == "cuda":
         with pytest.raises(ValueError, match="running_mean must be on the same device"):
             call(x, dict(t, running_mean=t["running_mean"].cpu()), geometry)
