@@ -162,12 +162,15 @@ def test_nested_drop_in_scripts_and_stays_a_drop_in(name, args, shape):
 
 
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
-def test_trace_of_a_fused_model(name, args, shape):
+def test_trace_and_script_of_a_fused_model(name, args, shape):
     original, _ = pair(name, args, torch.float64)
     model = torch.nn.Sequential(torch.nn.Identity(), original).eval()
+    fused = fused_ops.fuse(model)
     x = make_input(shape, torch.float64, "cpu")
-    traced = saved_and_loaded(torch.jit.trace(fused_ops.fuse(model), (x,)), "cpu")
-    torch.testing.assert_close(traced(larger_batch(x)), model(larger_batch(x)), **TOLERANCE[torch.float64])
+    for deployed in (torch.jit.trace(fused, (x,)), torch.jit.script(fused)):
+        deployed = saved_and_loaded(deployed, "cpu")
+        assert_no_fused_ops(deployed)
+        torch.testing.assert_close(deployed(larger_batch(x)), model(larger_batch(x)), **TOLERANCE[torch.float64])
 
 
 def test_eager_calls_still_run_the_fused_ops():
