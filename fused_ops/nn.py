@@ -31,14 +31,11 @@ def _deploying() -> bool:
     return torch.jit.is_tracing() or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
 
 
-def _renamed(function, name: str):
-    """A copy of `function` under another name: torch.jit.script compiles a method that forward
-    calls under its function's name, and an original's forward as a drop-in's method must not be
-    named forward."""
-    renamed = types.FunctionType(function.__code__, function.__globals__, name, function.__defaults__,
-                                 function.__closure__)
-    renamed.__qualname__ = f"{function.__qualname__.rpartition('.')[0]}.{name}"
-    return renamed
+def _as_original_forward(forward):
+    """An original's forward as a drop-in's `_original_forward` method (``_deploying``): a copy under
+    that name, since torch.jit.script compiles a method that forward calls under its function's name."""
+    return types.FunctionType(forward.__code__, forward.__globals__, "_original_forward", forward.__defaults__,
+                              forward.__closure__)
 
 
 def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.Module:
@@ -246,7 +243,7 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
     def from_module(cls, original: nn.Module) -> "Conv2dAvgPoolSigmoidSum":
         return _adopt(cls, original, conv=nn.Conv2d, avg_pool=nn.AvgPool2d)
 
-    _original_forward = _renamed(reference.Conv2dAvgPoolSigmoidSum.forward, "_original_forward")  # (_deploying)
+    _original_forward = _as_original_forward(reference.Conv2dAvgPoolSigmoidSum.forward)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
@@ -316,7 +313,7 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         return _adopt(cls, original, conv=nn.Conv3d, divisor=(int, float), max_pool=nn.MaxPool3d,
                       global_avg_pool=nn.AdaptiveAvgPool3d, bias=nn.Parameter, sum_dim=int)
 
-    _original_forward = _renamed(reference.Conv3dDivMaxPoolGAPBiasSum.forward, "_original_forward")  # (_deploying)
+    _original_forward = _as_original_forward(reference.Conv3dDivMaxPoolGAPBiasSum.forward)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
@@ -395,7 +392,7 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
         return _adopt(cls, original, conv_transpose=nn.ConvTranspose3d, max_pool1=nn.MaxPool3d,
                       max_pool2=nn.MaxPool3d)
 
-    _original_forward = _renamed(reference.ConvTranspose3dMaxPoolMaxPoolSum.forward, "_original_forward")  # (_deploying)
+    _original_forward = _as_original_forward(reference.ConvTranspose3dMaxPoolMaxPoolSum.forward)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
@@ -469,7 +466,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         return _adopt(cls, original, conv_transpose=nn.ConvTranspose3d, scale_factor=(int, float),
                       batch_norm=(nn.BatchNorm3d, nn.SyncBatchNorm), global_avg_pool=nn.AdaptiveAvgPool3d)
 
-    _original_forward = _renamed(reference.ConvTranspose3dScaleBatchNormGAP.forward, "_original_forward")  # (_deploying)
+    _original_forward = _as_original_forward(reference.ConvTranspose3dScaleBatchNormGAP.forward)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
