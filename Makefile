@@ -1,7 +1,8 @@
 # The two commands; each does all set-up on a fresh machine.
 #   make run    install (CUTLASS's headers too), build, run `python -m fused_ops`: the four architectures eager, compiled and
 #               fused, checked and timed; table, JSON and chart in fused_ops_results/ (ARGS="..." for options)
-#   make test   install, build, compile-check the CUDA sources, build the C++ library + ctest, run pytest
+#   make test   install, build, compile-check the CUDA sources, build the C++ library + ctest (which runs
+#               the scripted drop-ins in C++), run pytest
 # and the benchmark:
 #   make bench  install, build, run the CUDA tests, time every fused op and the four whole models (on a GPU),
 #               tables + JSON
@@ -11,10 +12,14 @@ TORCH_PREFIX = $$($(PYTHON) -c "import torch; print(torch.utils.cmake_prefix_pat
 
 .PHONY: deps cutlass install run test bench kernelbench
 
+# (onnx, onnxscript, onnxruntime, pinned: ONNX export run by onnxruntime, tests/test_onnx_torchscript.py)
 deps:
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	$(PYTHON) -c "import pytest, ninja" 2>/dev/null || $(PYTHON) -m pip install -q pytest ninja
 	$(PYTHON) -c "import matplotlib" 2>/dev/null || $(PYTHON) -m pip install -q matplotlib
+	$(PYTHON) -c "import importlib.metadata as m; assert [m.version(p) for p in ('onnx', 'onnxscript', 'onnxruntime')] \
+		== ['1.23.2', '0.7.2', '1.32.0']" 2>/dev/null || \
+		$(PYTHON) -m pip install -q onnx==1.23.2 onnxscript==0.7.2 onnxruntime==1.32.0
 
 # CUTLASS's headers (pinned), from the nvidia-cutlass wheel, also copied to third_party/cutlass (its
 # include/ and tools/util/include/): conv_transpose3d_weight_grad's Hopper kernels (setup.py, CMakeLists.txt),
@@ -32,7 +37,7 @@ install: deps cutlass
 test: install
 	$(PYTHON) tools/check_cuda_compile.py
 	command -v cmake >/dev/null || $(PYTHON) -m pip install -q cmake
-	cmake -S . -B cmake-build -DCMAKE_PREFIX_PATH=$(TORCH_PREFIX) >/dev/null
+	cmake -S . -B cmake-build -DCMAKE_PREFIX_PATH=$(TORCH_PREFIX) -DPython3_EXECUTABLE=$$(command -v $(PYTHON)) >/dev/null
 	cmake --build cmake-build -j2
 	ctest --test-dir cmake-build --output-on-failure
 	$(PYTHON) -c "import torch; torch.ops.load_library('cmake-build/libfused_ops.so'); print('load_library:', torch.ops.fused_ops.avg_pool2d_sigmoid_sum.default)"

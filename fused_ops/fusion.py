@@ -37,6 +37,7 @@ the pools (dilation; ceil_mode for the cascade) or the input's rank (an unbatche
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import operator
 import types
@@ -633,7 +634,27 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
     traced.train(model.training)
     fuse_graph(traced, result, follow_mode=True)
     traced.recompile()
+    traced.__prepare_scriptable__ = types.MethodType(_scriptable, traced)  # (torch.jit.script's hook)
     return (traced, result) if report else traced
+
+
+def _scriptable(fused: fx.GraphModule) -> fx.GraphModule:
+    """What torch.jit.script compiles for a ``fuse`` result: a copy of its graph module in which each
+    fused call of a drop-in module is a call of that module as a submodule (script compiles modules,
+    not Python callables; a drop-in scripts as its original's forward), in the result's mode; the
+    model's own members shared. A call that binds the graph's tensors (a functional convolution or
+    batch norm) stays, and script refuses it."""
+    scriptable = fx.GraphModule(fused, copy.deepcopy(fused.graph))
+    for node in list(scriptable.graph.nodes):
+        call = node.target
+        if node.op != "call_function" or not isinstance(call, _FusedCall) or call.tensor_names:
+            continue
+        scriptable.add_submodule(call.__name__, call.module)
+        with scriptable.graph.inserting_before(node):
+            node.replace_all_uses_with(scriptable.graph.call_module(call.__name__, node.args))
+        scriptable.graph.erase_node(node)
+    scriptable.recompile()
+    return scriptable.train(fused.training)
 
 
 def _bind(members: dict, model: fx.GraphModule) -> tuple[dict, dict[str, fx.Node]]:

@@ -3,8 +3,13 @@
 Each has the original's constructor, parameters, buffers and state_dict keys
 (built under the same seed it draws the same initial parameters), and
 ``from_module(original)`` wraps an existing instance, sharing its parameters.
+
+Where a module is deployed rather than run (``torch.jit.script``, ``torch.jit.trace``, either
+ONNX exporter: ``_deploying``), it runs its original's forward, standard ops that every
+TorchScript and ONNX runtime has; torch.compile and torch.export keep the fused ops.
 """
 import math
+import types
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +20,23 @@ from . import _autocast, _graphed, autotune, reference, rewrites
 from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, conv_transpose3d_batch_norm_eval_mean,
                   max_pool3d_cascade_sum, max_pool3d_mean, parity_max_pool3d_mean)
 from .sync_batch_norm import sync_batch_norm_gap, sync_process_group
+
+
+def _deploying() -> bool:
+    """Whether a call is traced for deployment: by ``torch.jit.trace`` (and so the TorchScript ONNX
+    exporter) or by the torch.export of the ONNX exporter (``torch.onnx.export``'s default). Then a
+    drop-in runs its original's forward (``torch.jit.script`` compiles only that branch): a graph of
+    standard ops, the original's, whose traced shapes follow the input's (nothing of the autotuner's
+    keys or the fused ops' size arguments baked in). Cheap in eager calls: the ONNX query only
+    under torch.export."""
+    return torch.jit.is_tracing() or (torch.compiler.is_exporting() and torch.onnx.is_in_onnx_export())
+
+
+def _as_original_forward(forward):
+    """An original's forward as a drop-in's `_original_forward` method (``_deploying``): a copy under
+    that name, since torch.jit.script compiles a method that forward calls under its function's name."""
+    return types.FunctionType(forward.__code__, forward.__globals__, "_original_forward", forward.__defaults__,
+                              forward.__closure__)
 
 
 def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.Module:
@@ -222,7 +244,13 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
     def from_module(cls, original: nn.Module) -> "Conv2dAvgPoolSigmoidSum":
         return _adopt(cls, original, conv=nn.Conv2d, avg_pool=nn.AvgPool2d)
 
+    _original_forward = _as_original_forward(reference.Conv2dAvgPoolSigmoidSum.forward)
+
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
+            return self._original_forward(x)
+        if _deploying():
+            return self._original_forward(x)
         if x.dim() != 4:
             # (the original's sum over dims 1, 2, 3 refuses an unbatched 3-D input too)
             raise ValueError(
@@ -286,7 +314,13 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         return _adopt(cls, original, conv=nn.Conv3d, divisor=(int, float), max_pool=nn.MaxPool3d,
                       global_avg_pool=nn.AdaptiveAvgPool3d, bias=nn.Parameter, sum_dim=int)
 
+    _original_forward = _as_original_forward(reference.Conv3dDivMaxPoolGAPBiasSum.forward)
+
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
+            return self._original_forward(x)
+        if _deploying():
+            return self._original_forward(x)
         name = type(self).__name__
         _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
         _check_pool_returns_values(name, self.max_pool)
@@ -359,7 +393,13 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
         return _adopt(cls, original, conv_transpose=nn.ConvTranspose3d, max_pool1=nn.MaxPool3d,
                       max_pool2=nn.MaxPool3d)
 
+    _original_forward = _as_original_forward(reference.ConvTranspose3dMaxPoolMaxPoolSum.forward)
+
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
+            return self._original_forward(x)
+        if _deploying():
+            return self._original_forward(x)
         name = type(self).__name__
         _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=True)
         _check_pool_returns_values(name, self.max_pool1)
@@ -427,7 +467,13 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         return _adopt(cls, original, conv_transpose=nn.ConvTranspose3d, scale_factor=(int, float),
                       batch_norm=(nn.BatchNorm3d, nn.SyncBatchNorm), global_avg_pool=nn.AdaptiveAvgPool3d)
 
+    _original_forward = _as_original_forward(reference.ConvTranspose3dScaleBatchNormGAP.forward)
+
     def forward(self, x: Tensor) -> Tensor:
+        if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
+            return self._original_forward(x)
+        if _deploying():
+            return self._original_forward(x)
         name = type(self).__name__
         _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=False)
         if self.global_avg_pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
