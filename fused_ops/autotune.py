@@ -265,7 +265,8 @@ def steady_calls(device: torch.device | str) -> int:
     """About how many calls of one signature it takes before its calls run as they will from then on
     (each formulation timed, then HOT_CALLS on a GPU): what a benchmark of the steady state warms up
     with (fused_ops._timing.warm_up)."""
-    tuning = EXPLORE_AFTER + (SAMPLES + 1) * len(FORMULATIONS) + 1 if _ENABLED else 0
+    # (a module's candidates: FORMULATIONS, and A's and C's fused convolution)
+    tuning = EXPLORE_AFTER + (SAMPLES + 1) * (len(FORMULATIONS) + 1) + 1 if _ENABLED else 0
     return tuning + (HOT_CALLS if torch.device(device).type == "cuda" else 0)
 
 
