@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from . import _autocast, _graphed, autotune, reference, rewrites
+from ._trace import traced
 from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, conv_transpose3d_batch_norm_eval_mean,
                   max_pool3d_cascade_sum, max_pool3d_mean, parity_max_pool3d_mean)
 from .sync_batch_norm import sync_batch_norm_gap, sync_process_group
@@ -552,8 +553,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         in float64. Nothing derived from the parameters or buffers is kept between calls."""
         conv, bn = self.conv_transpose, self.batch_norm
         # (the mean of scale * y is scale * mean(y) for a finite scale only: an infinite one meets each
-        # element of y, its zeros and signs, not their mean)
-        if not rewrites.spatial_mean_holds(x, conv) or not math.isfinite(self.scale_factor):
+        # element of y, its zeros and signs, not their mean; in a trace, where a compiler may make the scale
+        # symbolic, assumed)
+        if not rewrites.spatial_mean_holds(x, conv) or not (traced(x) or math.isfinite(self.scale_factor)):
             return None
         dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
         tensors = (conv.weight, conv.bias, bn.weight, bn.bias)

@@ -688,7 +688,7 @@ def conv_transpose3d_batch_norm_eval_mean(x: Tensor, weight: Tensor, bias: Tenso
     """
     _check_tensors("conv_transpose3d_batch_norm_eval_mean", x=x, weight=weight, running_mean=running_mean,
                    running_var=running_var)
-    if not math.isfinite(scale):
+    if not torch.compiler.is_compiling() and not math.isfinite(scale):  # (a compiler's scale may be symbolic)
         raise ValueError(f"conv_transpose3d_batch_norm_eval_mean: scale must be finite, got {scale}")
     return _ops.conv_transpose3d_batch_norm_eval_mean(x, weight, bias, bn_weight, bn_bias, running_mean, running_var,
                                                       _expand(stride, 3, "stride"),
