@@ -202,7 +202,9 @@ def _choose(module: nn.Module, config, formulations, run, x: Tensor, graph_stamp
             tuning = _TUNINGS.get(key)
             if tuning is None and not capturing:  # (a call being captured is not timed: the rule)
                 tuning = _TUNINGS[key] = _Tuning(key, order)
-    if tuning is not None and tuning.choice is None and not capturing:
+    # (under saved-tensor hooks, a non-reentrant checkpoint's among them, untimed: its recomputation must run
+    # the formulation its forward ran, which a tuning would move on from)
+    if tuning is not None and tuning.choice is None and not capturing and not _saved_tensors_hooked():
         name, out = tuning.call(module, run, x)
         _LAST[0] = name
         return name, out

@@ -129,6 +129,7 @@ def run_rank(rank, port, out_dir):
     converted.batch_norm.process_group = alone
     start = sum(CASES["D"][3][:rank])
     stop = start + CASES["D"][3][rank]
+    autotune.set_enabled(False)  # (both by their rules: a tuning's calls run one formulation after another)
     results["group of one"] = [run_steps(m, m, "D", start, stop) for m in (converted, plain)]
     del model
     gc.collect()  # (the DDP wrappers' reducers hold the group: freed at exit, gloo aborted at times)

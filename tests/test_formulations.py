@@ -385,8 +385,8 @@ def test_inference_mode_then_autograd(name, args, shape, device):
 
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 def test_autotuned_under_a_non_reentrant_checkpoint(name, args, shape):
-    """The first call, timing the formulations, under torch.utils.checkpoint(use_reentrant=False):
-    the checkpoint's recomputation saves what the call saved."""
+    """A call of a key still tuning, under torch.utils.checkpoint(use_reentrant=False): the
+    checkpoint's recomputation saves what the call saved (no tuning call under saved-tensor hooks)."""
     autotune.set_enabled(True)
     original, fused = pair(name, args, "cpu")
     x = torch.rand(shape, dtype=torch.float64, requires_grad=True)
