@@ -53,6 +53,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 
 from . import _graphed, _trace
 
@@ -130,11 +131,9 @@ def _bucket(signature: tuple) -> tuple:
     themselves for any other)."""
     shape, strides = signature[:2]
     batch = 1 << max(0, shape[0] - 1).bit_length() if shape else None
-    dense = torch.empty(0).new_empty(shape, device="meta") if shape else None  # (strides of each layout)
-    if dense is None or strides == dense.stride():
+    if not shape or strides == make_contiguous_strides_for(shape):
         layout = "contiguous"
-    elif len(shape) in (4, 5) and strides == dense.contiguous(
-            memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d).stride():
+    elif len(shape) in (4, 5) and strides == make_channels_last_strides_for(shape):
         layout = "channels_last"
     else:
         layout = strides
