@@ -11,20 +11,22 @@ import torch
 
 
 def warm_up(fn, device, warmup_ms: float = 50.0, calls: int = 3) -> float:
-    """Runs fn() `calls` times (at least autotune.steady_calls: a drop-in's calls tune themselves) and, on a
-    GPU, until warmup_ms have passed, each call synchronized: the fastest call's wall-clock time in
-    milliseconds (the launch latency included: a guide to how many calls to time)."""
+    """Runs fn() `calls` times (at least autotune.steady_calls: a drop-in's calls tune themselves,
+    trying their candidates at once: autotune.exploring) and, on a GPU, until warmup_ms have passed,
+    each call synchronized: the fastest call's wall-clock time in milliseconds (the launch latency
+    included: a guide to how many calls to time)."""
     from . import autotune
     calls = max(calls, autotune.steady_calls(device))
     cuda = torch.device(device).type == "cuda"
     began, fastest, done = time.perf_counter(), float("inf"), 0
-    while done < calls or (cuda and (time.perf_counter() - began) * 1e3 < warmup_ms):
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        fastest = min(fastest, (time.perf_counter() - start) * 1e3)
-        done += 1
+    with autotune.exploring():
+        while done < calls or (cuda and (time.perf_counter() - began) * 1e3 < warmup_ms):
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            fastest = min(fastest, (time.perf_counter() - start) * 1e3)
+            done += 1
     return fastest
 
 

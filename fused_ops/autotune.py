@@ -16,10 +16,13 @@ The autotuner chooses among them from the calls the user makes anyway: the first
 key (the module's class and configuration; the input's shape with its batch size in a power-of-two
 bucket, its layout, dtype and device; train or eval; whether gradients are recorded, and for
 which of the input and the parameters; the autocast state) answers at once with the rule's
-formulation; the next calls with the key run each other formulation that holds in turn, each
+formulation, and so do the next ones until trying the others pays: until the key's calls have
+taken 1/EXPLORE_SHARE times what trying them is expected to cost (their set-up on each new shape
+included); the next calls with the key then run each other formulation that holds in turn, each
 timed as it runs (CUDA events read at a later call, never waited for; a training call's backward
 from its output's gradient to its inputs'), until each has been timed a few times; the fastest
-then serves every later call with the key (``_Tuning``). No call is made that the user did not
+then serves every later call with the key (``_Tuning``). ``warmup`` and ``exploring()`` try them
+at once. No call is made that the user did not
 make, and every formulation computes the original's function, so the choice changes the speed,
 not what is computed (its roundings differ as the original's do between cuDNN algorithms). Once a
 signature has been called HOT_CALLS times its rearranged and channels-last convolutions run with
@@ -204,7 +207,7 @@ def _choose(module: nn.Module, config, formulations, run, x: Tensor, graph_stamp
     # (under saved-tensor hooks, a non-reentrant checkpoint's among them, untimed: its recomputation must run
     # the formulation its forward ran, which a tuning would move on from)
     if tuning is not None and tuning.choice is None and not capturing and not _saved_tensors_hooked():
-        name, out = tuning.call(module, run, x)
+        name, out = tuning.call(module, run, x, signature)
         _LAST[0] = name
         return name, out
     if tuning is not None and tuning.choice is not None:
@@ -240,19 +243,22 @@ def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", 
     return out
 
 
-# Online tuning. The first EXPLORE_AFTER calls of a key run its first candidate (the rule's
-# formulation, or the one a neighbouring batch-size bucket settled on: _Tuning.__init__); the next
-# calls run each other candidate in turn, each timed as it runs (on a GPU by CUDA events read at a
-# later call, never waited for; a training call's backward timed from its output's gradient to
-# the last gradient of its inputs), until each has SAMPLES timings after its first call (which
-# pays for one-time set-up: cuDNN's plans, workspaces); the fastest median then settles the key
-# (PREFERRED_MARGIN: the original's ops win ties). A candidate is not run again whose median is
-# over ELIMINATE times the fastest's, or whose first call took over ELIMINATE times the first
-# candidate's first call. A timing not read within PENDING_CALLS calls of the key (a training call
-# whose backward never ran) is dropped; a key that has not settled after MAX_TUNING_CALLS calls
-# settles on the fastest timed so far (the first candidate where none was). (A few calls of a
-# new shape, a server's rare batch size, thus run the rule's formulation, as the tuner off does.)
-EXPLORE_AFTER = 4
+# Online tuning. A key's calls run its first candidate (the rule's formulation, or the one a
+# neighbouring batch-size bucket settled on: _Tuning.__init__), timed until it has SAMPLES timings,
+# until trying the others pays (_Tuning._pays): the time the key's calls have taken is at least
+# 1/EXPLORE_SHARE times the expected cost of trying them, each its set-up (a new shape's first
+# call: cuDNN's plans and workspaces, the first candidate's measured) and SAMPLES + 1 calls of up to
+# twice the first's time. (A new shape's first call on a GPU takes milliseconds, a call of a small
+# batch tenths of one: a server's rare batch sizes and a short run never try the others, and pay
+# nothing for them.) The next calls run each other candidate in turn, each timed as it runs (on a
+# GPU by CUDA events read at a later call, never waited for; a training call's backward timed from
+# its output's gradient to the last gradient of its inputs), until each has SAMPLES timings of
+# calls with shapes it ran before (a first call is set-up); the fastest median then settles the key
+# (PREFERRED_MARGIN: the original's ops win ties). A candidate whose median is over ELIMINATE times
+# the fastest's is not run again. A timing not read within PENDING_CALLS calls of the key (a
+# training call whose backward never ran) is dropped; a key that has not settled MAX_TUNING_CALLS
+# calls after its trying began settles on the fastest timed so far.
+EXPLORE_SHARE = 0.05
 SAMPLES, ELIMINATE, PENDING_CALLS, MAX_TUNING_CALLS = 3, 2.0, 16, 64
 # Calls of one signature after which its settled formulation's rearranged convolutions are
 # searched (cudnn.benchmark) and a host-bound call is replayed from a CUDA graph: a search or a
@@ -267,12 +273,28 @@ def steady_calls(device: torch.device | str) -> int:
     (each formulation timed, then HOT_CALLS on a GPU): what a benchmark of the steady state warms up
     with (fused_ops._timing.warm_up)."""
     # (a module's candidates: FORMULATIONS, and A's and C's fused convolution)
-    tuning = EXPLORE_AFTER + (SAMPLES + 1) * (len(FORMULATIONS) + 1) + 1 if _ENABLED else 0
+    tuning = (SAMPLES + 1) * (len(FORMULATIONS) + 1) + 5 if _ENABLED else 0
     return tuning + (HOT_CALLS if torch.device(device).type == "cuda" else 0)
 
 
 _LOCK = threading.RLock()  # (the choices' state: one module may be called from several threads)
 _TUNINGS: dict[tuple, "_Tuning"] = {}
+_EXPLORING = [0]  # (how many exploring() contexts are open)
+
+
+@contextlib.contextmanager
+def exploring():
+    """Within it, a key whose calls have not settled tries its candidates from its next call on,
+    whether or not that pays yet (_Tuning._pays): what ``warmup`` and a benchmark's warm-up
+    (``fused_ops._timing.warm_up``) do, to reach the steady state in a few dozen calls. (For every
+    thread while it is open.)"""
+    with _LOCK:
+        _EXPLORING[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _EXPLORING[0] -= 1
 
 
 class _Timing:
@@ -351,7 +373,10 @@ class _Tuning:
         self.timings: dict[str, list[tuple[float, float, float]]] = {name: [] for name in order}  # (_Timing.read)
         self.started: dict[str, int] = dict.fromkeys(order, 0)  # calls run, timed or not
         self.pending: list[tuple[int, str, _Timing, bool]] = []  # (call, name, timing, its first call)
-        self.first: dict[str, float] = {}  # each candidate's first call's ms
+        self.firsts: dict[str, list[float]] = {name: [] for name in order}  # ms of its first calls of a signature
+        self.ran: set[tuple[str, tuple]] = set()  # (candidate, signature) run
+        self.untimed = 0  # calls not timed (the first candidate's, before trying the others)
+        self.explored: int | None = None  # the call at which trying the others began
         self.calls = 0
         self.choice: tuple[str, bool] | None = _SAVED.get(_saved_key(key)) if _SAVED else None
         self.counts: dict[tuple, int] = {}
@@ -361,26 +386,33 @@ class _Tuning:
         count = self.counts[signature] = self.counts.get(signature, 0) + 1
         return count
 
-    def call(self, module: nn.Module, run, x: Tensor) -> tuple[str, Tensor]:
+    def call(self, module: nn.Module, run, x: Tensor, signature: tuple) -> tuple[str, Tensor]:
         with _LOCK:
             self._read()
             name = self._next()
             self.started[name] += 1
-            first = self.started[name] == 1
-        timing = _Timing(x)
-        timing.mark()
+            first = (name, signature) not in self.ran
+            self.ran.add((name, signature))
+            timed = first or self._short(name)
+            self.untimed += not timed
+        timing = _Timing(x) if timed else None
+        if timing is not None:
+            timing.mark()
         began = time.perf_counter()
         try:
             out = run(name, x)
         except Exception as error:  # (a limit of one formulation: the others may hold)
             out = error
-        timing.host_ms = (time.perf_counter() - began) * 1e3
-        timing.mark()
+        if timing is not None:
+            timing.host_ms = (time.perf_counter() - began) * 1e3
+            timing.mark()
         if not isinstance(out, Tensor):  # does not hold here, or raised: not a candidate of the key
             with _LOCK:
                 if name in self.candidates and len(self.candidates) > 1:
                     self.candidates.remove(name)
             return self._first_that_runs(run, x, [] if out is None else [out])
+        if timing is None:
+            return name, out
         if out.requires_grad:
             inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
             timing.time_backward(out, inputs)
@@ -407,33 +439,56 @@ class _Tuning:
             called, name, timing, first = entry
             read = timing.read()
             if read is not None and first:
-                self.first[name] = read[0]
+                self.firsts[name].append(read[0])
             elif read is not None:
                 self.timings[name].append(read)
             if read is not None or self.calls - called > PENDING_CALLS:
                 timing.close()
                 self.pending.remove(entry)
-        medians, lead = self._medians(), self.first.get(self.candidates[0])
+        medians = self._medians()
         best = min(medians.values(), default=None)
         for name in self.candidates[1:]:  # (far slower: not run again)
-            if ((name in medians and medians[name] > ELIMINATE * best)
-                    or (lead is not None and self.first.get(name, 0.0) > ELIMINATE * lead)):
+            if name in medians and medians[name] > ELIMINATE * best:
                 self.candidates.remove(name)
+        if self.explored is None and len(self.candidates) > 1:
+            return
         done = all(len(self.timings[name]) >= SAMPLES for name in self.candidates)
-        if done or self.calls > MAX_TUNING_CALLS:
+        if done or (self.explored is not None and self.calls - self.explored > MAX_TUNING_CALLS):
             self._settle()
 
+    def _short(self, name: str) -> bool:
+        """Whether name's timings, read or pending, are still short of SAMPLES."""
+        pending = sum(1 for _, n, _, first in self.pending if n == name and not first)
+        return len(self.timings[name]) + pending < SAMPLES
+
+    def _pays(self) -> bool:
+        """Whether trying the other candidates pays now (the comment above EXPLORE_SHARE): the first
+        candidate's median call and set-up (its fastest first call of a signature beyond that median)
+        are known, and the key's calls have taken at least 1/EXPLORE_SHARE times the others' expected
+        cost: each its set-up and SAMPLES + 1 calls of up to ELIMINATE times the first's time, less
+        the first's own time for them."""
+        lead = self.candidates[0]
+        if len(self.timings[lead]) < SAMPLES or not self.firsts[lead]:
+            return False
+        median = statistics.median([t[0] for t in self.timings[lead]])
+        set_up = max(min(self.firsts[lead]) - median, 0.0)
+        cost = (len(self.candidates) - 1) * (set_up + (SAMPLES + 1) * (ELIMINATE - 1) * median)
+        spent = (sum(t[0] for timings in self.timings.values() for t in timings)
+                 + sum(sum(firsts) for firsts in self.firsts.values()) + self.untimed * median)
+        return cost <= EXPLORE_SHARE * spent
+
     def _next(self) -> str:
-        """The candidate to run: the settled one; else the first (in the rule's order) of those run
+        """The candidate to run: the settled one; the first while trying the others does not pay
+        (nor has been asked for: exploring()); else the first (in the rule's order) of those run
         least often whose timings, read or pending, are still short of SAMPLES; else (all waiting
         to be read) the fastest so far."""
         if self.choice is not None:
             return self.choice[0]
-        if self.calls <= EXPLORE_AFTER:
-            return self.candidates[0]
-        short = [name for name in self.candidates
-                 if len(self.timings[name]) + sum(1 for _, n, _, first in self.pending if n == name and not first)
-                 < SAMPLES]
+        if self.explored is None:
+            if not (_EXPLORING[0] or self._pays()):
+                return self.candidates[0]
+            self.explored = self.calls
+        short = [name for name in self.candidates if self._short(name)]
         if short:
             return min(short, key=lambda name: self.started[name])
         medians = self._medians()
@@ -563,7 +618,7 @@ def warmup(module: nn.Module, example_inputs: Sequence[Tensor] | Tensor, max_cal
     buffers the calls update (running statistics) are restored after."""
     inputs = (example_inputs,) if isinstance(example_inputs, Tensor) else tuple(example_inputs)
     before = set(_TUNINGS)
-    with _graphed.buffers_restored(module):
+    with _graphed.buffers_restored(module), exploring():
         for _ in range(max_calls):
             out = module(*inputs)
             if isinstance(out, Tensor) and out.requires_grad:

@@ -9,6 +9,7 @@ import torch
 
 from fused_ops import autotune
 from test_formulations import CONFIGS, IDS, pair
+from test_graphed_calls import settle_graphed
 
 
 @pytest.fixture
@@ -35,8 +36,8 @@ def counting_runs(monkeypatch, fused):
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_no_call_the_user_did_not_make(name, args, shape, train, tuner, monkeypatch):
-    """Each call runs one formulation once, the first the rule's; the key settles within
-    MAX_TUNING_CALLS calls, every output the original's."""
+    """Each call runs one formulation once, the first the rule's; trying the others from the start
+    (exploring), the key settles within MAX_TUNING_CALLS calls, every output the original's."""
     original, fused = pair(name, args, "cpu", train=train)
     autotune.set_enabled(False)
     with torch.no_grad():
@@ -45,14 +46,45 @@ def test_no_call_the_user_did_not_make(name, args, shape, train, tuner, monkeypa
     autotune.set_enabled(True)
     ran = counting_runs(monkeypatch, fused)
     calls = autotune.MAX_TUNING_CALLS + 2
-    for i in range(calls):
-        x = torch.rand(shape, dtype=torch.float64, requires_grad=train)
-        out = fused(x)
-        torch.testing.assert_close(out, original(x), rtol=1e-9, atol=1e-12)
-        if train:
-            out.sum().backward()
+    with autotune.exploring():
+        for i in range(calls):
+            x = torch.rand(shape, dtype=torch.float64, requires_grad=train)
+            out = fused(x)
+            torch.testing.assert_close(out, original(x), rtol=1e-9, atol=1e-12)
+            if train:
+                out.sum().backward()
     assert len(ran) == calls and ran[0] == rule
     assert fused.formulation(x) == ran[-1]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_trying_the_others_waits_until_it_pays(train, tuner, monkeypatch):
+    """A key's calls run the rule's formulation until the time they took is 1/EXPLORE_SHARE times the
+    expected cost of trying the others (_Tuning._pays): 20 calls of a small input run the rule alone;
+    with a share of 1/2 the others are tried, from the call at which it first pays."""
+    name, args, shape = CONFIGS[0]
+    original, fused = pair(name, args, "cpu", train=train)
+    ran = counting_runs(monkeypatch, fused)
+    paid, pays = [], autotune._Tuning._pays
+    monkeypatch.setattr(autotune._Tuning, "_pays", lambda self: paid.append(pays(self)) or paid[-1])
+
+    def call():
+        x = torch.rand(shape, dtype=torch.float64, requires_grad=train)
+        with torch.set_grad_enabled(train):
+            out = fused(x)
+            torch.testing.assert_close(out, original(x), rtol=1e-9, atol=1e-12)
+        if train:
+            out.sum().backward()
+    for _ in range(20):
+        call()
+    assert len(ran) == 20 and set(ran) == {ran[0]} and paid and not any(paid)
+    monkeypatch.setattr(autotune, "EXPLORE_SHARE", 0.5)
+    for _ in range(400):
+        call()
+        if ran[-1] != ran[0]:
+            break
+    assert ran[-1] != ran[0] and paid[-1] and not any(paid[:-1])
+
 
 
 def test_batch_sizes_share_a_bucket(tuner):
@@ -95,18 +127,24 @@ def test_warmup_restores_the_running_statistics(tuner):
         assert torch.equal(b, e)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["tuning", "graphed"])
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
-def test_one_module_from_several_threads(name, args, shape, tuner):
-    """Four threads call one eval module at once, each its own inputs (batch sizes 1-4, while the
-    keys tune): every result the original's for its input, no error."""
-    original, fused = pair(name, args, "cpu", train=False)
+def test_one_module_from_several_threads(name, args, shape, graphs, device, tuner, monkeypatch):
+    """Four threads call one eval module at once, each its own inputs (batch sizes 1-4): while the
+    keys tune, or (on a GPU) with every key settled on a CUDA graph from its first call, captured
+    while other threads' calls are in flight: every result the original's for its input, no error."""
+    if graphs and device != "cuda":
+        pytest.skip("CUDA graphs: on a GPU")
+    if graphs:
+        settle_graphed(monkeypatch)
+    original, fused = pair(name, args, device, train=False)
     errors, mismatches = [], []
 
     def serve(seed):
         g = torch.Generator().manual_seed(seed)
         try:
             for i in range(6):
-                x = torch.rand(1 + (seed + i) % 4, *shape[1:], dtype=torch.float64, generator=g)
+                x = torch.rand(1 + (seed + i) % 4, *shape[1:], dtype=torch.float64, generator=g).to(device)
                 with torch.no_grad():
                     out, expected = fused(x), original(x)
                 if not torch.allclose(out, expected, rtol=1e-9, atol=1e-12):
@@ -114,10 +152,11 @@ def test_one_module_from_several_threads(name, args, shape, tuner):
         except Exception as error:  # (reported below)
             errors.append(error)
     threads = [threading.Thread(target=serve, args=(seed,)) for seed in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with autotune.exploring():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     assert errors == [] and mismatches == []
 
 
