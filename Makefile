@@ -5,7 +5,7 @@
 #               the scripted drop-ins in C++), run pytest
 # and the benchmark:
 #   make bench  install, build, run the CUDA tests, time every fused op and the four whole models (on a GPU),
-#               tables + JSON
+#               tables + JSON; then the README's and docs/' result tables from that JSON (tools/results_tables.py)
 #   make kernelbench  KernelBench's four problem files that the drop-ins replace, for bench/kernelbench.py
 PYTHON ?= python3
 TORCH_PREFIX = $$($(PYTHON) -c "import torch; print(torch.utils.cmake_prefix_path)")
@@ -49,6 +49,7 @@ run: install
 
 bench: install
 	$(PYTHON) bench/run.py --skip-build
+	$(PYTHON) tools/results_tables.py
 
 # KernelBench's (ScalingIntelligence/KernelBench) four level-2 problem files that the drop-ins replace (A 8, B 78,
 # C 65, D 77), at a pinned commit, into third_party/kernelbench/ (with COMMIT) for bench/kernelbench.py: from

@@ -37,7 +37,7 @@ import torch
 
 from fused_ops import cli
 from fused_ops.architectures import ARCHITECTURES, Architecture
-from timing import device_name, interleaved_medians, warm_up, write_result
+from timing import device_name, interleaved_medians, provenance, warm_up, write_result
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SIZES = ("spec", "tiny")
@@ -314,7 +314,7 @@ def run(args) -> dict:
                      f"({elapsed:.0f} s, about {left:.0f} s left)")
     timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
     result = dict(device=device_name(args.device), device_type=args.device.type,
-                  device_detail=cli.describe_device(args.device), torch=torch.__version__, dtype="float32",
+                  device_detail=cli.describe_device(args.device), torch=torch.__version__, **provenance(), dtype="float32",
                   autocast=cli.dtype_name(args.autocast), size=args.size,
                   tf32=args.device.type == "cuda" and torch.backends.cudnn.allow_tf32,
                   timing=f"{timing} medians of " + (f"{args.reps} calls" if args.reps else

@@ -27,7 +27,7 @@ import torch
 
 from fused_ops import autotune, cli
 from fused_ops.architectures import ARCHITECTURES
-from timing import device_name, write_result
+from timing import device_name, provenance, write_result
 
 SETTINGS = {"cuda": dict(size="spec", max_batch=16, serving_calls=48, epochs=3, steps=8),
             "cpu": dict(size="reduced", max_batch=4, serving_calls=8, epochs=1, steps=4)}
@@ -113,7 +113,7 @@ def main() -> int:
                 print(f"{arch.letter} {variant}: " + ", ".join(f"{k} {v:.3f} s" for k, v in seconds.items()),
                       file=sys.stderr, flush=True)
         precision = "bf16 autocast" if autocast_dtype else "float32"
-        result = dict(device=device_name(device), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+        result = dict(device=device_name(device), torch=torch.__version__, **provenance(),
                       autocast=cli.dtype_name(autocast_dtype), settings=settings, rows=rows)
         print(write_result(result, args.out or "bench/results", "first-calls"))
         print(f"\n{result['device']}, {precision}, seconds (fused / eager in brackets)")

@@ -59,7 +59,7 @@ import torch
 
 import fused_ops.nn
 from fused_ops import autotune
-from fused_ops._timing import device_name, device_slug
+from fused_ops._timing import device_name, device_slug, provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> dict:
         rows.append(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # (as KernelBench's cleanup does between evaluations)
-    return dict(device=device_name(device), device_type=device.type, torch=torch.__version__,
+    return dict(device=device_name(device), device_type=device.type, torch=torch.__version__, **provenance(),
                 kernelbench_commit=commit, problems_dir=os.path.abspath(args.problems), precision=args.precision,
                 tolerance=TOLERANCE[dtype], batch=args.batch, seed=SEED, correct_trials=args.correct_trials,
                 perf_trials=args.trials, warmup_calls=WARMUP_CALLS, discard_first=DISCARD_FIRST,

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from fused_ops._timing import device_name, device_slug, interleaved_medians, median_ms, warm_up  # noqa: F401  (for run.py, models.py, ...)
+from fused_ops._timing import (device_name, device_slug, interleaved_medians, median_ms, provenance,  # noqa: F401
+                              warm_up)  # (for run.py, models.py, first_calls.py, ...)
 
 
 def write_result(result: dict, out_dir: str, kind: str) -> str:

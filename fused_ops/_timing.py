@@ -2,8 +2,10 @@
 and the device's name for results and their file names (used by
 ``python -m fused_ops`` and by the benchmarks under bench/)."""
 import contextlib
+import os
 import re
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -88,3 +90,21 @@ def device_name(device) -> str:
 def device_slug(name: str) -> str:
     """A device_name as a file-name part: "NVIDIA H200" -> "nvidia-h200"."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def provenance() -> dict:
+    """{"date": today, "commit": the source tree's commit ("<short hash>", "+" where tracked files
+    differ from it), or None where the package runs from no git checkout (an installed copy)}: the
+    stamp of a result's JSON (tools/results_tables.py prints it with each table)."""
+    source = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*args) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", source, *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit is not None and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "+"
+    return {"date": time.strftime("%Y-%m-%d"), "commit": commit}

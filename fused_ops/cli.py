@@ -30,7 +30,7 @@ import time
 import torch
 
 from . import has_cuda_kernels
-from ._timing import device_name, device_slug, interleaved_medians
+from ._timing import device_name, device_slug, interleaved_medians, provenance
 from .architectures import ARCHITECTURES, SIZES
 
 SEED = 0
@@ -512,7 +512,7 @@ def run_mode(args, train: bool) -> dict:
     return dict(device=describe_device(args.device), device_type=args.device.type, torch=torch.__version__,
                 dtype=dtype_name(args.dtype), autocast=dtype_name(args.autocast), mode=mode, train=train,
                 size=args.size, timing=f"{timing} medians of {args.reps} calls in {TIMING_ROUNDS} interleaved rounds",
-                ok=all(r["ok"] for r in rows), rows=rows)
+                **provenance(), ok=all(r["ok"] for r in rows), rows=rows)
 
 
 def write_result(result: dict, stem: str) -> list[str]:

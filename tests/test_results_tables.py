@@ -1,0 +1,54 @@
+"""The README's and docs/' result tables are their JSON's (tools/results_tables.py, issue 45): the
+check passes on this tree, and fails where a table and its JSON part."""
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "results_tables.py")
+
+
+def tool():
+    spec = importlib.util.spec_from_file_location("results_tables", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_table_is_its_json():
+    done = subprocess.run([sys.executable, TOOL, "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_table_that_differs_from_its_json_fails_the_check(tmp_path, monkeypatch):
+    results = tool()
+    os.makedirs(tmp_path / "bench" / "results")
+    os.makedirs(tmp_path / "docs")
+    path = "bench/results/first-calls-nvidia-h200.json"
+    shutil.copy(os.path.join(ROOT, path), tmp_path / path)
+    (tmp_path / "README.md").write_text(f"# x\n<!-- results: first_calls_ratios {path} -->\n<!-- end results -->\n")
+    monkeypatch.setattr(results, "ROOT", str(tmp_path))
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["results_tables.py", *args])
+        return results.main()
+    assert run("--check") == 1  # (an empty table)
+    assert run() == 0 and run("--check") == 0
+    assert "| serving | float32 |" in (tmp_path / "README.md").read_text()
+    data = json.loads((tmp_path / path).read_text())
+    data["rows"][0]["seconds"]["serving"] *= 2
+    (tmp_path / path).write_text(json.dumps(data))
+    assert run("--check") == 1
+
+
+def test_main_job_tables_from_both_formats():
+    """A table from `python -m fused_ops`'s JSON (one mode) and from bench/models.py's (eval and train):
+    a row per model and step, each with its stamp."""
+    results = tool()
+    one = results.main_job(["bench/results/cli-nvidia-h200-float32-eval-session18.json"])
+    both = results.main_job(["bench/results/models-nvidia-h200.json"])
+    assert one.count("| eval |") == 4 and "training step" not in one and "commit 6009eaf" in one
+    assert both.count("| eval |") == 4 and both.count("| training step |") == 4 and "commit not recorded" in both
