@@ -86,7 +86,9 @@ def main() -> None:
         os.makedirs(os.path.join(stub, "c10", "cuda", "impl"))
         with open(os.path.join(stub, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
             f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-        includes = [f"-I{p}" for p in [*include_paths(), sysconfig.get_paths()["include"], stub]]
+        # (torch's and Python's headers as system headers: their warnings under this check's C++17, torch
+        # 2.13's C++20 bit-field initializers in AutogradState.h, are not ours, and would hide a new one of ours)
+        includes = [f"-isystem={p}" for p in [*include_paths(), sysconfig.get_paths()["include"], stub]]
 
         objects = []
         torch_flags = ["-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS, *includes]
