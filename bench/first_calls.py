@@ -2,8 +2,11 @@
 fused against the original eager, tuned by hand (channels last, cudnn.benchmark) and torch.compile
 (its recompilations count), and the fused modules with the autotuner off (their rules).
 
-Each variant starts afresh (new modules, the tuner's choices and Dynamo's caches cleared), and each
-sequence is timed whole by the wall clock, its first calls included, synchronized once at the end:
+Each model's variant runs in a process of its own (as a user's process runs the one it has: what
+another variant loaded or planned before, cuDNN's plans, kernels loaded at their first launch, is
+not there), its CUDA context made before the first timing (a user's model.cuda() makes it); each
+sequence starts afresh (new modules, the tuner's choices and Dynamo's caches cleared) and is timed
+whole by the wall clock, its first calls included, synchronized once at the end:
   - first call: one eval call (no autograd) and one training step of a new module at the sequence's
     largest batch;
   - serving: SERVING_CALLS eval calls without autograd over batch sizes 1..max_batch in a seeded
@@ -19,7 +22,10 @@ and prints a table of seconds per sequence and the fused module's ratio to the o
 """
 import argparse
 import copy
+import json
+import os
 import random
+import subprocess
 import sys
 import time
 
@@ -91,6 +97,31 @@ def sequences(arch, variant: str, device: torch.device, settings: dict, autocast
     return result
 
 
+def in_own_process(arch, variant: str, device: torch.device, settings: dict, autocast_dtype) -> dict:
+    """sequences(...) in a child process of its own (this script with --variant): {sequence: seconds}."""
+    command = [sys.executable, os.path.abspath(__file__), "--device", str(device), "--variant", arch.letter,
+               variant, "--settings", json.dumps(settings)]
+    if autocast_dtype is not None:
+        command += ["--autocast", cli.dtype_name(autocast_dtype)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"first_calls: {arch.letter} {variant} failed in its process:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def one_variant(args) -> int:
+    """The child's part: one model's variant, its sequences' seconds as a JSON line."""
+    device = torch.device(args.device)
+    if device.type == "cuda":  # (the CUDA context, which a user's model.cuda() makes before any call)
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize(device)
+    letter, variant = args.variant
+    arch = next(a for a in ARCHITECTURES if a.letter == letter)
+    autocast_dtype = getattr(torch, args.autocast) if args.autocast else None
+    print(json.dumps(sequences(arch, variant, device, json.loads(args.settings), autocast_dtype)))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -98,7 +129,13 @@ def main() -> int:
     parser.add_argument("--no-autocast", action="store_true", help="float32 only (on a GPU: also bf16 autocast)")
     parser.add_argument("--models", default="A,B,C,D")
     parser.add_argument("--out", default=None, help="the JSON's folder (default: bench/results)")
+    # (a child's: one model's variant in its own process)
+    parser.add_argument("--variant", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    parser.add_argument("--autocast", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.variant:
+        return one_variant(args)
     device = torch.device(args.device)
     settings = SETTINGS[device.type]
     variants = [v for v in VARIANTS if not (args.no_compile and v == "compile")]
@@ -108,7 +145,7 @@ def main() -> int:
         rows = []
         for arch in archs:
             for variant in variants:
-                seconds = sequences(arch, variant, device, settings, autocast_dtype)
+                seconds = in_own_process(arch, variant, device, settings, autocast_dtype)
                 rows.append(dict(model=arch.letter, variant=variant, seconds=seconds))
                 print(f"{arch.letter} {variant}: " + ", ".join(f"{k} {v:.3f} s" for k, v in seconds.items()),
                       file=sys.stderr, flush=True)
