@@ -9,6 +9,7 @@ Prints one line per op; any sanitizer report fails the command.
 import torch
 
 import fused_ops
+from fused_ops.ops._common import _expand
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (on a CPU: a dry run of the script)
 
@@ -148,8 +149,8 @@ def main():
                                               (rand(1, 32, 7, 8, 9, dtype=dtype), rand(32, 64, 3, 5, 5, dtype=dtype),
                                                (1, 2, 2), 0)):
             for save in (False, True):
-                torch.ops.fused_ops.conv_transpose3d_cascade_sum(x, w, [2, 2, 2], fused_ops.ops._expand(padding, 3, ""),
-                                                                 fused_ops.ops._expand(output_padding, 3, ""),
+                torch.ops.fused_ops.conv_transpose3d_cascade_sum(x, w, [2, 2, 2], _expand(padding, 3, ""),
+                                                                 _expand(output_padding, 3, ""),
                                                                  [3, 3, 3], save, None)
     torch.set_float32_matmul_precision("highest")
     if DEV == "cuda":

@@ -1,5 +1,5 @@
 // box_fold2d: a 2-D convolution kernel followed by an average pool's box, as
-// one kernel (architecture C's pool fold, fused_ops/rewrites.py): conv2d with
+// one kernel (architecture C's pool fold, fused_ops/rewrites/): conv2d with
 // `weight`, then avg_pool2d with kernel `box` and a divisor, equals conv2d with
 // the folded kernel (stride the pool's). For weight (..., kh, kw):
 //   out[..., u, v] = sum over taps (a, b) with 0 <= u - a < bh, 0 <= v - b < bw

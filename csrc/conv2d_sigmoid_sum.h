@@ -1,7 +1,7 @@
 // conv2d_sigmoid_sum: out[n] = sum over (o, oh, ow) of sigmoid(y[n, o, oh, ow]),
 //   y = conv2d(x, weight, bias, stride, padding)   (dilation 1, one group).
 // Architecture C's tail after its pool is folded into the convolution
-// (fused_ops/rewrites.py: avg_pool2d(k, stride k) after a stride-1 conv2d is one
+// (fused_ops/rewrites/: avg_pool2d(k, stride k) after a stride-1 conv2d is one
 // conv2d with the kernel convolved with the k x k box over the divisor, stride k).
 // A float32 x may come with a 16-bit weight and bias (as autocast passes them):
 // the convolution is then x.to(weight.dtype)'s, x rounded as it is read.

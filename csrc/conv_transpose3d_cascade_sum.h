@@ -1,5 +1,5 @@
 // conv_transpose3d_cascade_sum: architecture B's forward less the convolution's bias, a transposed
-// 3-D convolution and its tail in one op (fused_ops/rewrites.py, B's rewrite):
+// 3-D convolution and its tail in one op (fused_ops/rewrites/conv_transpose3d_max_pool.py, B's rewrite):
 //   y = conv_transpose3d(x, w, stride P, padding pad, output_padding)   (no bias, dilation, groups)
 //   out[n, 0, c] = sum over o of max_pool3d(max_pool3d(y, P), k2)[n, o, c]
 // at the stage-1 positions stage 2 reads, M = (y's size // P) // k2 * k2 per dim: that is

@@ -1,6 +1,6 @@
 // conv_transpose3d_cascade_weight_grad: the weight gradient of a transposed
 // 3-D convolution followed by architecture B's tail, from the tail's picks
-// alone (fused_ops/rewrites.py, B's rewrite).
+// alone (fused_ops/rewrites/conv_transpose3d_max_pool.py, B's rewrite).
 //
 // y = conv_transpose3d(x, w) (stride P, padding pad; no dilation or groups):
 //   y[n, o, Y] = sum over i and taps k with Y = P p - pad + k (per dim) of x[n, i, p] w[i, o, k].

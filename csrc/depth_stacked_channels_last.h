@@ -1,5 +1,5 @@
 // depth_stacked_channels_last: the input of a 2-D convolution that computes a
-// 3-D one's depth taps as input channels (fused_ops/rewrites.py). For x
+// 3-D one's depth taps as input channels (fused_ops/rewrites/). For x
 // (N, I, D, H, W), out (N, M, Hs, Ws, taps, I) = (N, size[0], size[1],
 // size[2], taps, I), contiguous, with
 //   out[n, m, h, w, a, i] = x[n, i, start[0] + stride * m + a, start[1] + h, start[2] + w]

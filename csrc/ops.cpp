@@ -135,7 +135,7 @@ TORCH_LIBRARY(fused_ops, m) {
       "int[3] output_padding, int[3] kernel2) -> str");
 
   // The input of a 2-D convolution computing a 3-D one's depth taps as input
-  // channels (fused_ops/rewrites.py): for x (N, I, D, H, W), out (N, size[0],
+  // channels (fused_ops/rewrites/): for x (N, I, D, H, W), out (N, size[0],
   // size[1], size[2], taps, I), contiguous, in `dtype` (any floating type; x's
   // for None), with
   //   out[n, m, h, w, a, i] = x[n, i, start[0] + stride * m + a, start[1] + h, start[2] + w]

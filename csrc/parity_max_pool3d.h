@@ -1,5 +1,5 @@
 // Max-pools over an input in parity-class layout, for convolutions rewritten
-// to compute a max-pool's windows side by side (fused_ops/rewrites.py):
+// to compute a max-pool's windows side by side (fused_ops/rewrites/):
 //
 // y (N, Md, Mh, Mw, C, Q) holds, for each output position m = (md, mh, mw) of
 // a first max-pool stage and each channel c, the Q elements of that window in

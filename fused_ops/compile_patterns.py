@@ -35,13 +35,15 @@ from . import autotune, fusion
 
 @functools.cache
 def _package_digest() -> bytes:
-    """The contents of the package's Python files and of its compiled extension: what the
-    matching, the formulations, the fakes and the ops' schemas the replacements trace are."""
+    """The contents of the package's Python files (its subpackages' included: ops/, rewrites/) and
+    of its compiled extension: what the matching, the formulations, the fakes and the ops' schemas
+    the replacements trace are."""
     digest = hashlib.sha256()
     folder = os.path.dirname(os.path.abspath(__file__))
-    for path in sorted(glob.glob(os.path.join(folder, "*.py")) + glob.glob(os.path.join(folder, "_C*"))):
+    for path in sorted(glob.glob(os.path.join(folder, "**", "*.py"), recursive=True)
+                       + glob.glob(os.path.join(folder, "_C*"))):
         with open(path, "rb") as f:
-            digest.update(os.path.basename(path).encode() + f.read())
+            digest.update(os.path.relpath(path, folder).encode() + f.read())
     return digest.digest()
 
 

@@ -28,7 +28,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from . import rewrites
 from .nn import _fusable_max_pool
-from .ops import _expand, _pair, _pool_triples
+from .ops._common import _expand, _pair, _pool_triples
 
 aten, prims = torch.ops.aten, torch.ops.prims
 

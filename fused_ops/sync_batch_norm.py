@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from .ops import _accumulation_dtype
+from .ops._common import _accumulation_dtype
 
 
 def sync_process_group(bn: nn.Module):

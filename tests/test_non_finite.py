@@ -21,7 +21,7 @@ from test_formulations import CONFIGS, FORMULATION_CASES, formulation_input
 NAN, INF = float("nan"), float("inf")
 
 # (module, formulation) whose arithmetic cannot keep the original's non-finite values
-# (fused_ops.rewrites._rearranged_taps_exact): the parity classes' zero taps (A's and B's rewrites),
+# (fused_ops.rewrites._common._rearranged_taps_exact): the parity classes' zero taps (A's and B's rewrites),
 # the space-to-depth kernel's zero padding and the pool folded into the kernel (C's rewrite and
 # fused_conv).
 REARRANGED_TAPS = {("Conv3dDivMaxPoolGAPBiasSum", "rewrite"), ("ConvTranspose3dMaxPoolMaxPoolSum", "rewrite"),

@@ -1,5 +1,5 @@
 // Autograd of avg_pool2d_sigmoid_sum, in C++ (was torch.library.register_autograd
-// in fused_ops/ops.py: ~10 us of Python host time per call, even under no_grad).
+// in fused_ops/ops/: ~10 us of Python host time per call, even under no_grad).
 // Backward (the math: ../avg_pool2d_sigmoid_sum.h), from the saved s = sigmoid(p), p = avg_pool2d(x):
 //   grad_x[b, c, h, w] = grad_out[b] * sum of s (1 - s) / divisor over the windows holding (h, w).
 // s is a differentiable output (ds / dx = avg_pool2d's adjoint of s (1 - s)), so that a backward

@@ -1,5 +1,5 @@
 // Autograd of max_pool3d_cascade_sum, in C++ (was torch.library.register_autograd
-// in fused_ops/ops.py: ~10 us of Python host time per call, even under no_grad).
+// in fused_ops/ops/: ~10 us of Python host time per call, even under no_grad).
 // Backward (the math: ../max_pool3d_cascade_sum.h): each output's gradient goes,
 // per channel, to that channel's cascade pick,
 //   grad_x[b, c, e] = sum of grad_out[b, 0, p] over the outputs p picking e for c,

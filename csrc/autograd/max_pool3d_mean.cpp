@@ -1,5 +1,5 @@
 // Autograd of max_pool3d_mean, in C++ (was torch.library.register_autograd in
-// fused_ops/ops.py: ~10 us of Python host time per call, even under no_grad).
+// fused_ops/ops/: ~10 us of Python host time per call, even under no_grad).
 // Backward, with N = D' H' W' (the math: ../max_pool3d_mean.h):
 //   grad_x[b, c, e] = grad_mean[b, c] / N / divisor times the number of windows
 //   picking e, the picks read from the saved indices or recomputed from x.

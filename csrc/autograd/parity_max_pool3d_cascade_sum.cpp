@@ -1,5 +1,5 @@
 // Autograd of parity_max_pool3d_cascade_sum, in C++ (was torch.library.register_autograd
-// in fused_ops/ops.py: ~10 us of Python host time per call, even under no_grad).
+// in fused_ops/ops/: ~10 us of Python host time per call, even under no_grad).
 // Backward (the math: ../parity_max_pool3d.h): each output's gradient goes, per channel, to its saved pick,
 //   grad_y[n, m, c, q] = grad_out[n, 0, o] where (off, q) is (n, o, c)'s pick, m = k2 o + off; else 0.
 // A backward that records a graph (create_graph=True) computes it as the picks' 0/1 mask times

@@ -1,5 +1,5 @@
 // Autograd of parity_max_pool3d_mean, in C++ (was torch.library.register_autograd
-// in fused_ops/ops.py: ~10 us of Python host time per call, even under no_grad).
+// in fused_ops/ops/: ~10 us of Python host time per call, even under no_grad).
 // Backward (the math: ../parity_max_pool3d.h): each window's gradient goes to its saved pick alone,
 //   grad_y[n, m, c, q] = grad_mean[n, c] / (Md Mh Mw) where q is (n, m, c)'s pick, else 0.
 // A backward that records a graph (create_graph=True) computes it as grad_mean[n, c] times that
