@@ -62,14 +62,26 @@ class _Axis:
         return self.start, self.stride * (positions - 1) + self.start + self.kernel - 1
 
 
-@functools.cache  # (pure: each call's host time counts where a module's GPU work is small)
+def _host_cache(fn: Callable) -> Callable:
+    """fn (pure, of hashable arguments) with functools.cache on eager calls (each call's host time
+    counts where a module's GPU work is small); while Dynamo traces, fn itself, which it traces as
+    it would the cached one (a graph makes the call once), without its warning about the cache."""
+    cached = functools.cache(fn)
+
+    @functools.wraps(fn)
+    def call(*args):
+        return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+    return call
+
+
+@_host_cache
 def _conv_pool_axis(kernel: int, padding: int, classes: int) -> _Axis:
     taps = tuple([tuple([u - q if 0 <= u - q < kernel else -1 for u in range(kernel + classes - 1)])
                   for q in range(classes)])
     return _Axis(classes, classes, -padding, taps)
 
 
-@functools.cache
+@_host_cache
 def _transposed_axis(kernel: int, stride: int, padding: int) -> _Axis:
     first = min([-((kernel - 1 - q - padding) // stride) for q in range(stride)])  # ceil((q + p - k + 1) / s)
     last = max([(q + padding) // stride for q in range(stride)])
@@ -242,7 +254,7 @@ def _tf32_convolutions() -> Hashable:
             torch.get_float32_matmul_precision())
 
 
-@functools.cache
+@_host_cache
 def _op_path(path_op: Callable, device: torch.device, dtype: torch.dtype, shapes: tuple, args: tuple,
              tf32: Hashable) -> str:
     """path_op (an op's `_path` wrapper) of operands of `shapes` (None: an operand left out) in
