@@ -16,7 +16,6 @@ tiny, --batch N; time, TFLOP/s, the time over the faster cuDNN row of the same d
     cd bench && python3 bench_conv_transpose3d_stride1_channels_last.py [--size spec] [--batch N] [--rounds 5]
 """
 import contextlib
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +23,9 @@ import torch.nn.functional as F
 from fused_ops import architectures, conv_transpose3d_stride1_channels_last, reference, rewrites
 from fused_ops import nn as fnn
 from fused_ops.ops import conv_transpose3d_stride1_channels_last_path
+from fused_ops.rewrites import conv_transpose3d_batch_norm as d_rewrite  # (its _STRIDE1_BY_CUTLASS)
 from timing import convolution_arguments, module_training_step, run_against_cudnn
 
-# D's rewrite's module, whose _STRIDE1_BY_CUTLASS its forward reads (the package's name
-# conv_transpose3d_stride1 is the rewrite's function)
-STRIDE1_REWRITE = importlib.import_module("fused_ops.rewrites.conv_transpose3d_stride1")
 
 D = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
 C_OUT, KERNEL = D.args[1], D.args[2]
@@ -45,12 +42,12 @@ def parity_forward(x, weight, bias):
 def rewrite_forward_by_op(dtypes):
     """D's rewrite with its forward by the op in `dtypes` (where it takes CUTLASS), by the
     parity-class convolution in the others, inside the block."""
-    rule = STRIDE1_REWRITE._STRIDE1_BY_CUTLASS
-    STRIDE1_REWRITE._STRIDE1_BY_CUTLASS = dtypes
+    rule = d_rewrite._STRIDE1_BY_CUTLASS
+    d_rewrite._STRIDE1_BY_CUTLASS = dtypes
     try:
         yield
     finally:
-        STRIDE1_REWRITE._STRIDE1_BY_CUTLASS = rule
+        d_rewrite._STRIDE1_BY_CUTLASS = rule
 
 
 def main():

@@ -16,18 +16,15 @@ TFLOP/s of 2 N C_in C_out D H W k^3, the time over the faster cuDNN row of the s
     cd bench && python3 bench_conv_transpose3d_weight_grad.py [--size spec] [--batch N] [--rounds 5]
 """
 import contextlib
-import importlib
 
 import torch
 
 from fused_ops import architectures, conv_transpose3d_weight_grad, reference
 from fused_ops import nn as fnn
 from fused_ops.ops import conv_transpose3d_weight_grad_path
+from fused_ops.rewrites import conv_transpose3d_batch_norm as d_rewrite  # (whose backward calls the op)
 from timing import convolution_arguments, module_training_step, run_against_cudnn
 
-# D's rewrite's module, whose conv_transpose3d_weight_grad its backward calls (the package's name
-# conv_transpose3d_stride1 is the rewrite's function)
-STRIDE1_REWRITE = importlib.import_module("fused_ops.rewrites.conv_transpose3d_stride1")
 
 D = next(a for a in architectures.ARCHITECTURES if a.letter == "D")
 C_OUT, KERNEL = D.args[1], D.args[2]
@@ -45,12 +42,12 @@ def by_aten(grad_y, x, kernel_size, weight=None):
 @contextlib.contextmanager
 def rewrite_weight_grad_by_aten():
     """D's rewrite with its weight gradient by aten.convolution_backward inside the block."""
-    op = STRIDE1_REWRITE.conv_transpose3d_weight_grad
-    STRIDE1_REWRITE.conv_transpose3d_weight_grad = by_aten
+    op = d_rewrite.conv_transpose3d_weight_grad
+    d_rewrite.conv_transpose3d_weight_grad = by_aten
     try:
         yield
     finally:
-        STRIDE1_REWRITE.conv_transpose3d_weight_grad = op
+        d_rewrite.conv_transpose3d_weight_grad = op
 
 
 def main():

@@ -94,9 +94,10 @@ def device_slug(name: str) -> str:
 
 def provenance() -> dict:
     """{"date": today, "commit": the source tree's commit ("<short hash>", "+" where tracked files
-    differ from it), or None where the package runs from no git checkout (an installed copy)}: the
-    stamp of a result's JSON (tools/results_tables.py prints it with each table)."""
-    source = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    differ from it), or None where the package runs from no checkout of its own (an installed copy,
+    a site-packages inside some other repository among them)}: the stamp of a result's JSON
+    (tools/results_tables.py prints it with each table)."""
+    source = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
     def git(*args) -> str | None:
         try:
@@ -104,7 +105,8 @@ def provenance() -> dict:
         except (OSError, subprocess.SubprocessError):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
-    commit = git("rev-parse", "--short", "HEAD")
+    top = git("rev-parse", "--show-toplevel")
+    commit = git("rev-parse", "--short", "HEAD") if top and os.path.realpath(top) == source else None
     if commit is not None and git("status", "--porcelain", "--untracked-files=no"):
         commit += "+"
     return {"date": time.strftime("%Y-%m-%d"), "commit": commit}

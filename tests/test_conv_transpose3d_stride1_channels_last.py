@@ -8,8 +8,6 @@ original.
 Each result normwise within its dtype's tolerance of the float64 one, max |got - exact| / max |exact|
 (the reference sums 16-bit inputs as they are): conftest's RTOL; TF32 (on a GPU) 2e-3, the README's for
 TF32 convolutions."""
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,10 +15,9 @@ import torch.nn.functional as F
 from conftest import DEVICES, RTOL, build_pair, misaligned, requires_sm90
 from fused_ops import autotune, conv_transpose3d_stride1_channels_last, rewrites
 from fused_ops.ops import conv_transpose3d_stride1_channels_last_path
+from fused_ops.rewrites import conv_transpose3d_batch_norm as d_rewrite
 
 OP = torch.ops.fused_ops.conv_transpose3d_stride1_channels_last.default
-# D's rewrite's module (the package's name conv_transpose3d_stride1 is the rewrite's function)
-STRIDE1_REWRITE = importlib.import_module("fused_ops.rewrites.conv_transpose3d_stride1")
 BY_ATEN = "aten.conv_transpose3d"
 TF32_RTOL = 2e-3
 
@@ -352,7 +349,7 @@ def test_d_rewrite_is_the_original(device, autocast, tf32):
     if device == "cuda" and torch.cuda.get_device_capability() == (9, 0):
         cutlass_build = not conv_transpose3d_stride1_channels_last_path(
             *case(ONE_TAP, device="cuda")).endswith("(built without CUTLASS)")
-        assert expect_op == (cutlass_build and dtype in STRIDE1_REWRITE._STRIDE1_BY_CUTLASS)
+        assert expect_op == (cutlass_build and dtype in d_rewrite._STRIDE1_BY_CUTLASS)
     assert ("fused_ops::conv_transpose3d_stride1_channels_last" in ran) == expect_op
     assert ("fused_ops::conv_transpose3d_weight_grad" in ran) == (device == "cuda" and (autocast is None or expect_op))
     (out, grads), (fused_out, fused_grads) = results

@@ -81,7 +81,7 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
     fold = _pool_fold(x, conv, pool)
     if fold is None or not _rearranged_taps_exact(x):
         return None
-    box, stride, padding, out = fold.box, fold.stride, fold.padding, fold.out
+    stride, padding, out = fold.stride, fold.padding, fold.out
     padded = [x.shape[2 + d] + 2 * padding[d] for d in range(2)]
     taps = [-(-fold.folded[d] // stride[d]) for d in range(2)]
     weight, bias, dtype = conv.weight, conv.bias, kernel_dtype(x, conv.weight)
