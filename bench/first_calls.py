@@ -18,7 +18,7 @@ the main job's reduced sizes but the batch (max_batch 4), fewer calls (the short
 calls over 4 batch sizes, 4 training steps). Writes bench/results/first-calls-<device>[-autocast-bf16].json
 and prints a table of seconds per sequence and the fused module's ratio to the original eager.
 
-    python bench/first_calls.py [--device cuda|cpu] [--no-compile] [--no-autocast] [--models A,B]
+    python bench/first_calls.py [--device cuda|cpu] [--no-compile] [--no-autocast | --autocast-only] [--models A,B]
 """
 import argparse
 import copy
@@ -127,6 +127,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument("--no-autocast", action="store_true", help="float32 only (on a GPU: also bf16 autocast)")
+    parser.add_argument("--autocast-only", action="store_true", help="bf16 autocast only (on a GPU)")
     parser.add_argument("--models", default="A,B,C,D")
     parser.add_argument("--out", default=None, help="the JSON's folder (default: bench/results)")
     # (a child's: one model's variant in its own process)
@@ -139,7 +140,8 @@ def main() -> int:
     device = torch.device(args.device)
     settings = SETTINGS[device.type]
     variants = [v for v in VARIANTS if not (args.no_compile and v == "compile")]
-    precisions = [None] + ([] if args.no_autocast or device.type != "cuda" else [torch.bfloat16])
+    precisions = ([] if args.autocast_only else [None]) + ([] if args.no_autocast or device.type != "cuda"
+                                                            else [torch.bfloat16])
     archs = [a for a in ARCHITECTURES if a.letter in args.models.split(",")]
     for autocast_dtype in precisions:
         rows = []

@@ -13,14 +13,17 @@ own protocol on them (bench/kernelbench.py), and the first calls and changing sh
 training); writes JSON under bench/results/
 (and under $OUT when that is set), and prints short tables last.
 
-    python bench/run.py [--skip-build] [--skip-tests] [--test-shard K/N]
+    python bench/run.py [--skip-build] [--skip-tests] [--test-shard K/N] [--tests-k EXPR]
                         [--only tests|tails|models|configs|distributed|kernelbench|first_calls]
                         [--no-compile] [--max-autotune] [--no-autocast] [--device cuda]
 
-On the lent GPU machines the whole suite outlasts one command (about 27 minutes on an H100):
-run it as shards, one call each, e.g. `python bench/run.py --only tests --test-shard 1/4`.
+On the lent GPU machines the whole suite outlasts one command (about 27 minutes on one H100): on a
+machine of several GPUs it runs one shard per GPU at once (with pytest-xdist, each in its share of
+the cores); on one GPU run it as shards, one call each, e.g. `python bench/run.py --only tests
+--test-shard 1/4`, or only the CUDA cases, `--tests-k "not cpu"`.
 """
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -42,34 +45,60 @@ def build():
                    cwd=ROOT, env=env, check=True)
 
 
-def shard_tests(shard: str) -> list[str]:
-    """The test ids of shard "K/N" (K in 1..N): every N-th of the suite's collected ids from the
-    K-th on, so that the N shards split every test file's cases (the whole suite on a GPU takes
-    longer than one command may run on the lent machines)."""
+def collected_tests(select: str | None = None) -> list[str]:
+    """The suite's test ids (those pytest's -k `select` keeps), as paths from /."""
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                             "--rootdir", ROOT, os.path.join(ROOT, "tests"), *(["-k", select] if select else [])],
+                            cwd="/", capture_output=True, text=True, check=True)
+    ids = [line for line in listed.stdout.splitlines() if "::" in line]
+    return [os.path.join(ROOT, test_id) if not test_id.startswith("/") else test_id for test_id in ids]
+
+
+def shard_tests(shard: str, select: str | None = None, ids: list[str] | None = None) -> list[str]:
+    """The test ids of shard "K/N" (K in 1..N): every N-th of `ids` (default: the suite's, those
+    pytest's -k `select` keeps) from the K-th on, so that the N shards split every test file's cases
+    (the whole suite on a GPU takes longer than one command may run on the lent machines)."""
     k, n = (int(v) for v in shard.split("/"))
     if not 1 <= k <= n:
         raise SystemExit(f"--test-shard: K/N with 1 <= K <= N, got {shard}")
-    listed = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                             "--rootdir", ROOT, os.path.join(ROOT, "tests")], cwd="/", capture_output=True,
-                            text=True, check=True)
-    ids = [line for line in listed.stdout.splitlines() if "::" in line]
-    return [os.path.join(ROOT, test_id) if not test_id.startswith("/") else test_id for test_id in ids[k - 1::n]]
+    return (collected_tests(select) if ids is None else ids)[k - 1::n]
 
 
-def run_tests(log_dir: str, shard: str | None = None) -> str:
-    """Runs the suite (or one shard of it: shard_tests); the whole log goes to log_dir/tests.log.
-    Returns pytest's closing line."""
-    selection = shard_tests(shard) if shard else [os.path.join(ROOT, "tests")]
+def pytest_command(selection: list[str], workers: int) -> list[str]:
+    """pytest over `selection`, in `workers` processes where pytest-xdist is there (a file's tests in one)."""
+    parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 and importlib.util.find_spec("xdist") else []
     # (--durations: where the GPU suite's time goes, in the log)
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-rfE", "--durations=40",
-                             "-p", "no:cacheprovider",
-                             "--rootdir", ROOT, *selection], cwd="/", capture_output=True, text=True)
+    return [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-rfE", "--durations=40", "-p",
+            "no:cacheprovider", *parallel, "--rootdir", ROOT, *selection]
+
+
+def run_tests(log_dir: str, shard: str | None = None, select: str | None = None) -> str:
+    """Runs the suite (or one shard of it: shard_tests; or what pytest's -k `select` keeps); the whole log
+    goes to log_dir/tests.log. On a machine of several GPUs without `shard`, one shard per GPU at once
+    (CUDA_VISIBLE_DEVICES), each in its share of the cores. Returns pytest's closing line(s)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if shard is None else 1
+    if gpus > 1:
+        ids = collected_tests(select)
+        shards = [(shard_tests(f"{k}/{gpus}", ids=ids), dict(os.environ, CUDA_VISIBLE_DEVICES=str(k - 1)))
+                  for k in range(1, gpus + 1)]
+    else:
+        selection = shard_tests(shard, select) if shard else [os.path.join(ROOT, "tests")] + (["-k", select] if select else [])
+        shards = [(selection, dict(os.environ))]
+    workers = max(1, (os.cpu_count() or 1) // len(shards)) if len(shards) > 1 else 1
+    running = [subprocess.Popen(pytest_command(selection, workers), cwd="/", env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True) for selection, env in shards]
+    logs = [p.communicate()[0] for p in running]
     os.makedirs(log_dir, exist_ok=True)
     with open(os.path.join(log_dir, "tests.log"), "w") as f:
-        f.write(result.stdout + result.stderr)
-    print(result.stdout[-3000:], result.stderr[-1500:], sep="\n")
-    summary = [line for line in result.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
-    return (summary[-1] if summary else f"pytest exited {result.returncode} with no summary").strip("= ")
+        f.write("\n".join(logs))
+    summaries = []
+    for log in logs:
+        print(log[-3000:])
+        summary = [line for line in log.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+        summaries.append((summary[-1] if summary else "pytest exited with no summary").strip("= "))
+    return "; ".join(summaries)
 
 
 def time_tails(device: str, batch: int | None, compile_tail: bool, tests: str) -> dict:
@@ -165,6 +194,7 @@ def main():
     parser.add_argument("--test-shard", metavar="K/N",
                         help="run only the K-th of N shards of the suite (every N-th test; on the lent GPU machines "
                              "the whole suite outlasts one command: run the shards in separate calls)")
+    parser.add_argument("--tests-k", metavar="EXPR", help="run only the tests pytest's -k EXPR keeps")
     parser.add_argument("--only", choices=("tests", "tails", "models", "configs", "distributed", "kernelbench",
                                            "first_calls"),
                         help="only the tests (no timing), or time only the tails, only the whole models, only the "
@@ -186,7 +216,7 @@ def main():
     if not args.skip_build:
         build()
     tests = "not run" if args.skip_tests else run_tests(os.environ.get("OUT", os.path.join(ROOT, "bench", "results")),
-                                                            args.test_shard)
+                                                            args.test_shard, args.tests_k)
     if args.only == "tests":
         print(tests)
         sys.exit(1 if "failed" in tests or "error" in tests else 0)

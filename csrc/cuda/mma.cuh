@@ -14,6 +14,14 @@
 
 namespace fused_ops {
 
+// v rounded to TF32 (round to nearest, ties away), as float: the tensor cores read only
+// the 19 bits kept and would otherwise truncate, a bias that grows with a sum's length.
+__device__ __forceinline__ float round_to_tf32(float v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
+  return __uint_as_float(r);
+}
+
 // c += a b by one mma.sync of the shape and types PTX spells as `shape_and_types`.
 #define FUSED_OPS_MMA_SYNC(shape_and_types, c, a, b0, b1)                                                       \
   asm volatile("mma.sync.aligned." shape_and_types " {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n" \
@@ -30,11 +38,7 @@ struct Tf32Mma {
   using Input = float;  // the type the convolution's input is rounded to (TF32's values: float's, rounded here)
   static constexpr int kStepK = 8, kPerRegister = 1;
   static constexpr uint32_t kOne = 0x3f800000u;  // 1.0 (exact in TF32)
-  __device__ static uint32_t pack(float v, float) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(v));
-    return r;
-  }
+  __device__ static uint32_t pack(float v, float) { return __float_as_uint(round_to_tf32(v)); }
   __device__ static void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     FUSED_OPS_MMA_SYNC("m16n8k8.row.col.f32.tf32.tf32.f32", c, a, b0, b1);
   }

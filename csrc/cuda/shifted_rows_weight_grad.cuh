@@ -25,6 +25,7 @@
 
 #include "bulk_copy.cuh"
 #include "cutlass/arch/reg_reconfig.h"
+#include "mma.cuh"
 #include "wgmma_ss.cuh"
 
 namespace fused_ops {
@@ -180,7 +181,8 @@ __global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
 
 // The shifted-rows operands' copies, out (shifts, C, N, D, H, L) float32 from t (N, C, D, H, W) of
 // any strides: out[s, c, n, d, h, u] = t[n, c, d, h, u - s] where 0 <= u - s < W, else 0 (G: one
-// shift; the X_s: ks). Two kernels, each reading along one of t's dims: rows_copy_kernel along W
+// shift; the X_s: ks), rounded to TF32 (to nearest: wgmma's truncation of both operands biased the
+// products' sums by ~2^-10 relative, past KernelBench's 1e-4 where the terms share a sign). Two kernels, each reading along one of t's dims: rows_copy_kernel along W
 // (NCDHW: no transpose), channels_last_rows_kernel along C (channels-last: a transpose).
 struct RowsRelayout {
   int64_t size[5], stride[5];  // t's, (N, C, D, H, W)
@@ -210,7 +212,7 @@ __global__ void __launch_bounds__(kRowsRelayoutThreads)
       const float* const source = from + d * r.stride[2] + h * r.stride[3];
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        v[q][k] = e < total && u + k >= 0 && u + k < width ? source[(u + k) * r.stride[4]] : 0.f;
+        v[q][k] = e < total && u + k >= 0 && u + k < width ? round_to_tf32(source[(u + k) * r.stride[4]]) : 0.f;
       }
     }
 #pragma unroll
@@ -248,7 +250,7 @@ __global__ void __launch_bounds__(32 * 8)
     for (int k = 0; k < kChannelsLastPositions / 8; ++k) {
       const int column = u - s;
       const bool inside = lane_inside && start + 8 * k < positions && column >= 0 && column < r.size[4];
-      tile[warp + 8 * k][lane] = inside ? from[h * r.stride[3] + column * r.stride[4]] : 0.f;
+      tile[warp + 8 * k][lane] = inside ? round_to_tf32(from[h * r.stride[3] + column * r.stride[4]]) : 0.f;
       for (u += 8; u >= r.row; u -= r.row) ++h;
     }
     __syncthreads();
