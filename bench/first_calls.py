@@ -145,16 +145,17 @@ def main() -> int:
     archs = [a for a in ARCHITECTURES if a.letter in args.models.split(",")]
     for autocast_dtype in precisions:
         rows = []
+        result = dict(device=device_name(device), torch=torch.__version__, **provenance(),
+                      autocast=cli.dtype_name(autocast_dtype), settings=settings, rows=rows)
         for arch in archs:
             for variant in variants:
                 seconds = in_own_process(arch, variant, device, settings, autocast_dtype)
                 rows.append(dict(model=arch.letter, variant=variant, seconds=seconds))
                 print(f"{arch.letter} {variant}: " + ", ".join(f"{k} {v:.3f} s" for k, v in seconds.items()),
                       file=sys.stderr, flush=True)
+                path = write_result(result, args.out or "bench/results", "first-calls")  # (the rows so far)
         precision = "bf16 autocast" if autocast_dtype else "float32"
-        result = dict(device=device_name(device), torch=torch.__version__, **provenance(),
-                      autocast=cli.dtype_name(autocast_dtype), settings=settings, rows=rows)
-        print(write_result(result, args.out or "bench/results", "first-calls"))
+        print(path)
         print(f"\n{result['device']}, {precision}, seconds (fused / eager in brackets)")
         names = list(rows[0]["seconds"])
         print(f"{'model':<6}{'variant':<18}" + "".join(f"{n:>22}" for n in names))

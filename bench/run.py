@@ -65,8 +65,9 @@ def shard_tests(shard: str, select: str | None = None, ids: list[str] | None = N
 
 
 def pytest_command(selection: list[str], workers: int) -> list[str]:
-    """pytest over `selection`, in `workers` processes where pytest-xdist is there (a file's tests in one)."""
-    parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 and importlib.util.find_spec("xdist") else []
+    """pytest over `selection`, in `workers` processes where pytest-xdist is there (tests spread one by one:
+    a file's in one process would leave test_compile_shapes' minutes to one)."""
+    parallel = ["-n", str(workers)] if workers > 1 and importlib.util.find_spec("xdist") else []
     # (--durations: where the GPU suite's time goes, in the log)
     return [sys.executable, "-X", "faulthandler", "-m", "pytest", "-q", "-rfE", "--durations=40", "-p",
             "no:cacheprovider", *parallel, "--rootdir", ROOT, *selection]
@@ -87,10 +88,20 @@ def run_tests(log_dir: str, shard: str | None = None, select: str | None = None)
         selection = shard_tests(shard, select) if shard else [os.path.join(ROOT, "tests")] + (["-k", select] if select else [])
         shards = [(selection, dict(os.environ))]
     workers = max(1, (os.cpu_count() or 1) // len(shards)) if len(shards) > 1 else 1
-    running = [subprocess.Popen(pytest_command(selection, workers), cwd="/", env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for selection, env in shards]
-    logs = [p.communicate()[0] for p in running]
     os.makedirs(log_dir, exist_ok=True)
+    # each shard's log written as it runs (what a killed run got to stays), then joined into tests.log
+    paths = [os.path.join(log_dir, f"tests-{k}.log") for k in range(1, len(shards) + 1)]
+    files = [open(path, "w") for path in paths]
+    running = [subprocess.Popen(pytest_command(selection, workers), cwd="/", env=env, stdout=f,
+                                stderr=subprocess.STDOUT, text=True) for (selection, env), f in zip(shards, files)]
+    for p, f in zip(running, files):
+        p.wait()
+        f.close()
+    logs = []
+    for path in paths:
+        with open(path) as f:
+            logs.append(f.read())
+        os.remove(path)
     with open(os.path.join(log_dir, "tests.log"), "w") as f:
         f.write("\n".join(logs))
     summaries = []
