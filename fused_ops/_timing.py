@@ -96,7 +96,10 @@ def provenance() -> dict:
     """{"date": today, "commit": the source tree's commit ("<short hash>", "+" where tracked files
     differ from it), or None where the package runs from no checkout of its own (an installed copy,
     a site-packages inside some other repository among them)}: the stamp of a result's JSON
-    (tools/results_tables.py prints it with each table)."""
+    (tools/results_tables.py prints it with each table). FUSED_OPS_COMMIT, where set, is the commit:
+    a copy of a tree whose git metadata is not the tree's (the lent GPU machines' copies)."""
+    if os.environ.get("FUSED_OPS_COMMIT"):
+        return {"date": time.strftime("%Y-%m-%d"), "commit": os.environ["FUSED_OPS_COMMIT"]}
     source = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
 
     def git(*args) -> str | None:

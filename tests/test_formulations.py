@@ -158,6 +158,24 @@ def test_autotuner_times_no_fake_tensor(name, args, shape, device):
         torch.testing.assert_close(out, original(x), rtol=1e-4, atol=1e-5)
 
 
+@requires_cuda
+@pytest.mark.parametrize("letter, leader", [("B", "rewrite"), ("C", "fused_conv")])
+def test_rule_leads_with_fused_where_launch_bound(letter, leader):
+    """On a GPU, B's and C's rules take "fused" (the convolution and one tail kernel) for an input of
+    fewer than nn._LAUNCH_BOUND_ELEMENTS elements (the main job's tiny sizes), their rearranged
+    formulation from there on (its reduced sizes)."""
+    from fused_ops.architectures import ARCHITECTURES
+    arch = next(a for a in ARCHITECTURES if a.letter == letter)
+    _, fused = pair(arch.name, arch.args, "cuda", dtype=torch.float32, train=False)
+    small, large = (torch.rand(arch.input_shape(size), device="cuda") for size in ("tiny", "reduced"))
+    assert small.numel() < fnn._LAUNCH_BOUND_ELEMENTS <= large.numel()
+    with torch.no_grad():
+        fused(small)
+        assert autotune.last_formulation() == "fused"
+        fused(large)
+        assert autotune.last_formulation() == leader
+
+
 def test_autotuner_off():
     """Off (the tests' default, conftest), nothing is tuned: each module takes its rule."""
     name, args, shape = CONFIGS[0]
