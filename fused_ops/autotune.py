@@ -56,7 +56,6 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch._prims_common import make_channels_last_strides_for, make_contiguous_strides_for
 
 from . import _graphed, _trace
 
@@ -128,15 +127,35 @@ def _signature(module: nn.Module, x: Tensor) -> tuple:
             torch.is_inference_mode_enabled(), autocast)
 
 
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """A contiguous tensor's strides (torch._prims_common.make_contiguous_strides_for's, whose first
+    call imports sympy: a second on a user's first call)."""
+    strides, multiplier = [], 1
+    for size in reversed(shape):
+        strides.append(multiplier)
+        multiplier *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _channels_last_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """A 4-D or 5-D channels-last tensor's strides (make_channels_last_strides_for's: C, then the
+    spatial dims innermost first, then N; sizes of 0 kept, as eager's)."""
+    strides, multiplier = [0] * len(shape), 1
+    for dim in (1, *range(len(shape) - 1, 1, -1), 0):
+        strides[dim] = multiplier
+        multiplier *= shape[dim]
+    return tuple(strides)
+
+
 def _bucket(signature: tuple) -> tuple:
     """The signature as the choices share it: the batch size rounded up to a power of two (calls of
     batch 5 to 8 alike), the strides as x's layout (contiguous, channels last, or the strides
     themselves for any other)."""
     shape, strides = signature[:2]
     batch = 1 << max(0, shape[0] - 1).bit_length() if shape else None
-    if not shape or strides == make_contiguous_strides_for(shape):
+    if not shape or strides == _contiguous_strides(shape):
         layout = "contiguous"
-    elif len(shape) in (4, 5) and strides == make_channels_last_strides_for(shape):
+    elif len(shape) in (4, 5) and strides == _channels_last_strides(shape):
         layout = "channels_last"
     else:
         layout = strides

@@ -2,6 +2,9 @@
 formulation, no call is made that the user did not make, batch sizes share a bucket's choice, choices
 are saved and loaded across processes and made ahead of time (warmup), and one module may be called
 from several threads at once."""
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -115,6 +118,35 @@ def test_saved_choices_load_in_a_new_process(tuner, tmp_path, monkeypatch):
         fresh(x)
         assert fresh.formulation(x) == ran[0]
     assert ran == list(chosen.values())
+
+
+FIRST_CALLS = """
+import sys, torch
+import fused_ops
+from fused_ops.architectures import ARCHITECTURES
+before = set(sys.modules)
+for arch in ARCHITECTURES:
+    module = arch.fused_from(arch.build_original())
+    x = torch.rand(arch.input_shape("tiny"))
+    with torch.no_grad():
+        module.eval()(x)
+    out = module.train()(x)
+    torch.autograd.grad(out.sum(), list(module.parameters()))
+print(" ".join(sorted(set(sys.modules) - before)))
+"""
+
+
+def test_first_calls_import_nothing_heavy():
+    """A new process's first eval call and training step of each drop-in (the tuner on, its default)
+    import none of sympy, Dynamo, Inductor or torch.fx's symbolic shapes: seconds on a user's first
+    call (torch._prims_common's stride helpers once imported sympy there: 1.1 s on the 2-core CPU)."""
+    done = subprocess.run([sys.executable, "-c", FIRST_CALLS], capture_output=True, text=True,
+                          env={k: v for k, v in os.environ.items() if k != "FUSED_OPS_AUTOTUNE"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    imported = done.stdout.split()
+    heavy = [m for m in imported if m.split(".")[0] == "sympy"
+             or m.startswith(("torch._dynamo", "torch._inductor", "torch.fx.experimental"))]
+    assert not heavy, heavy
 
 
 def test_warmup_restores_the_running_statistics(tuner):
