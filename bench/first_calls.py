@@ -44,10 +44,10 @@ def build(variant: str, original: torch.nn.Module, arch) -> torch.nn.Module:
     """The module `variant` times, new: its caches and the tuner's choices cleared."""
     autotune.clear()
     autotune.set_enabled(variant != "fused, tuner off")
-    torch._dynamo.reset()
     if variant == "tuned":
         return cli.Tuned(original)
     if variant == "compile":
+        torch._dynamo.reset()  # (only here: importing Dynamo beforehand would spare the others' first calls its cost)
         return torch.compile(copy.deepcopy(original))
     if variant.startswith("fused"):
         return arch.fused_from(copy.deepcopy(original))
