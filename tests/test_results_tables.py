@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "results_tables.py")
 
@@ -48,7 +50,23 @@ def test_main_job_tables_from_both_formats():
     """A table from `python -m fused_ops`'s JSON (one mode) and from bench/models.py's (eval and train):
     a row per model and step, each with its stamp."""
     results = tool()
-    one = results.main_job(["bench/results/cli-nvidia-h200-float32-eval-session18.json"])
-    both = results.main_job(["bench/results/models-nvidia-h200.json"])
-    assert one.count("| eval |") == 4 and "training step" not in one and "commit 6009eaf" in one
-    assert both.count("| eval |") == 4 and both.count("| training step |") == 4 and "commit not recorded" in both
+    one_path, both_path = "bench/results/cli-nvidia-h200-float32-eval-session18.json", "bench/results/models-nvidia-h200.json"
+    one, both = results.main_job([one_path]), results.main_job([both_path])
+
+    def stamped(result):
+        return f"commit {result['commit']}" if result.get("commit") else "commit not recorded"
+    assert one.count("| eval |") == 4 and "training step" not in one and stamped(results.load(one_path)) in one
+    assert both.count("| eval |") == 4 and both.count("| training step |") == 4
+    assert stamped(results.load(both_path)["eval"]) in both and stamped(results.load(both_path)["train"]) in both
+
+
+def test_the_readmes_chart_is_drawn_from_its_table(tmp_path):
+    """The README's main_job table's JSONs give its chart: a PNG named for the first JSON."""
+    pytest.importorskip("matplotlib")
+    results = tool()
+    with open(os.path.join(ROOT, "README.md")) as f:
+        (paths,) = [m.group(3).split() for m in results.TABLE.finditer(f.read()) if m.group(2) == "main_job"]
+    out = results.main_job_chart(paths, str(tmp_path))
+    assert out == str(tmp_path / (os.path.basename(paths[0]).removesuffix(".json") + ".png"))
+    with open(out, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

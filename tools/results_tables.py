@@ -12,7 +12,7 @@ peer's time, the fused module's, its speed-up over the best peer, peak memory), 
 each PATH is relative to the repository's root. Every table is stamped with its JSON's device,
 date, torch version and commit (`fused_ops._timing.provenance`).
 
-    python tools/results_tables.py          # rewrites the tables (make bench runs it)
+    python tools/results_tables.py          # rewrites the tables and the README's chart (make bench runs it)
     python tools/results_tables.py --check  # exits 1 where a table differs from its JSON (tests/test_results_tables.py)
 """
 import argparse
@@ -106,6 +106,42 @@ def first_calls_ratios(paths: list[str]) -> str:
     return "\n".join(lines + [""] + [f"<sub>{stamp(r, p)}</sub>  " for r, p in zip(results, paths)]) + "\n"
 
 
+def main_job_chart(paths: list[str], out_dir: str = os.path.join(ROOT, "docs", "results")) -> str | None:
+    """The main_job table's speed-ups over the best peer as a bar chart (per model a bar per step and
+    precision, log scale) at out_dir/<the first JSON's name>.png: its path, or None without matplotlib."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    series, stamps = [], []
+    for path in paths:
+        data = load(path)
+        for result in [data] if "rows" in data else [data[mode] for mode in ("eval", "train") if mode in data]:
+            step = "training step" if result["train"] else "eval"
+            series.append((f"{step}, {precision(result)}", {r["model"]: r["vs_best_peer"] for r in result["rows"]}))
+            stamps.append(f"{result['device']}, torch {result['torch']}, {result.get('date')}, commit {result.get('commit')}")
+    models = list(series[0][1])
+    fig = Figure(figsize=(8, 4.4), layout="constrained")
+    ax = fig.add_subplot()
+    ax.set_yscale("log")
+    width = 0.8 / len(series)
+    for i, (label, speedups) in enumerate(series):
+        positions = [j + (i - (len(series) - 1) / 2) * width for j in range(len(models))]
+        values = [speedups[m] for m in models]
+        bars = ax.bar(positions, [v - 1 for v in values], width, bottom=1, label=label)
+        ax.bar_label(bars, labels=[f"{v:.1f}×" for v in values], fontsize=6)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.margins(y=0.15)
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("speed-up over the best peer (log scale)")
+    ax.set_title("fused_ops against the best of eager, tuned and torch.compile\n" + "; ".join(dict.fromkeys(stamps)),
+                 fontsize=8)
+    ax.legend(fontsize=7)
+    out = os.path.join(out_dir, os.path.basename(paths[0]).removesuffix(".json") + ".png")
+    fig.savefig(out, dpi=120)
+    return out
+
+
 KINDS = {"main_job": main_job, "first_calls": first_calls, "first_calls_ratios": first_calls_ratios}
 
 
@@ -133,6 +169,10 @@ def main() -> int:
             if not args.check:
                 with open(path, "w") as f:
                     f.write(rendered)
+    if not args.check:  # (the README's main_job table's chart beside it; not checked: matplotlib's bytes vary)
+        with open(documents()[0]) as f:
+            charts = [main_job_chart(m.group(3).split()) for m in TABLE.finditer(f.read()) if m.group(2) == "main_job"]
+        print("charts: " + (", ".join(os.path.relpath(c, ROOT) for c in charts if c) or "none (matplotlib missing)"))
     if args.check and stale:
         print("result tables that differ from their JSON: " + ", ".join(stale)
               + " (python tools/results_tables.py rewrites them)", file=sys.stderr)
