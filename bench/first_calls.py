@@ -15,7 +15,8 @@ whole by the wall clock, its first calls included, synchronized once at the end:
     of batch max_batch, the last step of each epoch ragged (batch max_batch // 2 + 1).
 On a GPU at SPEC's sizes but the batch (max_batch 16), float32 and under bf16 autocast; on a CPU at
 the main job's reduced sizes but the batch (max_batch 4), fewer calls (the short sequence: 8 eval
-calls over 4 batch sizes, 4 training steps). Writes bench/results/first-calls-<device>[-autocast-bf16].json
+calls over 4 batch sizes, 4 training steps), each variant's processes run 5 times, the median of
+each sequence kept (one process's sequence on the 2-core CPU moves by about 20 % from run to run). Writes bench/results/first-calls-<device>[-autocast-bf16].json
 and prints a table of seconds per sequence and the fused module's ratio to the original eager.
 
     python bench/first_calls.py [--device cuda|cpu] [--no-compile] [--no-autocast | --autocast-only] [--models A,B]
@@ -25,6 +26,7 @@ import copy
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -35,8 +37,8 @@ from fused_ops import autotune, cli
 from fused_ops.architectures import ARCHITECTURES
 from timing import device_name, provenance, write_result
 
-SETTINGS = {"cuda": dict(size="spec", max_batch=16, serving_calls=48, epochs=3, steps=8),
-            "cpu": dict(size="reduced", max_batch=4, serving_calls=8, epochs=1, steps=4)}
+SETTINGS = {"cuda": dict(size="spec", max_batch=16, serving_calls=48, epochs=3, steps=8, repeats=1),
+            "cpu": dict(size="reduced", max_batch=4, serving_calls=8, epochs=1, steps=4, repeats=5)}
 VARIANTS = ("eager", "tuned", "compile", "fused", "fused, tuner off")
 
 
@@ -149,7 +151,9 @@ def main() -> int:
                       autocast=cli.dtype_name(autocast_dtype), settings=settings, rows=rows)
         for arch in archs:
             for variant in variants:
-                seconds = in_own_process(arch, variant, device, settings, autocast_dtype)
+                runs = [in_own_process(arch, variant, device, settings, autocast_dtype)
+                        for _ in range(settings["repeats"])]
+                seconds = {name: statistics.median(run[name] for run in runs) for name in runs[0]}
                 rows.append(dict(model=arch.letter, variant=variant, seconds=seconds))
                 print(f"{arch.letter} {variant}: " + ", ".join(f"{k} {v:.3f} s" for k, v in seconds.items()),
                       file=sys.stderr, flush=True)

@@ -9,7 +9,7 @@ from conftest import bench_script
 from fused_ops import autotune
 from fused_ops.architectures import ARCHITECTURES
 
-TINY = dict(size="tiny", max_batch=3, serving_calls=4, epochs=1, steps=2)
+TINY = dict(size="tiny", max_batch=3, serving_calls=4, epochs=1, steps=2, repeats=1)
 
 
 def test_each_variant_runs_each_sequence_afresh(monkeypatch):
@@ -39,3 +39,17 @@ def test_main_writes_the_json_and_the_table(monkeypatch, tmp_path, capsys):
     result = json.loads(path.read_text())
     assert [row["variant"] for row in result["rows"]] == ["eager", "tuned", "fused", "fused, tuner off"]
     assert "fused / eager" in capsys.readouterr().out
+
+
+def test_each_sequence_is_the_median_of_its_repeats(monkeypatch, tmp_path):
+    """With settings' repeats R, each variant's process runs R times and each sequence keeps its median."""
+    first_calls = bench_script("first_calls", monkeypatch)
+    monkeypatch.setitem(first_calls.SETTINGS, "cpu", dict(TINY, repeats=3))
+    runs = iter([{"serving": s, "ragged training": 10 - s} for s in (3.0, 1.0, 2.0)] * 4)
+    monkeypatch.setattr(first_calls, "in_own_process", lambda *args: next(runs))
+    monkeypatch.setattr("sys.argv", ["first_calls.py", "--device", "cpu", "--no-compile", "--models", "D",
+                                     "--out", str(tmp_path)])
+    assert first_calls.main() == 0
+    (path,) = tmp_path.glob("first-calls-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [row["seconds"] for row in rows] == [{"serving": 2.0, "ragged training": 8.0}] * 4
