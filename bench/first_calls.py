@@ -39,6 +39,7 @@ from timing import device_name, provenance, write_result
 
 SETTINGS = {"cuda": dict(size="spec", max_batch=16, serving_calls=48, epochs=3, steps=8, repeats=1),
             "cpu": dict(size="reduced", max_batch=4, serving_calls=8, epochs=1, steps=4, repeats=5)}
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 VARIANTS = ("eager", "tuned", "compile", "fused", "fused, tuner off")
 
 
@@ -157,7 +158,7 @@ def main() -> int:
                 rows.append(dict(model=arch.letter, variant=variant, seconds=seconds))
                 print(f"{arch.letter} {variant}: " + ", ".join(f"{k} {v:.3f} s" for k, v in seconds.items()),
                       file=sys.stderr, flush=True)
-                path = write_result(result, args.out or "bench/results", "first-calls")  # (the rows so far)
+                path = write_result(result, args.out or RESULTS, "first-calls")  # (the rows so far)
         precision = "bf16 autocast" if autocast_dtype else "float32"
         print(path)
         print(f"\n{result['device']}, {precision}, seconds (fused / eager in brackets)")
