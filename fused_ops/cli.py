@@ -385,6 +385,10 @@ def run_architecture(arch, args, train: bool) -> dict:
             peaks[variant] = peak_extra_mib(call, args.device)
         peak = "" if peaks[variant] is None else f", peak {peaks[variant]:.0f} MiB over what was allocated before"
         progress(f"{tag} {variant}: {times[variant]:.3f} ms{peak}")
+    with variant_settings("fused", train), autocast(args.device, args.autocast):  # (the timed calls' key)
+        formulation, graphed = fused.formulation(x), fused.graphed(x)
+    progress(f"{tag} the fused module's calls settled on {formulation or 'no formulation yet'}"
+             f"{', replayed from a CUDA graph' if graphed else ''}")
     best = min(peers, key=times.get)
     progress(f"{tag} best peer: {best} ({times[best]:.3f} ms), the fused module's speed-up over it "
              f"{times[best] / times['fused']:.2f}x")
@@ -396,7 +400,8 @@ def run_architecture(arch, args, train: bool) -> dict:
                speedup_vs_compile=speedups.get("speedup_vs_compile"), best_peer=best, best_peer_ms=times[best],
                vs_best_peer=times[best] / times["fused"], eager_peak_mib=peaks["eager"],
                tuned_peak_mib=peaks["tuned"], compile_peak_mib=peaks.get("compile"), fused_peak_mib=peaks["fused"],
-               memory_ok=peaks["fused"] is None or peaks["fused"] <= peaks["eager"])
+               memory_ok=peaks["fused"] is None or peaks["fused"] <= peaks["eager"], fused_formulation=formulation,
+               fused_graphed=graphed)
     if "fused_compiled" in times:
         row |= dict(fused_compiled_ms=times["fused_compiled"], fused_vs_compiled=times["fused_compiled"] / times["fused"])
         progress(f"{tag} the fused module eager: {row['fused_vs_compiled']:.2f}x the speed of it compiled")

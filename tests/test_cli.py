@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from fused_ops import cli
+from fused_ops import autotune, cli
 from fused_ops import nn as fnn
 from fused_ops import reference
 from fused_ops.architectures import ARCHITECTURES
@@ -20,7 +20,7 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 # the keys of a row that the README and the JSON under docs/ use
 ROW_KEYS = {"model", "name", "args", "input_shape", "errors", "ok", "max_rel_err", "tolerance", "eager_ms",
             "tuned_ms", "compile_ms", "compile_s", "fused_ms", "speedup_vs_eager", "speedup_vs_tuned",
-            "speedup_vs_compile", "best_peer", "best_peer_ms", "vs_best_peer"}
+            "speedup_vs_compile", "best_peer", "best_peer_ms", "vs_best_peer", "fused_formulation", "fused_graphed"}
 PEAK_KEYS = {"eager_peak_mib", "tuned_peak_mib", "compile_peak_mib", "fused_peak_mib", "memory_ok"}
 AUTOTUNE_KEYS = {"autotune_ms", "autotune_s", "speedup_vs_autotune", "autotune_peak_mib"}
 
@@ -59,6 +59,7 @@ def test_eval_forward_of_all_four(tmp_path, capsys, device):
         else:  # at least the output
             assert r["eager_peak_mib"] > 0 and r["tuned_peak_mib"] > 0 and r["fused_peak_mib"] > 0
         assert r["memory_ok"] == (r["fused_peak_mib"] is None or r["fused_peak_mib"] <= r["eager_peak_mib"])
+        assert r["fused_formulation"] is None and not r["fused_graphed"]  # (the tests' tuner is off: conftest)
     assert result["autocast"] is None
     table = capsys.readouterr().out
     assert "C Conv2dAvgPoolSigmoidSum" in table and "tiny sizes" in table and "autocast" not in table
@@ -68,6 +69,16 @@ def test_eval_forward_of_all_four(tmp_path, capsys, device):
     row = next(line for line in table.splitlines() if line.startswith("A "))
     assert f"{result['rows'][0]['vs_best_peer']:.2f}x {result['rows'][0]['best_peer']}" in row
     assert any(p.suffix == ".png" for p in tmp_path.iterdir()) == HAS_MATPLOTLIB
+
+
+def test_rows_name_the_settled_formulation(tmp_path):
+    """With the tuner on (as users run it), each row names the formulation the fused module's timed calls
+    settled on, one of its own."""
+    autotune.set_enabled(True)
+    status, result = run_cli(tmp_path, "--models", "C", "D", "--mode", "train")
+    for r in result["rows"]:
+        module = getattr(fnn, r["name"])
+        assert r["fused_formulation"] in module.FORMULATIONS and r["fused_graphed"] is False  # (no graphs on a CPU)
 
 
 def test_training_step_checks_every_gradient_and_buffer(tmp_path):
