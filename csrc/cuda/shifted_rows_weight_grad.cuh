@@ -182,8 +182,9 @@ __global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
 // The shifted-rows operands' copies, out (shifts, C, N, D, H, L) float32 from t (N, C, D, H, W) of
 // any strides: out[s, c, n, d, h, u] = t[n, c, d, h, u - s] where 0 <= u - s < W, else 0 (G: one
 // shift; the X_s: ks), rounded to TF32 (to nearest: wgmma's truncation of both operands biased the
-// products' sums by ~2^-10 relative, past KernelBench's 1e-4 where the terms share a sign). Two kernels, each reading along one of t's dims: rows_copy_kernel along W
-// (NCDHW: no transpose), channels_last_rows_kernel along C (channels-last: a transpose).
+// products' sums by ~2^-10 relative, past KernelBench's 1e-4 where the terms share a sign). Two
+// kernels, each reading along one of t's dims: rows_copy_kernel along W (NCDHW: no transpose),
+// channels_last_rows_kernel along C (channels-last: a transpose).
 struct RowsRelayout {
   int64_t size[5], stride[5];  // t's, (N, C, D, H, W)
   int row;                     // L, a multiple of 4
