@@ -20,6 +20,7 @@ each sequence kept (one process's sequence on the 2-core CPU moves by about 20 %
 and prints a table of seconds per sequence and the fused module's ratio to the original eager.
 
     python bench/first_calls.py [--device cuda|cpu] [--no-compile] [--no-autocast | --autocast-only] [--models A,B]
+                                [--repeats N]
 """
 import argparse
 import copy
@@ -132,6 +133,8 @@ def main() -> int:
     parser.add_argument("--no-autocast", action="store_true", help="float32 only (on a GPU: also bf16 autocast)")
     parser.add_argument("--autocast-only", action="store_true", help="bf16 autocast only (on a GPU)")
     parser.add_argument("--models", default="A,B,C,D")
+    parser.add_argument("--repeats", type=int, help="processes per variant, each sequence's median kept "
+                                                    "(default: 1 on a GPU, 5 on a CPU)")
     parser.add_argument("--out", default=None, help="the JSON's folder (default: bench/results)")
     # (a child's: one model's variant in its own process)
     parser.add_argument("--variant", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
@@ -141,7 +144,7 @@ def main() -> int:
     if args.variant:
         return one_variant(args)
     device = torch.device(args.device)
-    settings = SETTINGS[device.type]
+    settings = dict(SETTINGS[device.type], **({"repeats": args.repeats} if args.repeats else {}))
     variants = [v for v in VARIANTS if not (args.no_compile and v == "compile")]
     precisions = ([] if args.autocast_only else [None]) + ([] if args.no_autocast or device.type != "cuda"
                                                             else [torch.bfloat16])
