@@ -176,6 +176,22 @@ def test_rule_leads_with_fused_where_launch_bound(letter, leader):
         assert autotune.last_formulation() == leader
 
 
+@pytest.mark.parametrize("letter", ["A", "B"])
+def test_cpu_rule_leads_with_channels_last_in_float32(letter):
+    """On a CPU in float32 A's and B's rules take fused_channels_last (the input copied channels last:
+    oneDNN's 3-D convolutions run faster so), with the original's results; in float64 fused."""
+    from fused_ops.architectures import ARCHITECTURES
+    arch = next(a for a in ARCHITECTURES if a.letter == letter)
+    original, fused = pair(arch.name, arch.args, "cpu", dtype=torch.float32, train=False)
+    x = torch.rand(arch.input_shape("tiny"))
+    with torch.no_grad():
+        out = fused(x)
+        assert autotune.last_formulation() == "fused_channels_last"
+        torch.testing.assert_close(out, original(x), rtol=1e-4, atol=1e-5)
+        fused.double()(x.double())
+        assert autotune.last_formulation() == "fused"
+
+
 def test_autotuner_off():
     """Off (the tests' default, conftest), nothing is tuned: each module takes its rule."""
     name, args, shape = CONFIGS[0]
