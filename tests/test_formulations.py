@@ -29,8 +29,8 @@ FORMULATION_CASES = [pytest.param(*config, formulation, id=f"{letter}-{formulati
 
 
 def formulation_input(x, formulation):
-    """x as `formulation` takes it: channels last for the *_channels_last ones, which hold only where
-    they copy x no more than the original does (fused_ops.nn._conv_channels_last)."""
+    """x as `formulation` takes it: channels last for the *_channels_last ones, which on a GPU hold only
+    where they copy x no more than the original does (fused_ops.nn._conv_channels_last)."""
     if formulation.endswith("channels_last"):
         return x.contiguous(memory_format=torch.channels_last_3d if x.dim() == 5 else torch.channels_last)
     return x
