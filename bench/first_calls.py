@@ -16,8 +16,9 @@ whole by the wall clock, its first calls included, synchronized once at the end:
 On a GPU at SPEC's sizes but the batch (max_batch 16), float32 and under bf16 autocast; on a CPU at
 the main job's reduced sizes but the batch (max_batch 4), fewer calls (the short sequence: 8 eval
 calls over 4 batch sizes, 4 training steps), each variant's processes run 5 times, the median of
-each sequence kept (one process's sequence on the 2-core CPU moves by about 20 % from run to run). Writes bench/results/first-calls-<device>[-autocast-bf16].json
-and prints a table of seconds per sequence and the fused module's ratio to the original eager.
+each sequence kept (one process's sequence on the 2-core CPU moves by about 20 % from run to run).
+Writes bench/results/first-calls-<device>[-autocast-bf16].json and prints a table of seconds per
+sequence and the fused module's ratio to the original eager.
 
     python bench/first_calls.py [--device cuda|cpu] [--no-compile] [--no-autocast | --autocast-only] [--models A,B]
                                 [--repeats N]
@@ -51,7 +52,7 @@ def build(variant: str, original: torch.nn.Module, arch) -> torch.nn.Module:
     if variant == "tuned":
         return cli.Tuned(original)
     if variant == "compile":
-        torch._dynamo.reset()  # (only here: importing Dynamo beforehand would spare the others' first calls its cost)
+        torch._dynamo.reset()  # (only here: importing Dynamo first would spare the others' first calls its cost)
         return torch.compile(copy.deepcopy(original))
     if variant.startswith("fused"):
         return arch.fused_from(copy.deepcopy(original))

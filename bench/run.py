@@ -85,7 +85,8 @@ def run_tests(log_dir: str, shard: str | None = None, select: str | None = None)
         shards = [(shard_tests(f"{k}/{gpus}", ids=ids), dict(os.environ, CUDA_VISIBLE_DEVICES=str(k - 1)))
                   for k in range(1, gpus + 1)]
     else:
-        selection = shard_tests(shard, select) if shard else [os.path.join(ROOT, "tests")] + (["-k", select] if select else [])
+        selection = (shard_tests(shard, select) if shard
+                     else [os.path.join(ROOT, "tests"), *(["-k", select] if select else [])])
         shards = [(selection, dict(os.environ))]
     workers = max(1, (os.cpu_count() or 1) // len(shards)) if len(shards) > 1 else 1
     os.makedirs(log_dir, exist_ok=True)

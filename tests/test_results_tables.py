@@ -50,7 +50,8 @@ def test_main_job_tables_from_both_formats():
     """A table from `python -m fused_ops`'s JSON (one mode) and from bench/models.py's (eval and train):
     a row per model and step, each with its stamp."""
     results = tool()
-    one_path, both_path = "bench/results/cli-nvidia-h200-float32-eval-session18.json", "bench/results/models-nvidia-h200.json"
+    one_path = "bench/results/cli-nvidia-h200-float32-eval-session18.json"
+    both_path = "bench/results/models-nvidia-h200.json"
     one, both = results.main_job([one_path]), results.main_job([both_path])
 
     def stamped(result):

@@ -119,7 +119,8 @@ def main_job_chart(paths: list[str], out_dir: str = os.path.join(ROOT, "docs", "
         for result in [data] if "rows" in data else [data[mode] for mode in ("eval", "train") if mode in data]:
             step = "training step" if result["train"] else "eval"
             series.append((f"{step}, {precision(result)}", {r["model"]: r["vs_best_peer"] for r in result["rows"]}))
-            stamps.append(f"{result['device']}, torch {result['torch']}, {result.get('date')}, commit {result.get('commit')}")
+            stamps.append(f"{result['device']}, torch {result['torch']}, {result.get('date')}, "
+                          f"commit {result.get('commit')}")
     models = list(series[0][1])
     fig = Figure(figsize=(8, 4.4), layout="constrained")
     ax = fig.add_subplot()
@@ -159,8 +160,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 where a table is not its JSON's")
     args = parser.parse_args()
-    stale = []
-    for path in documents():
+    stale, paths = [], documents()
+    for path in paths:
         with open(path) as f:
             text = f.read()
         rendered = render(text, os.path.relpath(path, ROOT))
@@ -169,10 +170,10 @@ def main() -> int:
             if not args.check:
                 with open(path, "w") as f:
                     f.write(rendered)
-    if not args.check:  # (the README's main_job table's chart beside it; not checked: matplotlib's bytes vary)
-        with open(documents()[0]) as f:
-            charts = [main_job_chart(m.group(3).split()) for m in TABLE.finditer(f.read()) if m.group(2) == "main_job"]
-        print("charts: " + (", ".join(os.path.relpath(c, ROOT) for c in charts if c) or "none (matplotlib missing)"))
+        if path == paths[0] and not args.check:  # (README's main_job chart; unchecked: matplotlib's bytes vary)
+            charts = [main_job_chart(m.group(3).split()) for m in TABLE.finditer(text) if m.group(2) == "main_job"]
+            drawn = [os.path.relpath(c, ROOT) for c in charts if c]
+            print("charts: " + (", ".join(drawn) or "none (matplotlib missing)"))
     if args.check and stale:
         print("result tables that differ from their JSON: " + ", ".join(stale)
               + " (python tools/results_tables.py rewrites them)", file=sys.stderr)
