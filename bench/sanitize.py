@@ -131,7 +131,8 @@ def main():
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv_transpose3d_stride1_channels_last: ok")
-    # B's forward in one kernel, bf16x3 (integer-valued x and w too: ties), TF32 and bfloat16: an odd geometry (40 output channels, the last row tile's
+    # B's forward in one kernel, bf16x3 (certified picks; integer-valued x and w: ties, every window picked
+    # again), TF32 and bfloat16: an odd geometry (40 output channels, the last row tile's
     # second half and a second column tile of one outside the output, output_padding), SPEC's kernel on a
     # channels-last x, kernels of 6, 2 and 1 (few taps a class, classes of none), kernels of 3 in depth (2 taps a
     # class: slices no tap reads), with and without the picks (without: items split in parts, their maxima's kernel)

@@ -48,6 +48,7 @@ tuned one). The tests check each formulation (``force``) against the original.
 import contextlib
 import importlib.metadata
 import json
+import math
 import os
 import statistics
 import threading
@@ -285,6 +286,20 @@ SAMPLES, ELIMINATE, PENDING_CALLS, MAX_TUNING_CALLS = 3, 2.0, 16, 64
 HOT_CALLS = 50
 # A call is host-bound where queueing it takes the host at least this share of its time on the device.
 HOST_BOUND_SHARE = 0.5
+# A graph's replay first copies the call's input into the graph's own (fused_ops._graphed): 2 x.nbytes of
+# memory traffic at no more than GRAPH_COPY_BANDWIDTH bytes a second (above any GPU's today: an H200's 4.8
+# TB/s, a B200's 8). Where that copy would take over GRAPH_COPY_SHARE of the call (the larger of the
+# forward's time on the device and the host's to queue it), no graph is kept, however host-bound the call
+# (C's float32 eval at SPEC's size on an H200: 0.28 ms a call, 0.56 replayed with x's 604 MB copied; a
+# batch of one copies a few MB at most).
+GRAPH_COPY_BANDWIDTH, GRAPH_COPY_SHARE = 8e12, 0.1
+
+
+def _input_copy_ms(key: tuple) -> float:
+    """The least time, in ms, a graph's copy of an input of the key's bucket would take (its batch
+    rounded up: _bucket)."""
+    shape, dtype = key[2][0], key[2][2]
+    return 2 * math.prod(shape) * dtype.itemsize / GRAPH_COPY_BANDWIDTH * 1e3
 
 
 def steady_calls(device: torch.device | str) -> int:
@@ -528,7 +543,9 @@ class _Tuning:
             # (a host-bound call on a GPU: queueing its forward takes the host at least HOST_BOUND_SHARE of
             # the forward's time on the device, which then waits for the host)
             host_share = statistics.median([host / max(forward, 1e-6) for _, forward, host in self.timings[best]])
-            graphed = _GRAPHS_ENABLED and self.key[2][3].type == "cuda" and host_share >= HOST_BOUND_SHARE
+            call_ms = statistics.median([max(forward, host) for _, forward, host in self.timings[best]])
+            graphed = (_GRAPHS_ENABLED and self.key[2][3].type == "cuda" and host_share >= HOST_BOUND_SHARE
+                       and _input_copy_ms(self.key) <= GRAPH_COPY_SHARE * call_ms)
             self.choice = (best, graphed)
         for _, _, timing, _ in self.pending:
             timing.close()

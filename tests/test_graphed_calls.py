@@ -324,8 +324,8 @@ def test_graphed_where_host_bound():
     """A key settles on a CUDA graph where queueing its fastest formulation's forward took the host
     at least HOST_BOUND_SHARE of the forward's time on the device (the device waited for the host),
     not where the device's time was the larger; never on a CPU."""
-    def settled(device, forward_ms, host_ms):
-        key = (object, (), ((1, 3), "contiguous", torch.float32, torch.device(device)), ())
+    def settled(device, forward_ms, host_ms, shape=(1, 3)):
+        key = (object, (), (shape, "contiguous", torch.float32, torch.device(device)), ())
         tuning = autotune._Tuning(key, ["fused", "original"])
         tuning.timings = {"fused": [(forward_ms, forward_ms, host_ms)] * 3,
                           "original": [(2 * forward_ms, 2 * forward_ms, host_ms)] * 3}
@@ -334,3 +334,23 @@ def test_graphed_where_host_bound():
     assert settled("cuda", 0.1, 0.09) == ("fused", autotune._GRAPHS_ENABLED)
     assert settled("cuda", 5.0, 0.2) == ("fused", False)
     assert settled("cpu", 0.1, 0.1) == ("fused", False)
+
+
+def test_not_graphed_where_the_input_copy_costs():
+    """Host-bound or not, no graph where the replay's copy of the input into the graph's (2 x.nbytes at
+    GRAPH_COPY_BANDWIDTH) would take over GRAPH_COPY_SHARE of the call (the larger of the forward's device
+    and host times): C's float32 eval at SPEC's size (x 604 MB, 0.28 ms a call) ran 0.56 ms replayed."""
+    def settled(forward_ms, host_ms, shape):
+        key = (object, (), (shape, "contiguous", torch.float32, torch.device("cuda")), ())
+        tuning = autotune._Tuning(key, ["fused", "original"])
+        tuning.timings = {"fused": [(forward_ms, forward_ms, host_ms)] * 3,
+                          "original": [(2 * forward_ms, 2 * forward_ms, host_ms)] * 3}
+        tuning._settle()
+        return tuning.choice
+    spec_c = (128, 8, 384, 384)
+    copy_ms = 2 * 128 * 8 * 384 * 384 * 4 / autotune.GRAPH_COPY_BANDWIDTH * 1e3
+    assert autotune._input_copy_ms((object, (), (spec_c, "contiguous", torch.float32), ())) == copy_ms
+    assert settled(0.28, 0.2, spec_c) == ("fused", False)
+    forward_ms = copy_ms / autotune.GRAPH_COPY_SHARE  # (the copy's share just met, host-bound)
+    assert settled(forward_ms, forward_ms, spec_c) == ("fused", autotune._GRAPHS_ENABLED)
+    assert settled(0.01, 0.05, (1, 8, 384, 384)) == ("fused", autotune._GRAPHS_ENABLED)  # (batch 1: 4.7 MB)

@@ -6,7 +6,9 @@
 // 64 output channels: the convolution and its tail in one wgmma kernel (transposed_cascade_sum.cuh),
 // over a channels-last copy of x (none where x is channels-last already) and the weights
 // rearranged per tap (cascade_weight_taps_kernel). Sums in float32, rounded to bfloat16 where the
-// original's y is (before the pools) and to the result's dtype. Everything else by the composite.
+// original's y is (before the pools) and to the result's dtype. With bf16x3 operands and picks (a
+// training step's), the picks certified: windows with a near tie are listed by the kernel and picked
+// again from float64 sums (cascade_picks_fixup_kernel; CascadeCertify). Everything else by the composite.
 // SPEC's B on an H200, the kernel from a channels-last x: 0.59 ms in TF32, 0.47 in bfloat16 (0.68 and
 // 0.62 with every item whole and the earlier tap loop), against 1.42 for the whole op by the
 // parity-class formulation B's rewrite took before and 40.7 for cuDNN's transposed convolution
@@ -110,6 +112,7 @@ struct WeightTaps {
 // The kernel's problem, its taps and its weights' rearrangement.
 struct CascadePlan {
   CascadeOperands operands;
+  std::array<TransposedAxis, 3> axes;  // (certified picks' float32 sums: cascade_picks_fixup_kernel)
   TransposedCascade p;  // (p.tap_operand set for the element type: set_tap_operands)
   uint8_t tap[kCascadeMaxTaps];  // per tap of the classes in order, (ud * 3 + uh) * 3 + uw
   WeightTaps weights;
@@ -132,6 +135,7 @@ std::optional<CascadePlan> cascade_plan(const at::Tensor& x, const TransposedCas
   }
   CascadePlan plan{};
   plan.operands = cascade_operands(x);
+  plan.axes = axes;
   TransposedCascade& p = plan.p;
   for (int d = 0; d < 3; ++d) {
     p.cells[d] = static_cast<int>(g.cells(d));
@@ -210,21 +214,144 @@ __global__ void cascade_weight_taps_kernel(const Source<T>* __restrict__ w, Elem
 }
 
 // x's channels-last float32 rows (positions, 32) as Bf16x3's (positions, 64): a thread takes 8
-// channels of a position, their high parts to its row's first half, their low parts to its second.
-__global__ void bf16x3_rows_kernel(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, int64_t groups) {
+// channels of a position, their high parts to its row's first half, their low parts to its second; and
+// max |x| into *x_max (zero before; its bits as an int's: |x|'s order, a NaN above inf).
+__global__ void bf16x3_rows_kernel(const float* __restrict__ x, __nv_bfloat16* __restrict__ out, int64_t groups,
+                                   float* __restrict__ x_max) {
   const int64_t group = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // (position, 8 channels)
-  if (group >= groups) return;
-  const auto first = load_vector<float, 4>(x + group * 8), second = load_vector<float, 4>(x + group * 8 + 4);
-  Vector<__nv_bfloat16, 8> high, low;
+  float largest = 0.f;
+  if (group < groups) {
+    const auto first = load_vector<float, 4>(x + group * 8), second = load_vector<float, 4>(x + group * 8 + 4);
+    Vector<__nv_bfloat16, 8> high, low;
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const float v = e < 4 ? first.v[e] : second.v[e - 4];
-    high.v[e] = bf16x3_part(v, 0);
-    low.v[e] = bf16x3_part(v, 1);
+    for (int e = 0; e < 8; ++e) {
+      const float v = e < 4 ? first.v[e] : second.v[e - 4];
+      high.v[e] = bf16x3_part(v, 0);
+      low.v[e] = bf16x3_part(v, 1);
+      largest = __int_as_float(max(__float_as_int(largest), __float_as_int(fabsf(v))));
+    }
+    __nv_bfloat16* const row = out + group / 4 * 64 + group % 4 * 8;
+    *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row) = high;
+    *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row + 32) = low;
   }
-  __nv_bfloat16* const row = out + group / 4 * 64 + group % 4 * 8;
-  *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row) = high;
-  *reinterpret_cast<Vector<__nv_bfloat16, 8>*>(row + 32) = low;
+  int bits = __float_as_int(largest);
+#pragma unroll
+  for (int lanes = 16; lanes > 0; lanes /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, lanes));
+  if (threadIdx.x % 32 == 0) atomicMax(reinterpret_cast<int*>(x_max), bits);
+}
+
+// tap_bound[o] (CascadeCertify): the largest over the classes of the sum over a class's taps and the 32
+// input channels of |w[i, o, tap]|; a block of 32 threads (input channel i) per output channel o.
+__global__ void cascade_tap_bound_kernel(const float* __restrict__ w, const __grid_constant__ WeightTaps taps,
+                                         const __grid_constant__ TransposedCascade p, float* __restrict__ tap_bound) {
+  const int o = blockIdx.x, i = threadIdx.x;
+  float bound = 0.f;
+  for (int q = 0, e = 0; q < 8; ++q) {
+    float sum = 0.f;
+    for (; e < p.class_end[q]; ++e) sum += fabsf(w[(i * taps.out_channels + o) * taps.volume + taps.kernel_tap[e]]);
+#pragma unroll
+    for (int lanes = 16; lanes > 0; lanes /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, lanes);
+    bound = fmaxf(bound, sum);
+  }
+  if (i == 0) tap_bound[o] = bound;
+}
+
+// Certified picks (transposed_cascade_sum.cuh's CascadeCertify): a block per listed window (n, cell, o)
+// sums its 216 elements y[n, o, 2 m + q] in float64 (a listed window is a near tie, which a float32 sum
+// in another order than cuDNN's can decide otherwise than float64), then picks as the kernel does:
+// stage 1 over the 8 classes, stage 2 over the 27 stage-1 positions, each in scan order (WindowPick).
+// The window's x region (channels-last float32 x: its (2 + width)^3 positions' 32 channels) and
+// w[:, o, :] (w (32, O, kt, kr, ks) float32) are staged in shared memory as float64, channel-major;
+// warp q takes class q (its taps, the same for every lane), lane s2 < 27 stage-1 position s2.
+struct PickFixup {
+  TransposedAxis axes[3];
+  int kernel[3];  // kt, kr, ks
+  int in[3];      // x's D, H, W
+  int region[3];  // the window's input positions per dim, 2 + the axis's width
+};
+
+constexpr int kFixupThreads = 256;  // a warp per class
+
+// Shared memory of cascade_picks_fixup_kernel: x's region and w[:, o, :] as float64, then the 216 sums.
+int64_t fixup_smem_bytes(const PickFixup& f) {
+  const int64_t region = static_cast<int64_t>(f.region[0]) * f.region[1] * f.region[2];
+  return (32 * region + 32 * f.kernel[0] * f.kernel[1] * f.kernel[2] + 216) * static_cast<int64_t>(sizeof(double));
+}
+
+__global__ void __launch_bounds__(kFixupThreads)
+    cascade_picks_fixup_kernel(const float* __restrict__ x, const float* __restrict__ w,
+                               const __grid_constant__ TransposedCascade p, const __grid_constant__ PickFixup f,
+                               const int* __restrict__ count, const int* __restrict__ windows,
+                               uint8_t* __restrict__ picks) {
+  extern __shared__ double fixup_smem[];
+  const int rd = f.region[0], rh = f.region[1], rw = f.region[2], region = rd * rh * rw;
+  const int volume = f.kernel[0] * f.kernel[1] * f.kernel[2], O = p.out_channels;
+  double* const xs = fixup_smem;            // (32, region)
+  double* const ws = xs + 32 * region;      // (32, volume)
+  double* const y = ws + 32 * volume;       // (27 stage-1 positions, 8 classes)
+  const int q = threadIdx.x / 32, s2 = threadIdx.x % 32, listed = *count;
+  for (int e = blockIdx.x; e < listed; e += gridDim.x) {
+    const int index = windows[e];
+    const int o = index % O;
+    int cell = index / O;
+    const int w2 = cell % p.cells[2];
+    cell /= p.cells[2];
+    const int h2 = cell % p.cells[1];
+    cell /= p.cells[1];
+    const int d2 = cell % p.cells[0];
+    const int64_t n = cell / p.cells[0];
+    // the region's first input position per dim (stage-1 position m's taps read m + start + u)
+    const int z0 = 3 * d2 + p.start[0], h0 = 3 * h2 + p.start[1], v0 = 3 * w2 + p.start[2];
+    __syncthreads();  // (the previous window's reads of the staged values done)
+    for (int k = threadIdx.x; k < 32 * region; k += kFixupThreads) {  // a position's 32 channels a warp
+      const int position = k / 32, i = k % 32;
+      const int z = z0 + position / (rh * rw), h = h0 + position / rw % rh, v = v0 + position % rw;
+      const bool inside = z >= 0 && z < f.in[0] && h >= 0 && h < f.in[1] && v >= 0 && v < f.in[2];
+      xs[i * region + position] =
+          inside ? static_cast<double>(x[(((n * f.in[0] + z) * f.in[1] + h) * f.in[2] + v) * 32 + i]) : 0.0;
+    }
+    for (int k = threadIdx.x; k < 32 * volume; k += kFixupThreads) {  // w[i, o, :] contiguous per i
+      ws[k] = static_cast<double>(w[(static_cast<int64_t>(k / volume) * O + o) * volume + k % volume]);
+    }
+    __syncthreads();
+    if (s2 < 27) {
+      const int md = s2 / 9, mh = s2 / 3 % 3, mw = s2 % 3;
+      double sum = 0.0;
+      for (int ud = 0; ud < f.axes[0].width; ++ud) {
+        const int t = f.axes[0].taps[q / 4][ud], z = z0 + md + ud;
+        if (t < 0 || z < 0 || z >= f.in[0]) continue;  // (outside x: no term, as the original's)
+        for (int uh = 0; uh < f.axes[1].width; ++uh) {
+          const int r = f.axes[1].taps[q / 2 % 2][uh], h = h0 + mh + uh;
+          if (r < 0 || h < 0 || h >= f.in[1]) continue;
+          for (int uw = 0; uw < f.axes[2].width; ++uw) {
+            const int s = f.axes[2].taps[q % 2][uw], v = v0 + mw + uw;
+            if (s < 0 || v < 0 || v >= f.in[2]) continue;
+            const double* const xp = xs + ((md + ud) * rh + mh + uh) * rw + mw + uw;
+            const double* const wp = ws + (t * f.kernel[1] + r) * f.kernel[2] + s;
+#pragma unroll 8
+            for (int i = 0; i < 32; ++i) sum = fma(xp[i * region], wp[i * volume], sum);
+          }
+        }
+      }
+      y[s2 * 8 + q] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x < 27) {  // stage 1: thread m's stage-1 position, over its 8 classes
+      const int m = threadIdx.x;
+      WindowPick<double> stage1;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) stage1.update(y[m * 8 + c], c);
+      y[m * 8] = stage1.value;
+      y[m * 8 + 1] = m * 8 + stage1.offset;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // stage 2, over the 27 positions in scan order
+      WindowPick<double> window;
+#pragma unroll 1
+      for (int m = 0; m < 27; ++m) window.update(y[m * 8], static_cast<int>(y[m * 8 + 1]));
+      picks[index] = static_cast<uint8_t>(window.offset);
+    }
+  }
 }
 
 // The kernel over x and weight as operands T (float: TF32, __nv_bfloat16, Bf16x3): (out, picks).
@@ -244,17 +371,36 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   const int taps = plan.weights.taps;
   constexpr int R = Config::kRowElements;
   const auto element = std::is_same_v<T, float> ? at::kFloat : at::kBFloat16;
-  // x channels-last, (N, D, H, W, R) contiguous, 16-byte aligned (the tensor map's base)
-  at::Tensor x_last = relayout(x, {0, 2, 3, 4, 1});
-  if constexpr (std::is_same_v<T, Bf16x3>) {
+  // x channels-last, (N, D, H, W, I) contiguous, 16-byte aligned (the tensor map's base; Bf16x3's R parts
+  // of it below)
+  const at::Tensor x_channels_last = relayout(x, {0, 2, 3, 4, 1});
+  at::Tensor x_last = x_channels_last;
+  const at::Tensor w = weight.contiguous();
+  // certified picks (CascadeCertify): Bf16x3 with picks
+  constexpr bool certified = std::is_same_v<T, Bf16x3>;
+  CascadeCertify certify{};
+  at::Tensor x_max, tap_bound, count, windows;
+  if constexpr (certified) {
+    x_max = at::zeros({1}, x.options().dtype(at::kFloat));
     at::Tensor rows = at::empty({g.batch, g.in[0], g.in[1], g.in[2], R}, x.options().dtype(element));
     const int64_t groups = x_last.numel() / 8;
     bf16x3_rows_kernel<<<static_cast<unsigned>((groups + 255) / 256), 256, 0, stream>>>(
-        x_last.const_data_ptr<float>(), static_cast<__nv_bfloat16*>(rows.mutable_data_ptr()), groups);
+        x_last.const_data_ptr<float>(), static_cast<__nv_bfloat16*>(rows.mutable_data_ptr()), groups,
+        x_max.mutable_data_ptr<float>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     x_last = rows;
+    if (save_indices) {
+      tap_bound = at::empty({g.out_channels}, x_max.options());
+      count = at::zeros({1}, x.options().dtype(at::kInt));
+      windows = at::empty({g.batch * g.cells(0) * g.cells(1) * g.cells(2) * g.out_channels},
+                          x.options().dtype(at::kInt));
+      cascade_tap_bound_kernel<<<static_cast<unsigned>(g.out_channels), 32, 0, stream>>>(
+          w.const_data_ptr<float>(), plan.weights, p, tap_bound.mutable_data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      certify = {tap_bound.const_data_ptr<float>(), x_max.const_data_ptr<float>(), count.mutable_data_ptr<int>(),
+                 windows.mutable_data_ptr<int>()};
+    }
   }
-  const at::Tensor w = weight.contiguous();
   at::Tensor w_taps = at::empty({1, taps, 64, R}, x.options().dtype(element));
   cascade_weight_taps_kernel<T><<<(taps * 64 * R + 255) / 256, 256, 0, stream>>>(
       static_cast<const Source<T>*>(w.const_data_ptr()), static_cast<Element<T>*>(w_taps.mutable_data_ptr()),
@@ -276,8 +422,31 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
   kernel<<<static_cast<unsigned>(p.whole_items + split * parts), Config::kThreads, Config::kSmemBytes, stream>>>(
       x_map, w_map, out.mutable_data_ptr<float>(), save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr,
-      partial.mutable_data_ptr<float>(), p);
+      partial.mutable_data_ptr<float>(), p, certify);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if constexpr (certified) {
+    if (save_indices) {
+      PickFixup f{};
+      for (int d = 0; d < 3; ++d) {
+        f.axes[d] = plan.axes[d];
+        f.kernel[d] = static_cast<int>(g.kernel[d]);
+        f.in[d] = static_cast<int>(g.in[d]);
+        f.region[d] = 2 + plan.axes[d].width;
+      }
+      const int64_t smem = fixup_smem_bytes(f);
+      C10_CUDA_CHECK(cudaFuncSetAttribute(cascade_picks_fixup_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+      // (a block a listed window, as many as run at once: the list's length is on the device)
+      const int64_t blocks = std::min<int64_t>(windows.numel(), 3 * device_attribute(cudaDevAttrMultiProcessorCount,
+                                                                                      x.get_device()));
+      if (blocks > 0) {
+        cascade_picks_fixup_kernel<<<static_cast<unsigned>(blocks), kFixupThreads, smem, stream>>>(
+            x_channels_last.const_data_ptr<float>(), w.const_data_ptr<float>(), p, f, count.const_data_ptr<int>(),
+            windows.const_data_ptr<int>(), picks.mutable_data_ptr<uint8_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    }
+  }
   if (split > 0) {
     cascade_parts_sum_kernel<<<static_cast<unsigned>(split * 2), 128, 0, stream>>>(partial.const_data_ptr<float>(),
                                                                                  out.mutable_data_ptr<float>(), p);
@@ -297,7 +466,10 @@ std::tuple<at::Tensor, at::Tensor> conv_transpose3d_cascade_sum_cuda(const at::T
       transposed_cascade_sum_setup(x, weight, stride, padding, output_padding, kernel2, save_indices);
   const c10::cuda::CUDAGuard guard(x.device());
 #ifdef FUSED_OPS_CUTLASS
-  if (const auto plan = cascade_plan(x, g)) {
+  const auto plan = cascade_plan(x, g);
+  // (with picks, their indices under 2^31: certified picks list them as int; SPEC's B has 2^20)
+  if (plan && (!save_indices || g.batch * g.cells(0) * g.cells(1) * g.cells(2) * g.out_channels <=
+                                    std::numeric_limits<int32_t>::max())) {
     const at::ScalarType result = result_dtype("conv_transpose3d_cascade_sum", x.scalar_type(), dtype);
     auto [out, picks] = plan->operands == CascadeOperands::kTf32 ? run_kernel<float>(x, weight, g, *plan, save_indices)
                         : plan->operands == CascadeOperands::kBf16x3

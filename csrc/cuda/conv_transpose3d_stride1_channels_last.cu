@@ -8,8 +8,8 @@
 // float32 where PyTorch's convolutions round to TF32 (cuDNN enabled, its TF32 allowed for
 // convolutions), bfloat16 operands for bfloat16, sums in float32. A 128 x 128 tile of (positions,
 // output channels) per CTA. x is read in place where it is channels_last_3d and 16-byte aligned,
-// else from an NDHWC copy; w' is made by copies (the weight's size). Everything else -- float16, float64,
-// float32 without TF32, another device, channels not a multiple of 16 bytes, sizes CUTLASS
+// else from an NDHWC copy; w' is made by a copy (flipped_filter_kernel: the weight's size). Everything else --
+// float16, float64, float32 without TF32, another device, channels not a multiple of 16 bytes, sizes CUTLASS
 // refuses (can_implement) or over 2^31 - 1 elements -- by aten.conv_transpose3d, as does a build
 // without CUTLASS.
 
@@ -20,6 +20,7 @@
 #endif
 
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -98,11 +99,48 @@ std::string kernel_name() {
          std::to_string(K::kTileM) + "x" + std::to_string(K::kTileN) + "x" + std::to_string(K::kTileK);
 }
 
+// fprop's filter w' (O, kt, kr, ks, I) from the weight w (I, O, kt, kr, ks) in one pass: flipping all three
+// kernel dims reverses the flattened tap index (w'[o, v, i] = w[i, o, V - 1 - v], V = kt kr ks), a copy of
+// the elements' bits (ATen's flip, then a permuted copy, took two passes, and its first call in a process
+// loaded ATen's flip kernels: 18 ms of D's first training step on an H200).
+template <typename Bits>
+__global__ void flipped_filter_kernel(const Bits* __restrict__ w, Bits* __restrict__ out, int in_channels,
+                                      int out_channels, int volume) {
+  const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // of out (O, V, I)
+  if (index >= static_cast<int64_t>(in_channels) * out_channels * volume) return;
+  const int i = static_cast<int>(index % in_channels);
+  const int64_t rest = index / in_channels;
+  const int v = static_cast<int>(rest % volume), o = static_cast<int>(rest / volume);
+  out[index] = w[(static_cast<int64_t>(i) * out_channels + o) * volume + volume - 1 - v];
+}
+
+at::Tensor flipped_filter(const at::Tensor& weight) {
+  const at::Tensor w = weight.contiguous();
+  const int in_channels = static_cast<int>(w.size(0)), out_channels = static_cast<int>(w.size(1));
+  const int volume = static_cast<int>(w.size(2) * w.size(3) * w.size(4));
+  at::Tensor out = at::empty({w.size(1), w.size(2), w.size(3), w.size(4), w.size(0)}, w.options());
+  const int64_t count = out.numel();  // (under 2^31: with_cutlass_kernel's extents)
+  const unsigned blocks = static_cast<unsigned>((count + 255) / 256);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (w.element_size() == 2) {
+    flipped_filter_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(w.const_data_ptr()),
+                                                     static_cast<uint16_t*>(out.mutable_data_ptr()), in_channels,
+                                                     out_channels, volume);
+  } else {
+    TORCH_INTERNAL_ASSERT(w.element_size() == 4, kWhat, ": a weight of 2- or 4-byte elements");
+    flipped_filter_kernel<<<blocks, 256, 0, stream>>>(static_cast<const uint32_t*>(w.const_data_ptr()),
+                                                     static_cast<uint32_t*>(out.mutable_data_ptr()), in_channels,
+                                                     out_channels, volume);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
 template <class K>
 at::Tensor run_cutlass(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                        const TransposedConvStride1& g) {
   const at::Tensor x_ndhwc = relayout(x, {0, 2, 3, 4, 1});  // (no copy for an aligned channels_last_3d x)
-  const at::Tensor filter = relayout(weight.flip({2, 3, 4}), {1, 2, 3, 4, 0});  // (O, kt, kr, ks, I)
+  const at::Tensor filter = flipped_filter(weight);  // (O, kt, kr, ks, I)
   const std::optional<at::Tensor> bias_values = bias ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   at::Tensor y = transposed_conv_stride1_output(x, g);  // (memory (N, D', H', W', O))
   using ElementD = typename K::ElementD;

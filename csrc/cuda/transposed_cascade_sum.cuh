@@ -84,6 +84,21 @@ struct TransposedCascade {
   __host__ __device__ int parts() const { return 3 * class_groups; }  // a split item's
 };
 
+// Certified picks (Bf16x3 with picks: a training step's): where an element of a window came within
+// `eps` of its pick's value at either stage -- a near tie that bf16x3's roundings could decide
+// otherwise than float64 -- the window (its picks index) is listed, and cascade_picks_fixup_kernel
+// (conv_transpose3d_cascade_sum.cu) picks again from float64 sums. eps for output channel o is
+// kCertifyEps * max |x| * tap_bound[o], tap_bound[o] the largest over the classes of the sum of |w|
+// over a class's taps and input channels: 2^-15 of what bounds |y|, where each of two bf16x3 sums is
+// within about 3 * 2^-18 of it (their difference 6 * 2^-18) and float32's accumulation far under that.
+struct CascadeCertify {
+  const float* tap_bound;  // (O)
+  const float* x_max;      // max |x| (1), by bf16x3_rows_kernel
+  int* count;              // listed windows
+  int* windows;            // their picks indices (the picks under 2^31: conv_transpose3d_cascade_sum_cuda)
+};
+constexpr float kCertifyEps = 1.0f / 32768;
+
 // float32 operands as bfloat16 pairs ("bf16x3"): each value v split into a high part h = bf16(v)
 // and a low part l = bf16(v - h), v = h + l within 2^-17 |v|; a product w x taken as
 // h_w h_x + h_w l_x + l_w h_x (the l_w l_x left out is within 2^-16 |w x|), each a bfloat16 wgmma
@@ -193,6 +208,23 @@ __device__ __forceinline__ void offer(WindowPick<float>& pick, float v, int elem
   }
 }
 
+// Offers element `element` of value v to a pick in scan order, as offer<true> does, and keeps `close`:
+// whether another element lies within eps of the pick (CascadeCertify), given v's own (`v_close`: a
+// near tie below it, of a stage-1 pick offered to stage 2). A NaN makes it close (picked again).
+__device__ __forceinline__ void offer_close(WindowPick<float>& pick, bool& close, float v, int element, float eps,
+                                            bool v_close = false) {
+  const bool first = pick.offset < 0;
+  const float before = pick.value;
+  pick.update(v, element);
+  if (first) {
+    close = v_close;
+  } else if (pick.offset == element) {
+    close = v_close || !(v - before > eps);
+  } else {
+    close = close || !(before - v > eps);
+  }
+}
+
 // An item's place: batch element n, output depth d2, output rows 2 row_tile + (0, 1), output
 // columns 10 col_tile + (0 .. 9).
 struct CascadeItem {
@@ -243,7 +275,7 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
     conv_transpose3d_cascade_sum_kernel(const __grid_constant__ CUtensorMap x_map,
                                         const __grid_constant__ CUtensorMap w_map, float* __restrict__ out,
                                         uint8_t* __restrict__ picks, float* __restrict__ partial,
-                                        const __grid_constant__ TransposedCascade p) {
+                                        const __grid_constant__ TransposedCascade p, const CascadeCertify certify) {
   using C = TransposedCascadeConfig<T>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
@@ -330,6 +362,19 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
   // stage 2: this thread's output channel o = t / 2 and output columns 5 (t % 2) .. 5 (t % 2) + 4
   const int o = t / 2, first_col = 5 * (t % 2);
   const WindowPick<float> none{kPicks ? 0.f : -INFINITY, -1};  // a pick before any element
+  // certified picks (CascadeCertify): eps of this thread's stage-1 channels (16 warp + lane / 4, + 8) and of o
+  constexpr bool kCertify = kPicks && std::is_same_v<T, Bf16x3>;
+  float eps1[2] = {0.f, 0.f}, eps2 = 0.f;
+  if constexpr (kCertify) {
+    const float scale = kCertifyEps * *certify.x_max;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int channel = 16 * warp + lane / 4 + 8 * h;
+      eps1[h] = channel < p.out_channels ? scale * certify.tap_bound[channel] : 0.f;
+    }
+    eps2 = o < p.out_channels ? scale * certify.tap_bound[o] : 0.f;
+  }
+  bool cell_close[5] = {};  // (certified picks: a near tie in the cell's window so far)
   WindowPick<float> cell[5];
 #pragma unroll
   for (int k = 0; k < 5; ++k) cell[k] = none;
@@ -353,6 +398,7 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
     const uint32_t* const operands = p.tap_operand[slice0 % C::kSlots];
     int ready = -1;  // the depth's slices ud <= ready are known to have landed
     WindowPick<float> pick[C::kAccumulators];  // stage 1, over the classes in scan order
+    uint64_t close1 = 0;                       // (certified picks: bit j, a near tie in pick j's window)
 #pragma unroll
     for (int j = 0; j < C::kAccumulators; ++j) pick[j] = none;
     for (int q = class_begin; q < class_end; ++q) {
@@ -397,8 +443,14 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
 #pragma unroll
       for (int j = 0; j < C::kAccumulators; ++j) {
         // (bfloat16: the sums rounded as the original's y is)
-        offer<kPicks>(pick[j],
-                      std::is_same_v<T, __nv_bfloat16> ? __bfloat162float(__float2bfloat16_rn(acc[j])) : acc[j], q);
+        const float v = std::is_same_v<T, __nv_bfloat16> ? __bfloat162float(__float2bfloat16_rn(acc[j])) : acc[j];
+        if constexpr (kCertify) {
+          bool close = (close1 >> j) & 1;
+          offer_close(pick[j], close, v, q, eps1[j % 4 >= 2]);
+          close1 = close ? close1 | (uint64_t{1} << j) : close1 & ~(uint64_t{1} << j);
+        } else {
+          offer<kPicks>(pick[j], v, q);
+        }
       }
     }
     barrier_arrive(&slot_empty[(depth - depth_begin) % C::kSlots]);  // the depth's first slice is read last here
@@ -410,7 +462,11 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
       const int channel = 16 * warp + lane / 4 + (j % 4 >= 2 ? 8 : 0);
       const int position = 8 * (j / 4) + 2 * (lane % 4) + j % 2;
       values[channel * C::kPitch + position] = pick[j].value;
-      if constexpr (kPicks) classes[channel * C::kPitch + position] = static_cast<uint8_t>(pick[j].offset);
+      // (certified picks: a near tie as the class byte's bit 7)
+      if constexpr (kPicks) {
+        classes[channel * C::kPitch + position] =
+            static_cast<uint8_t>(pick[j].offset | (kCertify && ((close1 >> j) & 1) ? 0x80 : 0));
+      }
     }
     asm volatile("bar.sync %0, 128;" ::"r"(1 + consumer) : "memory");
     // stage 2 in scan order: depth, row, column
@@ -421,8 +477,13 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
 #pragma unroll
         for (int c = 0; c < 3; ++c) {
           const int position = r * C::kCols + 3 * (first_col + k) + c;
-          offer<kPicks>(cell[k], values[o * C::kPitch + position],
-                        kPicks ? ((depth * 3 + r) * 3 + c) * 8 + classes[o * C::kPitch + position] : 0);
+          const int byte = kPicks ? classes[o * C::kPitch + position] : 0;
+          const int element = kPicks ? ((depth * 3 + r) * 3 + c) * 8 + (byte & 7) : 0;
+          if constexpr (kCertify) {
+            offer_close(cell[k], cell_close[k], values[o * C::kPitch + position], element, eps2, byte >> 7);
+          } else {
+            offer<kPicks>(cell[k], values[o * C::kPitch + position], element);
+          }
         }
       }
     }
@@ -444,7 +505,11 @@ __global__ void __launch_bounds__(TransposedCascadeConfig<T>::kThreads, 1)
     for (int k = 0; k < 5; ++k) {
       const int w2 = 10 * at.col_tile + first_col + k;
       if (h2 < p.cells[1] && o < p.out_channels && w2 < p.cells[2]) {
-        picks[(row_cell + w2) * p.out_channels + o] = static_cast<uint8_t>(cell[k].offset);
+        const int64_t index = (row_cell + w2) * p.out_channels + o;
+        picks[index] = static_cast<uint8_t>(cell[k].offset);
+        if constexpr (kCertify) {
+          if (cell_close[k]) certify.windows[atomicAdd(certify.count, 1)] = static_cast<int>(index);
+        }
       }
     }
   }
