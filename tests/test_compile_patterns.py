@@ -13,6 +13,7 @@ from torch._inductor.utils import run_and_get_code
 import fused_ops
 from conftest import DEVICES
 from fused_ops import fusion
+from fused_ops import nn as fnn
 from fusable_models import InPlace, Network, Tails, check_step, inputs, tails_inputs
 
 
@@ -66,8 +67,11 @@ def test_the_four_chains_compile_to_the_fused_formulations(reports, train, devic
     model = copy.deepcopy(original)
     code = compiled_steps(model, original, lambda: inputs(device), train)
     assert fused_names(reports) == ["A", "B", "C", "D"], reports
-    if device == "cuda":  # (the rules' formulations there: A's and C's convolution and tail in one op)
-        for op in ("conv3d_max_pool3d_mean", "conv2d_sigmoid_sum"):
+    if device == "cuda":
+        # (the rules' formulations there: A's convolution and tail in one op; C's input is launch-bound, its
+        # rule's first the convolution and the fused tail)
+        assert inputs(device)[1].numel() < fnn._LAUNCH_BOUND_ELEMENTS
+        for op in ("conv3d_max_pool3d_mean", "avg_pool2d_sigmoid_sum"):
             assert f"fused_ops.{op}" in code, op
 
 
