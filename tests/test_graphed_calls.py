@@ -320,20 +320,24 @@ def test_failed_capture_leaves_random_ops_working():
     assert torch.equal(torch.rand(3, device="cuda"), first)
 
 
+def settled_choice(device, forward_ms, host_ms, shape=(1, 3)):
+    """The choice of a tuning whose calls of x's `shape` (float32, contiguous, on `device`) timed fused at
+    forward_ms on the device and host_ms on the host, and the original at twice fused's device time."""
+    key = (object, (), (shape, "contiguous", torch.float32, torch.device(device)), ())
+    tuning = autotune._Tuning(key, ["fused", "original"])
+    tuning.timings = {"fused": [(forward_ms, forward_ms, host_ms)] * 3,
+                      "original": [(2 * forward_ms, 2 * forward_ms, host_ms)] * 3}
+    tuning._settle()
+    return tuning.choice
+
+
 def test_graphed_where_host_bound():
     """A key settles on a CUDA graph where queueing its fastest formulation's forward took the host
     at least HOST_BOUND_SHARE of the forward's time on the device (the device waited for the host),
     not where the device's time was the larger; never on a CPU."""
-    def settled(device, forward_ms, host_ms, shape=(1, 3)):
-        key = (object, (), (shape, "contiguous", torch.float32, torch.device(device)), ())
-        tuning = autotune._Tuning(key, ["fused", "original"])
-        tuning.timings = {"fused": [(forward_ms, forward_ms, host_ms)] * 3,
-                          "original": [(2 * forward_ms, 2 * forward_ms, host_ms)] * 3}
-        tuning._settle()
-        return tuning.choice
-    assert settled("cuda", 0.1, 0.09) == ("fused", autotune._GRAPHS_ENABLED)
-    assert settled("cuda", 5.0, 0.2) == ("fused", False)
-    assert settled("cpu", 0.1, 0.1) == ("fused", False)
+    assert settled_choice("cuda", 0.1, 0.09) == ("fused", autotune._GRAPHS_ENABLED)
+    assert settled_choice("cuda", 5.0, 0.2) == ("fused", False)
+    assert settled_choice("cpu", 0.1, 0.1) == ("fused", False)
 
 
 def test_not_graphed_where_the_input_copy_costs():
@@ -341,12 +345,7 @@ def test_not_graphed_where_the_input_copy_costs():
     GRAPH_COPY_BANDWIDTH) would take over GRAPH_COPY_SHARE of the call (the larger of the forward's device
     and host times): C's float32 eval at SPEC's size (x 604 MB, 0.28 ms a call) ran 0.56 ms replayed."""
     def settled(forward_ms, host_ms, shape):
-        key = (object, (), (shape, "contiguous", torch.float32, torch.device("cuda")), ())
-        tuning = autotune._Tuning(key, ["fused", "original"])
-        tuning.timings = {"fused": [(forward_ms, forward_ms, host_ms)] * 3,
-                          "original": [(2 * forward_ms, 2 * forward_ms, host_ms)] * 3}
-        tuning._settle()
-        return tuning.choice
+        return settled_choice("cuda", forward_ms, host_ms, shape)
     spec_c = (128, 8, 384, 384)
     copy_ms = 2 * 128 * 8 * 384 * 384 * 4 / autotune.GRAPH_COPY_BANDWIDTH * 1e3
     assert autotune._input_copy_ms((object, (), (spec_c, "contiguous", torch.float32), ())) == copy_ms
