@@ -112,7 +112,7 @@ struct WeightTaps {
 // The kernel's problem, its taps and its weights' rearrangement.
 struct CascadePlan {
   CascadeOperands operands;
-  std::array<TransposedAxis, 3> axes;  // (certified picks' float32 sums: cascade_picks_fixup_kernel)
+  std::array<TransposedAxis, 3> axes;  // (certified picks' float64 sums: cascade_picks_fixup_kernel)
   TransposedCascade p;  // (p.tap_operand set for the element type: set_tap_operands)
   uint8_t tap[kCascadeMaxTaps];  // per tap of the classes in order, (ud * 3 + uh) * 3 + uw
   WeightTaps weights;
