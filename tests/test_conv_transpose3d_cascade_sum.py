@@ -446,8 +446,9 @@ def test_kernel_certified_picks_are_float64s(geometry, tf32, cutlass):
 
 
 @requires_sm90
-def test_kernel_lists_near_ties_for_the_fixup(tf32, cutlass):
-    """Integer-valued data (every window a tie): the fixup kernel runs after the cascade's, with picks only."""
+def test_kernel_runs_the_fixup_with_bf16x3_picks_only(tf32, cutlass):
+    """The fixup kernel (cascade_picks_fixup_kernel) runs after the cascade's where bf16x3 computes picks (on
+    integer-valued data every window a tie, all listed), not without picks."""
     x, weight = case(SPEC_LIKE, torch.float32, "cuda", integers=True)
     with_picks = cuda_kernel_names(lambda: OP(x, weight, *args(SPEC_LIKE), True, None))
     assert any("cascade_picks_fixup_kernel" in n for n in with_picks)

@@ -350,6 +350,6 @@ def test_not_graphed_where_the_input_copy_costs():
     copy_ms = 2 * 128 * 8 * 384 * 384 * 4 / autotune.GRAPH_COPY_BANDWIDTH * 1e3
     assert autotune._input_copy_ms((object, (), (spec_c, "contiguous", torch.float32), ())) == copy_ms
     assert settled(0.28, 0.2, spec_c) == ("fused", False)
-    forward_ms = copy_ms / autotune.GRAPH_COPY_SHARE  # (the copy's share just met, host-bound)
+    forward_ms = copy_ms / autotune.GRAPH_COPY_SHARE * 1.01  # (the copy's share just met, host-bound)
     assert settled(forward_ms, forward_ms, spec_c) == ("fused", autotune._GRAPHS_ENABLED)
     assert settled(0.01, 0.05, (1, 8, 384, 384)) == ("fused", autotune._GRAPHS_ENABLED)  # (batch 1: 4.7 MB)

@@ -89,8 +89,11 @@ struct TransposedCascade {
 // otherwise than float64 -- the window (its picks index) is listed, and cascade_picks_fixup_kernel
 // (conv_transpose3d_cascade_sum.cu) picks again from float64 sums. eps for output channel o is
 // kCertifyEps * max |x| * tap_bound[o], tap_bound[o] the largest over the classes of the sum of |w|
-// over a class's taps and input channels: 2^-15 of what bounds |y|, where each of two bf16x3 sums is
-// within about 3 * 2^-18 of it (their difference 6 * 2^-18) and float32's accumulation far under that.
+// over a class's taps and input channels: 2^-15 of what bounds |y|. That covers bf16x3's roundings (each
+// of two sums within about 3 * 2^-18 of the bound, their difference 6 * 2^-18); float32's accumulation in
+// the tensor cores only by its typical size (about 2^-22 of the bound), not its worst case (up to ~2^-16
+// a sum over SPEC's 27 taps): the picks are certified against the operands' split, not as a bound on
+// every rounding (SPEC's B: no pick off float64's, 0.7 % of the windows listed).
 struct CascadeCertify {
   const float* tap_bound;  // (O)
   const float* x_max;      // max |x| (1), by bf16x3_rows_kernel
