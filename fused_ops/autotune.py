@@ -296,8 +296,8 @@ GRAPH_COPY_BANDWIDTH, GRAPH_COPY_SHARE = 8e12, 0.1
 
 
 def _input_copy_ms(key: tuple) -> float:
-    """The least time, in ms, a graph's copy of an input of the key's bucket would take (its batch
-    rounded up: _bucket)."""
+    """The time, in ms, a graph's copy of an input of the key's bucket's shape (its batch rounded up:
+    _bucket) would take at GRAPH_COPY_BANDWIDTH."""
     shape, dtype = key[2][0], key[2][2]
     return 2 * math.prod(shape) * dtype.itemsize / GRAPH_COPY_BANDWIDTH * 1e3
 

@@ -344,12 +344,10 @@ def test_not_graphed_where_the_input_copy_costs():
     """Host-bound or not, no graph where the replay's copy of the input into the graph's (2 x.nbytes at
     GRAPH_COPY_BANDWIDTH) would take over GRAPH_COPY_SHARE of the call (the larger of the forward's device
     and host times): C's float32 eval at SPEC's size (x 604 MB, 0.28 ms a call) ran 0.56 ms replayed."""
-    def settled(forward_ms, host_ms, shape):
-        return settled_choice("cuda", forward_ms, host_ms, shape)
     spec_c = (128, 8, 384, 384)
     copy_ms = 2 * 128 * 8 * 384 * 384 * 4 / autotune.GRAPH_COPY_BANDWIDTH * 1e3
     assert autotune._input_copy_ms((object, (), (spec_c, "contiguous", torch.float32), ())) == copy_ms
-    assert settled(0.28, 0.2, spec_c) == ("fused", False)
+    assert settled_choice("cuda", 0.28, 0.2, spec_c) == ("fused", False)
     forward_ms = copy_ms / autotune.GRAPH_COPY_SHARE * 1.01  # (the copy's share just met, host-bound)
-    assert settled(forward_ms, forward_ms, spec_c) == ("fused", autotune._GRAPHS_ENABLED)
-    assert settled(0.01, 0.05, (1, 8, 384, 384)) == ("fused", autotune._GRAPHS_ENABLED)  # (batch 1: 4.7 MB)
+    assert settled_choice("cuda", forward_ms, forward_ms, spec_c) == ("fused", autotune._GRAPHS_ENABLED)
+    assert settled_choice("cuda", 0.01, 0.05, (1, 8, 384, 384)) == ("fused", autotune._GRAPHS_ENABLED)  # (batch 1)

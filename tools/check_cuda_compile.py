@@ -23,6 +23,7 @@ one stands out.
 Named files go to the pass of their directory (bench/cutlass/ to the cutlass pass).
 """
 import argparse
+import collections
 import glob
 import os
 import re
@@ -53,15 +54,14 @@ KNOWN_SPILLS = re.compile(r"Registers are spilled to local memory in function '\
                           r"|max_pool3d_cascade_sum_cu_\w*(aligned_tiled_gather|tiled_pick)_kernel"
                           r"|parity_max_pool3d_cu_\w*parity_mean_kernel)I")
 # A warning line of ours: in our sources, or about a function of our namespace (ptxas names them mangled).
-NEW_WARNINGS: list[str] = []  # (per file: its new warnings' count; the check fails at its end on any)
 OURS = re.compile("|".join([re.escape(os.path.join(ROOT, "csrc")), re.escape(CUTLASS_DIR), "_ZN9fused_ops"]))
 
 
 def new_warnings(output: str) -> tuple[list[str], int]:
     """nvcc's warning lines about our code less the known spills, and the number of known spills."""
     warnings = [line for line in output.splitlines() if "warning" in line.lower() and OURS.search(line)]
-    known = [line for line in warnings if KNOWN_SPILLS.search(line)]
-    return [line for line in warnings if not KNOWN_SPILLS.search(line)], len(known)
+    fresh = [line for line in warnings if not KNOWN_SPILLS.search(line)]
+    return fresh, len(warnings) - len(fresh)
 
 
 def csrc_flags() -> tuple[list[str], list[str]]:
@@ -75,9 +75,9 @@ def csrc_flags() -> tuple[list[str], list[str]]:
     return arch, setup.cutlass_nvcc_flags(cutlass)
 
 
-def compile_object(nvcc: str, src: str, obj: str, flags: list[str]) -> None:
-    """nvcc -c src -o obj, its output echoed with the time it took; exits on failure, or where
-    ptxas serialized a kernel's wgmma."""
+def compile_object(nvcc: str, src: str, obj: str, flags: list[str]) -> int:
+    """nvcc -c src -o obj, its output echoed (the known spills counted instead) with the time it took;
+    exits on failure, or where ptxas serialized a kernel's wgmma. Returns its new warnings' count."""
     # C++17: what torch 2.11 (on the GPU machines) builds extensions with; newer torch uses C++20
     cmd = [nvcc, "-std=c++17", "-O3", "-Xcompiler=-fPIC", "-Xptxas=-warn-spills", "-c", src, "-o", obj, *flags]
     print("nvcc", os.path.relpath(src, ROOT), flush=True)
@@ -90,8 +90,7 @@ def compile_object(nvcc: str, src: str, obj: str, flags: list[str]) -> None:
         sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)} failed to compile")
     if WGMMA_SERIALIZED in result.stdout:
         sys.exit(f"check_cuda_compile: {os.path.relpath(src, ROOT)}: ptxas serialized a kernel's wgmma (C7510, above)")
-    if fresh:
-        NEW_WARNINGS.append(f"{os.path.relpath(src, ROOT)}: {len(fresh)}")
+    return len(fresh)
 
 
 def main() -> None:
@@ -109,6 +108,7 @@ def main() -> None:
         sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
         cutlass_sources = sorted(glob.glob(os.path.join(CUTLASS_DIR, "*.cu")))
     cutlass_includes = [f"-I{p}" for p in cutlass_build.include_dirs()] if cutlass_sources else []
+    warned = collections.Counter()  # (each file's new warnings of ours: the check fails at its end on any)
     with tempfile.TemporaryDirectory() as stub:
         os.makedirs(os.path.join(stub, "c10", "cuda", "impl"))
         with open(os.path.join(stub, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
@@ -122,11 +122,12 @@ def main() -> None:
         arch, cutlass = csrc_flags() if sources else ([], [])
         for src in sources:
             objects.append(os.path.join(stub, f"{len(objects)}.o"))
-            compile_object(nvcc, src, objects[-1], [*arch, *cutlass, *torch_flags])
+            warned[src] += compile_object(nvcc, src, objects[-1], [*arch, *cutlass, *torch_flags])
             with open(src) as f:
                 if "FUSED_OPS_CUTLASS" in f.read():
                     print("  (without CUTLASS)")
-                    compile_object(nvcc, src, os.path.join(stub, "without_cutlass.o"), ["-arch=sm_90", *torch_flags])
+                    warned[src] += compile_object(nvcc, src, os.path.join(stub, "without_cutlass.o"),
+                                                  ["-arch=sm_90", *torch_flags])
         if objects:
             # the objects link into one library (torch's symbols left unresolved): no symbol defined twice,
             # as a non-template kernel in a header shared by two files would be
@@ -137,11 +138,13 @@ def main() -> None:
 
         for i, src in enumerate(cutlass_sources):
             # the flags its library is built with (no torch)
-            compile_object(nvcc, src, os.path.join(stub, f"cutlass{i}.o"), [*cutlass_build.NVCC_FLAGS, *cutlass_includes])
+            warned[src] += compile_object(nvcc, src, os.path.join(stub, f"cutlass{i}.o"),
+                                          [*cutlass_build.NVCC_FLAGS, *cutlass_includes])
         if cutlass_sources:
             print(f"check_cuda_compile: {len(cutlass_sources)} CUTLASS file(s) compiled for sm_90a")
-    if NEW_WARNINGS:
-        sys.exit(f"check_cuda_compile: new warnings of ours (above): {', '.join(NEW_WARNINGS)}")
+    if any(warned.values()):
+        counts = ", ".join(f"{os.path.relpath(src, ROOT)}: {n}" for src, n in warned.items() if n)
+        sys.exit(f"check_cuda_compile: new warnings of ours (above): {counts}")
 
 
 if __name__ == "__main__":
