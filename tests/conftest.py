@@ -1,3 +1,4 @@
+import importlib.machinery
 import importlib.util
 import os
 
@@ -36,6 +37,17 @@ def full_float32_convolutions():
     with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=cudnn.deterministic,
                      allow_tf32=False):
         yield
+
+
+@pytest.fixture(autouse=True)
+def spawned_processes_import_this_fused_ops():
+    """After each test, a spawned process (test_distributed.py's ranks; they get this sys.path) still finds
+    the fused_ops these tests import: a test that left ./fused_ops (the sources, without the built _C) ahead
+    of the installed package on sys.path fails here, and not a later test's processes."""
+    yield
+    spec = importlib.machinery.PathFinder.find_spec("fused_ops")
+    assert spec is not None and spec.origin == fused_ops.__file__, (
+        f"sys.path now finds fused_ops at {spec and spec.origin}, not the imported {fused_ops.__file__}")
 
 
 @pytest.fixture
@@ -138,14 +150,15 @@ def assert_close_to_reference(actual, reference, dtype, what="", normwise=False,
 # --------------------------------------------------------------------------
 
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def bench_script(name: str, monkeypatch):
-    """bench/<name>.py as a module, its own imports found as when it runs as a script (bench/ on the path
-    through monkeypatch)."""
-    monkeypatch.syspath_prepend(BENCH)
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
+def repo_script(folder: str, name: str, monkeypatch):
+    """<folder>/<name>.py (bench/, tools/) as a module, its own imports found as when it runs as a script:
+    its folder on the path through monkeypatch, which restores the whole sys.path after the test (a path a
+    script adds itself, the repository's root say, included)."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, folder))
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", os.path.join(REPO, folder, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

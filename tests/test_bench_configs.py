@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from conftest import bench_script
+from conftest import repo_script
 from fused_ops.architectures import ARCHITECTURES
 
 ROW_KEYS = {"config", "model", "name", "args", "batch", "spec_batch", "step", "input_shape", "errors", "ok",
@@ -21,7 +21,7 @@ ROW_KEYS = {"config", "model", "name", "args", "batch", "spec_batch", "step", "i
 def configs():
     """bench/configs.py as a module."""
     with pytest.MonkeyPatch.context() as monkeypatch:
-        yield bench_script("configs", monkeypatch)
+        yield repo_script("bench", "configs", monkeypatch)
 
 
 def test_the_list(configs):

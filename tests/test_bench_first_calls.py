@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from conftest import bench_script
+from conftest import repo_script
 from fused_ops import autotune
 from fused_ops.architectures import ARCHITECTURES
 
@@ -13,7 +13,7 @@ TINY = dict(size="tiny", max_batch=3, serving_calls=4, epochs=1, steps=2, repeat
 
 
 def test_each_variant_runs_each_sequence_afresh(monkeypatch):
-    first_calls = bench_script("first_calls", monkeypatch)
+    first_calls = repo_script("bench", "first_calls", monkeypatch)
     arch = next(a for a in ARCHITECTURES if a.letter == "C")
     made = []
     build = first_calls.build
@@ -30,7 +30,7 @@ def test_each_variant_runs_each_sequence_afresh(monkeypatch):
 
 
 def test_main_writes_the_json_and_the_table(monkeypatch, tmp_path, capsys):
-    first_calls = bench_script("first_calls", monkeypatch)
+    first_calls = repo_script("bench", "first_calls", monkeypatch)
     monkeypatch.setitem(first_calls.SETTINGS, "cpu", TINY)
     monkeypatch.setattr("sys.argv", ["first_calls.py", "--device", "cpu", "--no-compile", "--models", "D",
                                      "--out", str(tmp_path)])
@@ -43,7 +43,7 @@ def test_main_writes_the_json_and_the_table(monkeypatch, tmp_path, capsys):
 
 def test_each_sequence_is_the_median_of_its_repeats(monkeypatch, tmp_path):
     """With settings' repeats R, each variant's process runs R times and each sequence keeps its median."""
-    first_calls = bench_script("first_calls", monkeypatch)
+    first_calls = repo_script("bench", "first_calls", monkeypatch)
     monkeypatch.setitem(first_calls.SETTINGS, "cpu", dict(TINY, repeats=3))
     runs = iter([{"serving": s, "ragged training": 10 - s} for s in (3.0, 1.0, 2.0)] * 4)
     monkeypatch.setattr(first_calls, "in_own_process", lambda *args: next(runs))

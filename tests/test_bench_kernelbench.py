@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fused_ops.nn
-from conftest import bench_script
+from conftest import repo_script
 
 CPU = torch.device("cpu")
 
@@ -60,7 +60,7 @@ TINY_PROBLEMS = {
 @pytest.fixture
 def kernelbench(monkeypatch):
     """bench/kernelbench.py as a module."""
-    return bench_script("kernelbench", monkeypatch)
+    return repo_script("bench", "kernelbench", monkeypatch)
 
 
 @pytest.fixture
@@ -241,7 +241,7 @@ def test_main_without_the_problems(kernelbench, tmp_path, capsys):
 def test_run_py_step(kernelbench, monkeypatch, tmp_path):
     """bench/run.py's kernelbench step: skipped without the problems; with them, the script in its own process
     (on a CPU at batch 2 as asked, 3 timed calls), its JSON in each directory, its table."""
-    run = bench_script("run", monkeypatch)
+    run = repo_script("bench", "run", monkeypatch)
     assert run.run_kernelbench("cpu", None, [str(tmp_path)], problems=str(tmp_path / "absent")) is None
     write_tiny_problems(kernelbench, tmp_path / "problems")
     ok, table = run.run_kernelbench("cpu", 2, [str(tmp_path / "out"), str(tmp_path / "out2")],

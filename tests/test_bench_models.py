@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import bench_script
+from conftest import repo_script
 from fused_ops import cli
 from fused_ops.architectures import ARCHITECTURES
 
@@ -16,7 +16,7 @@ TINY = ["--device", "cpu", "--size", "tiny", "--no-compile", "--reps", "1"]
 @pytest.fixture
 def models(monkeypatch):
     """bench/models.py as a module."""
-    return bench_script("models", monkeypatch)
+    return repo_script("bench", "models", monkeypatch)
 
 
 def check_rows(result: dict) -> None:

@@ -5,14 +5,14 @@ import subprocess
 
 import pytest
 
-from conftest import bench_script
+from conftest import repo_script
 
 
 
 @pytest.fixture
 def run(monkeypatch):
     """bench/run.py as a module, its suite's collection replaced by 10 listed tests."""
-    module = bench_script("run", monkeypatch)
+    module = repo_script("bench", "run", monkeypatch)
     listing = "\n".join([f"tests/test_{i % 3}.py::test_case[{i}]" for i in range(10)] + ["", "10 tests collected"])
     monkeypatch.setattr(module.subprocess, "run",
                         lambda *args, **kwargs: subprocess.CompletedProcess(args, 0, stdout=listing, stderr=""))

@@ -1,10 +1,14 @@
 """tools/check_cuda_compile.py's warning rule: the known register spills counted, not failing; any other
 warning about our code (our sources, our namespace's functions) failing; others' (CUTLASS's, torch's) not ours."""
-import os
-import sys
+import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
-import check_cuda_compile as check  # noqa: E402
+from conftest import repo_script
+
+
+@pytest.fixture
+def check(monkeypatch):
+    """tools/check_cuda_compile.py as a module (it puts the repository's root on sys.path: restored after)."""
+    return repo_script("tools", "check_cuda_compile", monkeypatch)
 
 
 def spill(function: str) -> str:
@@ -12,7 +16,7 @@ def spill(function: str) -> str:
             "28 bytes spill loads")
 
 
-def test_known_spills_count_and_new_warnings_fail():
+def test_known_spills_count_and_new_warnings_fail(check):
     known = spill("_ZN9fused_ops69_GLOBAL__N__17901378_30_depth_stacked_channels_last_cu_2f48db0a_1257018"
                   "depth_stack_kernelIN3c108BFloat16ES3_Li8EEEvPKT_NS0_8XStrides")
     new_spill = spill("_ZN9fused_ops12_GLOBAL__N_113other_kernelIfEEvPKf")
