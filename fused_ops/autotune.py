@@ -682,9 +682,12 @@ def _synchronize(device: torch.device) -> None:
 
 # Choices kept across processes: FUSED_OPS_AUTOTUNE_FILE names a JSON file (off where unset), read
 # at import and written (whole, atomically) as each key settles; its choices are those of this
-# torch and fused_ops version, per device name (a key's device).
+# torch and fused_ops version and of CHOICE_RULES, per device name (a key's device).
 _FILE = os.environ.get("FUSED_OPS_AUTOTUNE_FILE") or None
 _SAVED: dict[str, tuple[str, bool]] = {}
+# Raised whenever what a saved choice means, or the rules that made it, change (a build in place has no
+# version of its own): 2, no graph where its input's copy would take over GRAPH_COPY_SHARE of the call.
+CHOICE_RULES = 2
 
 
 def _versions() -> str:
@@ -692,7 +695,7 @@ def _versions() -> str:
         version = importlib.metadata.version("fused_ops")
     except importlib.metadata.PackageNotFoundError:  # (a build in place, not installed)
         version = "unknown"
-    return f"torch {torch.__version__}, fused_ops {version}"
+    return f"torch {torch.__version__}, fused_ops {version}, rules {CHOICE_RULES}"
 
 
 def _device_name(device: torch.device) -> str:

@@ -2,6 +2,7 @@
 formulation, no call is made that the user did not make, batch sizes share a bucket's choice, choices
 are saved and loaded across processes and made ahead of time (warmup), and one module may be called
 from several threads at once."""
+import json
 import os
 import subprocess
 import sys
@@ -118,6 +119,29 @@ def test_saved_choices_load_in_a_new_process(tuner, tmp_path, monkeypatch):
         fresh(x)
         assert fresh.formulation(x) == ran[0]
     assert ran == list(chosen.values())
+
+
+def test_choices_saved_under_other_rules_are_not_read(tuner, tmp_path, monkeypatch):
+    """A file's choices made under other tuner rules (CHOICE_RULES: a graph kept before the graph-copy rule
+    say) or another version are not read; this version's beside them are."""
+    name, args, shape = CONFIGS[2]
+    _, fused = pair(name, args, "cpu", train=False)
+    x = torch.rand(shape, dtype=torch.float64)
+    with torch.no_grad():
+        autotune.warmup(fused, x)
+    path = str(tmp_path / "choices.json")
+    with monkeypatch.context() as rules:
+        rules.setattr(autotune, "CHOICE_RULES", autotune.CHOICE_RULES - 1)
+        autotune.save(path)
+    autotune.clear()
+    assert autotune.load(path) == 0
+    with torch.no_grad():
+        autotune.warmup(fused, x)
+    autotune.save(path)
+    autotune.clear()
+    assert autotune.load(path) == 1
+    with open(path) as f:
+        assert len(json.load(f)) == 2  # (both rules' choices kept in the file)
 
 
 FIRST_CALLS = """
