@@ -5,8 +5,9 @@ The model is traced by ``torch.fx.symbolic_trace``; each chain that starts at a 
 and goes on, one op after another, through one of the four tails below is replaced by one call
 of the matching ``fused_ops.nn`` module, built around the model's own convolution, pools, batch
 norm and parameters (shared, not copied: the ``state_dict`` keeps its keys, optimizers keep
-their parameters). The fused module is not a submodule of the result (its members are the
-model's); it takes the model's train / eval mode at each call. Everything else is left as it
+their parameters). Each replacement is a call of a submodule of the result (copied, pickled and
+moved with it) that holds the fused module outside the module tree (its members are the model's)
+and gives it the model's train / eval mode at each call. Everything else is left as it
 was traced. A chain is taken only where each op's result feeds the next op alone; where one is
 used elsewhere too, or the next op is not the chain's, the report says so.
 
@@ -79,21 +80,30 @@ class FuseReport:
         return "\n".join(lines)
 
 
-class _FusedCall:
+class _FusedCall(nn.Module):
     """The call that replaces a chain or a tail: `module` (the chain's drop-in module, or a
-    _TailModule) on its input, in the owner's train / eval mode where there is an owner (the
-    traced model), with the tensors the graph gives at each call (`tensor_names`: the module's
-    parameters and buffers they stand for, in the call's order after the input) in place of the
-    module's own (torch.func.functional_call). (A callable, not a submodule: the module's members
-    are the model's own, and a submodule would repeat them in the state_dict.)"""
+    _TailModule) on its input, with the tensors the graph gives at each call (`tensor_names`: the
+    module's parameters and buffers they stand for, in the call's order after the input) in place
+    of the module's own (torch.func.functional_call). A submodule of the graph module, so that a
+    copy, a pickle or a move of it takes the call along; `module` is held outside the module tree
+    (its members are the model's own, which registered twice would repeat in the state_dict).
+    follow_mode: `module` takes this call's train / eval mode (the graph module's: its train() and
+    eval() reach its submodules) at each call; else (a functional batch norm) it keeps its own."""
 
-    def __init__(self, module: nn.Module, owner: nn.Module | None, name: str, tensor_names: list[str]):
-        self.module, self.owner, self.tensor_names = module, owner, tensor_names
-        self.__name__ = self.__qualname__ = name
+    def __init__(self, module: nn.Module, follow_mode: bool, tensor_names: list[str]):
+        super().__init__()
+        object.__setattr__(self, "module", module)  # (not a submodule)
+        self.follow_mode, self.tensor_names = follow_mode, tensor_names
 
-    def __call__(self, x, *tensors):
-        if self.owner is not None and self.module.training != self.owner.training:
-            self.module.train(self.owner.training)
+    def extra_repr(self) -> str:
+        bound = f", binding {', '.join(self.tensor_names)}" if self.tensor_names else ""
+        module = self.module
+        name = module.build.__name__.strip("_") if isinstance(module, _TailModule) else type(module).__name__
+        return f"{name}{bound}"
+
+    def forward(self, x, *tensors):
+        if self.follow_mode and self.module.training != self.training:
+            self.module.train(self.training)
         if not self.tensor_names:
             return self.module(x)
         return torch.func.functional_call(self.module, dict(zip(self.tensor_names, tensors)), (x,))
@@ -464,13 +474,22 @@ TAILS = (
 
 class _TailModule(nn.Module):
     """A tail's call (its _Tail's build over its members) as a module whose submodules are the
-    members that are modules, so that a _FusedCall binds the graph's tensors into them."""
+    members that are modules, so that a _FusedCall binds the graph's tensors into them. The call
+    (a closure over the members) is rebuilt from the members wherever they are copied or unpickled."""
 
     def __init__(self, tail: "_Tail", members: dict):
         super().__init__()
         for name, member in members.items():
             setattr(self, name, member)
-        self.call = tail.build(**members)
+        self.build, self.member_names = tail.build, list(members)
+        self.call = self.build(**members)
+
+    def __getstate__(self):
+        return {name: value for name, value in super().__getstate__().items() if name != "call"}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.call = self.build(**{name: getattr(self, name) for name in self.member_names})
 
     def forward(self, y):
         return self.call(y)
@@ -576,10 +595,16 @@ def _write_into_read(nodes: list[fx.Node]) -> fx.Node | None:
     return next((node for node in nodes[0].graph.nodes if node not in own and _writes_into(node, read)), None)
 
 
-def _replace(graph: fx.Graph, nodes: list[fx.Node], call: Callable, args: tuple) -> None:
-    """The matched nodes replaced by call(*args); get_attr nodes left unused by them removed."""
+def _replace(traced: fx.GraphModule, nodes: list[fx.Node], call: _FusedCall, name: str, args: tuple) -> None:
+    """The matched nodes replaced by call(*args), `call` traced's submodule `name` (made unique);
+    get_attr nodes left unused by them removed."""
+    graph, unique, count = traced.graph, name, 0
+    while hasattr(traced, unique):
+        count += 1
+        unique = f"{name}_{count}"
+    traced.add_submodule(unique, call)
     with graph.inserting_before(nodes[-1]):
-        replacement = graph.call_function(call, args)
+        replacement = graph.call_module(unique, args)
     nodes[-1].replace_all_uses_with(replacement)
     attributes = [arg for node in nodes for arg in node.args if isinstance(arg, fx.Node) and arg.op == "get_attr"]
     for node in reversed(nodes):
@@ -634,8 +659,27 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
     traced.train(model.training)
     fuse_graph(traced, result, follow_mode=True)
     traced.recompile()
-    traced.__prepare_scriptable__ = types.MethodType(_scriptable, traced)  # (torch.jit.script's hook)
+    _give_fused_hooks(traced)
     return (traced, result) if report else traced
+
+
+def _give_fused_hooks(fused: fx.GraphModule) -> fx.GraphModule:
+    """Gives a ``fuse`` result, through its own class (fx makes one for each graph module; a deep copy's
+    derives from it), torch.jit.script's hook (_scriptable) and a pickling that gives them again to the
+    unpickled module (fx's, which regenerates the module's code, then this)."""
+    cls = type(fused)
+    cls.__prepare_scriptable__ = _scriptable
+    cls.__reduce__ = _reduce_fused
+    return fused
+
+
+def _reduce_fused(fused: fx.GraphModule):
+    rebuild, args = fx.GraphModule.__reduce__(fused)
+    return _rebuild_fused, (rebuild, args)
+
+
+def _rebuild_fused(rebuild, args) -> fx.GraphModule:
+    return _give_fused_hooks(rebuild(*args))
 
 
 def _scriptable(fused: fx.GraphModule) -> fx.GraphModule:
@@ -645,14 +689,10 @@ def _scriptable(fused: fx.GraphModule) -> fx.GraphModule:
     model's own members shared. A call that binds the graph's tensors (a functional convolution or
     batch norm) stays, and script refuses it."""
     scriptable = fx.GraphModule(fused, copy.deepcopy(fused.graph))
-    for node in list(scriptable.graph.nodes):
-        call = node.target
-        if node.op != "call_function" or not isinstance(call, _FusedCall) or call.tensor_names:
-            continue
-        scriptable.add_submodule(call.__name__, call.module)
-        with scriptable.graph.inserting_before(node):
-            node.replace_all_uses_with(scriptable.graph.call_module(call.__name__, node.args))
-        scriptable.graph.erase_node(node)
+    for node in scriptable.graph.nodes:
+        call = scriptable.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(call, _FusedCall) and not call.tensor_names:
+            scriptable.add_submodule(node.target, call.module)
     scriptable.recompile()
     return scriptable.train(fused.training)
 
@@ -725,9 +765,9 @@ def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool, in
                     module = pattern.module.from_module(types.SimpleNamespace(**members, training=training))
                 else:
                     module = _TailModule(pattern, members)
-                owner = traced if follow_mode and not own_mode else None
-                call = _FusedCall(module, owner, f"fused_{name.replace('-', '_')}_{len(result.fused)}", list(tensors))
-                _replace(graph, nodes, call, (_input(start), *tensors.values()))
+                call = _FusedCall(module, follow_mode and not own_mode, list(tensors)).train(traced.training)
+                _replace(traced, nodes, call, f"fused_{name.replace('-', '_')}_{len(result.fused)}",
+                         (_input(start), *tensors.values()))
                 taken.update(nodes)
                 result.fused.append((name, [node.name for node in nodes]))
                 break

@@ -4,7 +4,9 @@ by the drop-in modules, with the original's outputs, gradients, running statisti
 state_dict; what it must leave alone (an intermediate result used twice, other ops, an
 untraceable model) left alone and reported."""
 import copy
+import io
 import operator
+import pickle
 
 import pytest
 import torch
@@ -84,6 +86,44 @@ def test_modes_follow_the_model(device):
     with torch.no_grad():
         for out, ref in zip(fused(*inputs(device)), original(*inputs(device))):
             torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
+def round_trips(fused):
+    """A deep copy, a pickle's and torch.save's round trips of `fused`."""
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    return {"deepcopy": copy.deepcopy(fused), "pickle": pickle.loads(pickle.dumps(fused)),
+            "torch.save": torch.load(buffer, weights_only=False)}
+
+
+@pytest.mark.parametrize("network", [Network, Tails, Functional])
+def test_copies_and_pickles_compute_with_their_own_parameters_and_mode(network):
+    """A deep copy (an EMA model, say) or an unpickled copy of a fuse result has its own parameters,
+    buffers and mode, which its fused calls use: a copy trained, changed or put in eval mode computes
+    as the original model so changed, and the model it came from as it was; the state_dict's keys
+    are the model's (the fused calls hold no tensors of their own)."""
+    torch.manual_seed(2)
+    original = network().double()
+    args = tails_inputs("cpu") if network is Tails else inputs("cpu")
+    fused = fused_ops.fuse(copy.deepcopy(original))
+    with torch.no_grad():
+        before = fused.eval()(*args)
+    fused.train()
+    for how, twin in round_trips(fused).items():
+        assert sorted(twin.state_dict()) == sorted(original.state_dict()), how
+        changed = copy.deepcopy(original)
+        for model in (twin, changed):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5).add_(0.25)
+            model(*args)  # (a training call: the running statistics)
+            model.eval()
+        for out, ref in zip(twin(*args), changed(*args), strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12, msg=how)
+    with torch.no_grad():
+        for out, ref in zip(fused.eval()(*args), before, strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12, msg="the model copied")
 
 
 class SharedIntermediate(nn.Module):

@@ -9,6 +9,7 @@ Run as a script (``python tests/test_onnx_torchscript.py DIR``) it writes the sc
 their reference outputs that the C++ test reads (ctest runs it first: CMakeLists.txt)."""
 import io
 import os
+import pickle
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from onnx.reference import ReferenceEvaluator
 
 import fused_ops
 from conftest import build_pair, make_input
+from fused_ops import fusion
 from fused_ops.fusion import CHAINS
 from test_export import CONFIGS, IDS
 
@@ -167,10 +169,13 @@ def test_trace_and_script_of_a_fused_model(name, args, shape):
     model = torch.nn.Sequential(torch.nn.Identity(), original).eval()
     fused = fused_ops.fuse(model)
     x = make_input(shape, torch.float64, "cpu")
-    for deployed in (torch.jit.trace(fused, (x,)), torch.jit.script(fused)):
+    unpickled = pickle.loads(pickle.dumps(fused))  # (its scripting hook kept)
+    for deployed in (torch.jit.trace(fused, (x,)), torch.jit.script(fused), torch.jit.script(unpickled)):
         deployed = saved_and_loaded(deployed, "cpu")
         assert_no_fused_ops(deployed)
         torch.testing.assert_close(deployed(larger_batch(x)), model(larger_batch(x)), **TOLERANCE[torch.float64])
+    for module in (fused, unpickled):  # (scripting left their fused calls as they were)
+        assert [type(m) for m in module.children() if isinstance(m, fusion._FusedCall)] == [fusion._FusedCall]
 
 
 def test_eager_calls_still_run_the_fused_ops():
