@@ -8,6 +8,8 @@
 #               tables + JSON; then the README's and docs/' result tables from that JSON (tools/results_tables.py)
 #   make kernelbench  KernelBench's four problem files that the drop-ins replace, for bench/kernelbench.py
 PYTHON ?= python3
+# (pip's warning about running as root, a fresh CI machine's user: noise in a build that prints no warnings)
+export PIP_ROOT_USER_ACTION := ignore
 TORCH_PREFIX = $$($(PYTHON) -c "import torch; print(torch.utils.cmake_prefix_path)")
 
 .PHONY: deps cutlass install run test bench kernelbench
