@@ -13,3 +13,15 @@ def traced(t: Tensor) -> bool:
     return (torch.compiler.is_compiling()
             or torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
             or (type(t) not in _PLAIN and torch._guards.detect_fake_mode(t) is not None))
+
+
+_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
+_FunctorchInterpreter = torch._C._functorch.CInterpreter
+
+
+def transformed() -> bool:
+    """Whether a torch.func transform (grad, vjp, jacrev, vmap, ...; compiled too) runs the call: then
+    only ops functorch transforms may run (the fused ops' C++ autograd functions it cannot)."""
+    transform = _functorch_interpreter()
+    # (dynamo reads the query's None as true; the type as it is)
+    return transform is not None and isinstance(transform, _FunctorchInterpreter)

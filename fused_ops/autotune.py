@@ -71,9 +71,6 @@ _ENABLED = _environment_flag("FUSED_OPS_AUTOTUNE")
 _GRAPHS_ENABLED = _environment_flag("FUSED_OPS_CUDA_GRAPHS")  # (the graphed candidate, fused_ops._graphed)
 _FORCED: list[str] = []
 _LAST = [None]  # the formulation the latest call ran
-# The innermost torch.func transform of the call, or None (choose)
-_functorch_interpreter = torch._C._functorch.peek_interpreter_stack
-_FunctorchInterpreter = torch._C._functorch.CInterpreter
 _GENERATION = [0]  # advanced by clear() and set_enabled(): the modules' remembered choices lapse
 
 
@@ -191,9 +188,7 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
     (run gives None), the call chooses again. Under a torch.func transform (grad, vjp, jacrev,
     vmap, ...; compiled too) the call runs the original's own ops, which functorch transforms: it
     cannot transform the fused ops' C++ autograd, nor vmap a layout change."""
-    transform = _functorch_interpreter()
-    # (dynamo reads the query's None as true; the type as it is)
-    if transform is not None and isinstance(transform, _FunctorchInterpreter):
+    if _trace.transformed():
         _LAST[0] = "original"
         return "original", run("original", x)
     if _FORCED:

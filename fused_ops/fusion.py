@@ -51,6 +51,7 @@ from torch import fx, nn
 
 from . import _autocast
 from . import nn as fnn
+from ._trace import transformed
 from .nn import _fusable_max_pool, scaled_batch_norm_gap
 from .ops import avg_pool2d_sigmoid_sum, max_pool3d_cascade_sum, max_pool3d_mean
 
@@ -82,18 +83,23 @@ class FuseReport:
 
 class _FusedCall(nn.Module):
     """The call that replaces a chain or a tail: `module` (the chain's drop-in module, or a
-    _TailModule) on its input, with the tensors the graph gives at each call (`tensor_names`: the
-    module's parameters and buffers they stand for, in the call's order after the input) in place
-    of the module's own (torch.func.functional_call). A submodule of the graph module, so that a
-    copy, a pickle or a move of it takes the call along; `module` is held outside the module tree
-    (its members are the model's own, which registered twice would repeat in the state_dict).
+    _TailModule) on its input. Its arguments after the input: the tensors the graph gives at each
+    call for `tensor_names` (the module's parameters and buffers they stand for), then the present
+    values of the model's attributes `module` holds itself (`captured`, by the names `captured_names`:
+    a functional convolution's weight, A's added parameter). Those bound, and any captured one that is
+    no longer the tensor held (torch.func.functional_call, a torch.func transform, a parameter assigned
+    anew), take the module's own's place (torch.func.functional_call). A submodule of the graph module,
+    so that a copy, a pickle or a move of it takes the call along; `module` is held outside the module
+    tree (its members are the model's own, which registered twice would repeat in the state_dict).
     follow_mode: `module` takes this call's train / eval mode (the graph module's: its train() and
     eval() reach its submodules) at each call; else (a functional batch norm) it keeps its own."""
 
-    def __init__(self, module: nn.Module, follow_mode: bool, tensor_names: list[str]):
+    def __init__(self, module: nn.Module, follow_mode: bool, tensor_names: list[str],
+                 captured: dict[str, torch.Tensor]):
         super().__init__()
         object.__setattr__(self, "module", module)  # (not a submodule)
         self.follow_mode, self.tensor_names = follow_mode, tensor_names
+        self.captured_names, self.captured = list(captured), tuple(captured.values())  # (a tuple: not registered)
 
     def extra_repr(self) -> str:
         bound = f", binding {', '.join(self.tensor_names)}" if self.tensor_names else ""
@@ -104,9 +110,14 @@ class _FusedCall(nn.Module):
     def forward(self, x, *tensors):
         if self.follow_mode and self.module.training != self.training:
             self.module.train(self.training)
-        if not self.tensor_names:
+        count = len(self.tensor_names)
+        bound = dict(zip(self.tensor_names, tensors[:count]))
+        for name, now, held in zip(self.captured_names, tensors[count:], self.captured):
+            if now is not held:
+                bound[name] = now
+        if not bound:
             return self.module(x)
-        return torch.func.functional_call(self.module, dict(zip(self.tensor_names, tensors)), (x,))
+        return torch.func.functional_call(self.module, bound, (x,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,8 +321,8 @@ def _parameter_added(node, previous, model):
     value = _tensor_value(others[0], model) if len(others) == 1 else None
     if value is None:
         return None
-    if others[0].op == "get_attr":
-        return value if isinstance(value, nn.Parameter) else None
+    if others[0].op == "get_attr":  # (the model's parameter, held by the fused module: _bind)
+        return _Bound(value, {"": others[0]}) if isinstance(value, nn.Parameter) else None
     if not value.dtype.is_floating_point:
         return None
     return _Bound(nn.Parameter(torch.empty(value.shape, dtype=value.dtype, device="meta")), {"": others[0]})
@@ -406,7 +417,8 @@ CHAINS = (
 
 # The tails alone (where no whole chain holds), each replaced by a call of its fused op: builders
 # of that call from the members the ops give. Each runs the traced ops instead where the fused op
-# does not take the pools or the input's rank or dtype, and returns the traced ops' dtype under autocast.
+# does not take the pools or the input's rank or dtype, or under a torch.func transform (which cannot
+# transform the fused ops' C++ autograd), and returns the traced ops' dtype under autocast.
 
 
 def _in_tail_dtype(out: torch.Tensor, y: torch.Tensor, ops: tuple[str, ...]) -> torch.Tensor:
@@ -415,7 +427,7 @@ def _in_tail_dtype(out: torch.Tensor, y: torch.Tensor, ops: tuple[str, ...]) -> 
 
 def _average_sigmoid_sum(avg_pool):
     def call(y):
-        if y.dim() != 4 or not y.is_floating_point():
+        if y.dim() != 4 or not y.is_floating_point() or transformed():
             return torch.sum(torch.sigmoid(avg_pool(y)), dim=(1, 2, 3))
         out = avg_pool2d_sigmoid_sum(y, avg_pool.kernel_size, avg_pool.stride, avg_pool.padding, avg_pool.ceil_mode,
                                      avg_pool.count_include_pad, avg_pool.divisor_override)
@@ -425,7 +437,8 @@ def _average_sigmoid_sum(avg_pool):
 
 def _max_pool_mean(max_pool, global_avg_pool, divisor=None):
     def call(y):
-        if y.dim() != 5 or not y.is_floating_point() or not _fusable_max_pool(max_pool, ceil_mode_ok=True):
+        if (y.dim() != 5 or not y.is_floating_point() or not _fusable_max_pool(max_pool, ceil_mode_ok=True)
+                or transformed()):
             return global_avg_pool(max_pool(y if divisor is None else y / divisor))
         mean = max_pool3d_mean(y, max_pool.kernel_size, max_pool.stride, max_pool.padding, max_pool.ceil_mode,
                                1.0 if divisor is None else divisor)
@@ -435,7 +448,7 @@ def _max_pool_mean(max_pool, global_avg_pool, divisor=None):
 
 def _max_pool_cascade_sum(max_pool1, max_pool2):
     def call(y):
-        if (y.dim() != 5 or not y.is_floating_point()
+        if (y.dim() != 5 or not y.is_floating_point() or transformed()
                 or not all(_fusable_max_pool(pool, ceil_mode_ok=False) for pool in (max_pool1, max_pool2))):
             return torch.sum(max_pool2(max_pool1(y)), dim=1, keepdim=True)
         out = max_pool3d_cascade_sum(y, max_pool1.kernel_size, max_pool2.kernel_size, stride1=max_pool1.stride,
@@ -446,7 +459,7 @@ def _max_pool_cascade_sum(max_pool1, max_pool2):
 
 def _scale_batch_norm_mean(scale_factor, batch_norm, global_avg_pool):
     def call(y):
-        if y.dim() != 5:  # (BatchNorm3d's own error)
+        if y.dim() != 5 or transformed():  # (BatchNorm3d's own error)
             return global_avg_pool(batch_norm(y * scale_factor))
         out = scaled_batch_norm_gap(y, scale_factor, batch_norm)
         return _in_tail_dtype(out, y, ("aten::batch_norm", "aten::adaptive_avg_pool3d"))
@@ -689,20 +702,25 @@ def _scriptable(fused: fx.GraphModule) -> fx.GraphModule:
     model's own members shared. A call that binds the graph's tensors (a functional convolution or
     batch norm) stays, and script refuses it."""
     scriptable = fx.GraphModule(fused, copy.deepcopy(fused.graph))
-    for node in scriptable.graph.nodes:
+    for node in list(scriptable.graph.nodes):
         call = scriptable.get_submodule(node.target) if node.op == "call_module" else None
         if isinstance(call, _FusedCall) and not call.tensor_names:
             scriptable.add_submodule(node.target, call.module)
+            captured, node.args = node.args[1:], node.args[:1]  # (the module holds the captured tensors)
+            for attribute in captured:
+                if not attribute.users:
+                    scriptable.graph.erase_node(attribute)
     scriptable.recompile()
     return scriptable.train(fused.training)
 
 
-def _bind(members: dict, model: fx.GraphModule) -> tuple[dict, dict[str, fx.Node]]:
-    """The members with each _Bound one's member in its place, and the tensors left to bind at
-    each call ({the name under the fused module: node}); a traced attribute is set in the member
-    itself (shared, not bound per call) where its slot takes it: a parameter for a parameter, a
-    tensor for a buffer."""
-    plain, tensors = {}, {}
+def _bind(members: dict, model: fx.GraphModule) -> tuple[dict, dict, dict]:
+    """The members with each _Bound one's member in its place; the tensors left to bind at each call
+    ({the name under the fused module: node}); and those captured: a traced attribute set in the member
+    itself where its slot takes it (a parameter for a parameter, a tensor for a buffer), or a
+    parameter that is the member ({name: (its get_attr node, the tensor)}: _FusedCall checks at each
+    call that the attribute still holds it)."""
+    plain, tensors, captured = {}, {}, {}
     for name, value in members.items():
         if not isinstance(value, _Bound):
             plain[name] = value
@@ -710,13 +728,16 @@ def _bind(members: dict, model: fx.GraphModule) -> tuple[dict, dict[str, fx.Node
         plain[name] = value.member
         for slot, node in value.tensors.items():
             tensor = _tensor_value(node, model) if node.op == "get_attr" else None
+            key = f"{name}.{slot}" if slot else name
             if slot and tensor is not None and (isinstance(tensor, nn.Parameter) or slot in value.member._buffers):
                 setattr(value.member, slot, tensor)
+                captured[key] = (node, tensor)
             elif not slot and isinstance(tensor, nn.Parameter):
                 plain[name] = tensor
+                captured[key] = (node, tensor)
             else:
-                tensors[f"{name}.{slot}" if slot else name] = node
-    return plain, tensors
+                tensors[key] = node
+    return plain, tensors, captured
 
 
 def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool, inductor: bool = False) -> None:
@@ -759,15 +780,16 @@ def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool, in
                 # (a functional batch norm keeps its call's mode)
                 own_mode = any(isinstance(m, _Bound) and isinstance(m.member, nn.BatchNorm3d)
                                for m in members.values())
-                members, tensors = _bind(members, traced)
+                members, tensors, captured = _bind(members, traced)
                 if isinstance(pattern, _Chain):
                     training = members["batch_norm"].training if own_mode else traced.training
                     module = pattern.module.from_module(types.SimpleNamespace(**members, training=training))
                 else:
                     module = _TailModule(pattern, members)
-                call = _FusedCall(module, follow_mode and not own_mode, list(tensors)).train(traced.training)
+                call = _FusedCall(module, follow_mode and not own_mode, list(tensors),
+                                  {key: tensor for key, (_, tensor) in captured.items()}).train(traced.training)
                 _replace(traced, nodes, call, f"fused_{name.replace('-', '_')}_{len(result.fused)}",
-                         (_input(start), *tensors.values()))
+                         (_input(start), *tensors.values(), *[node for node, _ in captured.values()]))
                 taken.update(nodes)
                 result.fused.append((name, [node.name for node in nodes]))
                 break

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call, grad, vmap
 
 import fused_ops
 from conftest import DEVICES
@@ -124,6 +125,42 @@ def test_copies_and_pickles_compute_with_their_own_parameters_and_mode(network):
     with torch.no_grad():
         for out, ref in zip(fused.eval()(*args), before, strict=True):
             torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12, msg="the model copied")
+
+
+@pytest.mark.parametrize("network", [Network, Tails, Functional])
+def test_functional_call_and_per_sample_gradients_see_the_tensors_given(network):
+    """torch.func.functional_call of a fuse result computes with the tensors it is given (parameters the
+    fused calls hold themselves, A's added one and a functional convolution's, included), and so do
+    per-sample gradients (vmap of grad: the fused calls run ops functorch transforms); a parameter
+    assigned anew is the one used."""
+    torch.manual_seed(4)
+    original = network().double().eval()
+    args = tails_inputs("cpu") if network is Tails else inputs("cpu")
+    fused = fused_ops.fuse(copy.deepcopy(original))
+    buffers = dict(original.named_buffers())
+    given = {name: p.detach() * 1.5 - 0.1 for name, p in original.named_parameters()}
+    with torch.no_grad():
+        outs, refs = functional_call(fused, given | buffers, args), functional_call(original, given | buffers, args)
+        for out, ref in zip(outs, refs, strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+    def loss(model):
+        def one_sample(parameters, *sample):
+            outs = functional_call(model, parameters | buffers, tuple(t.unsqueeze(0) for t in sample))
+            return sum(out.sum() for out in outs)
+        return one_sample
+
+    per_sample = vmap(grad(loss(fused)), in_dims=(None, *[0] * len(args)))(given, *args)
+    expected = vmap(grad(loss(original)), in_dims=(None, *[0] * len(args)))(given, *args)
+    for name in expected:
+        torch.testing.assert_close(per_sample[name], expected[name], rtol=1e-9, atol=1e-11, msg=name)
+    for model in (fused, original):  # (assigned anew: another Parameter object)
+        for name, p in list(model.named_parameters()):
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, nn.Parameter(given[name].clone()))
+    with torch.no_grad():
+        for out, ref in zip(fused(*args), original(*args), strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
 
 
 class SharedIntermediate(nn.Module):
