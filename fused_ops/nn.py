@@ -14,7 +14,8 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
+from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pre_hooks, _global_forward_hooks,
+                                     _global_forward_pre_hooks)
 
 from . import _autocast, _graphed, autotune, reference, rewrites
 from ._trace import traced
@@ -112,11 +113,13 @@ def _conv_channels_last(conv: nn.Module, x: Tensor) -> Tensor | None:
 
 
 def _has_hooks(module: nn.Module) -> bool:
-    """Whether calling `module` runs forward hooks (its own or global ones: pruning and
-    weight_norm set the weight in a pre-hook, observers and feature extractors read the
-    output): the formulations that read its weight themselves then do not hold."""
-    return bool(module._forward_pre_hooks or module._forward_hooks or _global_forward_hooks
-                or _global_forward_pre_hooks)
+    """Whether calling `module` runs hooks, forward or backward, its own or global ones (pruning and
+    weight_norm set the weight in a pre-hook, observers and feature extractors read the output, a
+    backward hook reads its gradients): the formulations that compute its part themselves then do
+    not hold."""
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks
+                or _global_backward_hooks or _global_backward_pre_hooks)
 
 
 def _conv(conv: nn.Module, x: Tensor, weight: Tensor | None = None) -> Tensor:
@@ -170,6 +173,14 @@ class _Formulations:
 
     def _dispatch(self, x: Tensor):
         return autotune.choose(self, self._config, self._formulations, self._call, x, self._graph_stamp)[1]
+
+    def _tail_hooked(self) -> bool:
+        """Whether a member other than the convolution runs hooks when called (_has_hooks: a pool's
+        forward hook that records or changes its output, say), which the fused tails would skip: the
+        original's forward then runs, calling each member as the original does. (The convolution's
+        hooks keep the fused tails: its formulations then call it as a module.)"""
+        conv = getattr(self, self._CONV)
+        return any([_has_hooks(member) for member in self.children() if member is not conv])
 
     def _formulations(self, x: Tensor) -> tuple[str, ...]:
         order = self._order(x)
@@ -277,7 +288,7 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
             return self._original_forward(x)
-        if _deploying():
+        if _deploying() or self._tail_hooked():
             return self._original_forward(x)
         if x.dim() != 4:
             # (the original's sum over dims 1, 2, 3 refuses an unbatched 3-D input too)
@@ -347,7 +358,7 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
             return self._original_forward(x)
-        if _deploying():
+        if _deploying() or self._tail_hooked():
             return self._original_forward(x)
         name = type(self).__name__
         _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
@@ -427,7 +438,7 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
             return self._original_forward(x)
-        if _deploying():
+        if _deploying() or self._tail_hooked():
             return self._original_forward(x)
         name = type(self).__name__
         _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=True)
@@ -504,7 +515,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
             return self._original_forward(x)
-        if _deploying():
+        if _deploying() or self._tail_hooked():
             return self._original_forward(x)
         name = type(self).__name__
         _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=False)

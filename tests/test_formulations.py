@@ -432,6 +432,54 @@ def test_autotuned_under_a_non_reentrant_checkpoint(name, args, shape):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-9, atol=1e-12)
 
 
+HOOKS = {
+    "forward": lambda module, record: module.register_forward_hook(lambda m, args, out: record() or out * 1.25 + 0.5),
+    "forward pre": lambda module, record: module.register_forward_pre_hook(lambda m, args: record()),
+    "full backward": lambda module, record: module.register_full_backward_hook(lambda m, gi, go: record()),
+}
+
+
+@pytest.mark.parametrize("name,args,shape,formulation", FORMULATION_CASES)
+@pytest.mark.parametrize("hook", list(HOOKS))
+def test_every_members_hooks_run(name, args, shape, formulation, hook, device):
+    """A hook on any member (the convolution, a pool, the batch norm, the global average; one that
+    changes a pool's output too) runs as often as in the original, whatever the formulation forced, and
+    the output and gradients are the original's: a member with hooks is called as the original calls it."""
+    original, fused = pair(name, args, device)
+    x = formulation_input(torch.rand(shape, dtype=torch.float64, device=device), formulation)
+    grad = torch.rand_like(copy.deepcopy(original)(x))  # (a copy: the running statistics kept)
+    for member, _ in original.named_children():
+        counts = []
+        for model in (copy.deepcopy(original), copy.deepcopy(fused)):
+            calls = []
+            HOOKS[hook](getattr(model, member), lambda: calls.append(1))
+            with autotune.force(formulation):
+                results = step(model, x, grad)
+            counts.append((len(calls), results))
+        (expected_calls, expected), (ran_calls, results) = counts
+        assert ran_calls == expected_calls > 0, member
+        for got, ref in zip(results, expected, strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12, msg=member)
+
+
+def test_global_hooks_see_every_member_called():
+    """A global forward hook (nn.modules.module.register_module_forward_hook) sees the original's module
+    calls, in order."""
+    for name, args, shape in CONFIGS:
+        original, fused = pair(name, args, "cpu", train=False)
+        x = torch.rand(shape, dtype=torch.float64)
+        seen = []
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append(type(m)))
+        try:
+            with torch.no_grad():
+                expected = original(x)
+                called, seen[:] = list(seen), []
+                torch.testing.assert_close(fused(x), expected, rtol=1e-9, atol=1e-12)
+        finally:
+            handle.remove()
+        assert [type(m) for m in original.children()] == called[:-1] and seen[:-1] == called[:-1], name
+
+
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("autotuned", [True, False], ids=["autotuned", "rule"])
 def test_convolution_hooks_run(name, args, shape, autotuned, device):
