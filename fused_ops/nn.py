@@ -117,9 +117,17 @@ def _has_hooks(module: nn.Module) -> bool:
     weight_norm set the weight in a pre-hook, observers and feature extractors read the output, a
     backward hook reads its gradients): the formulations that compute its part themselves then do
     not hold."""
+    return _global_hooks() or _own_hooks(module)
+
+
+def _global_hooks() -> bool:
+    return bool(_global_forward_hooks or _global_forward_pre_hooks or _global_backward_hooks
+                or _global_backward_pre_hooks)
+
+
+def _own_hooks(module: nn.Module) -> bool:
     return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks
-                or module._backward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks
-                or _global_backward_hooks or _global_backward_pre_hooks)
+                or module._backward_pre_hooks)
 
 
 def _conv(conv: nn.Module, x: Tensor, weight: Tensor | None = None) -> Tensor:
@@ -179,8 +187,10 @@ class _Formulations:
         forward hook that records or changes its output, say), which the fused tails would skip: the
         original's forward then runs, calling each member as the original does. (The convolution's
         hooks keep the fused tails: its formulations then call it as a module.)"""
-        conv = getattr(self, self._CONV)
-        return any([_has_hooks(member) for member in self.children() if member is not conv])
+        if _global_hooks():
+            return True
+        conv = self._modules[self._CONV]
+        return any([_own_hooks(member) for member in self._modules.values() if member is not conv])
 
     def _formulations(self, x: Tensor) -> tuple[str, ...]:
         order = self._order(x)
