@@ -180,6 +180,8 @@ class _Formulations:
         return _order(x)
 
     def _dispatch(self, x: Tensor):
+        if x.numel() == 0:  # (nothing to compute: the original's ops give its empty result, or its error)
+            return self._original_forward(x)
         return autotune.choose(self, self._config, self._formulations, self._call, x, self._graph_stamp)[1]
 
     def _tail_hooked(self) -> bool:

@@ -72,6 +72,26 @@ def test_each_formulation_is_the_original(name, args, shape, train, formulation,
         torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("name,args,shape,formulation", FORMULATION_CASES)
+@pytest.mark.parametrize("autotuned", [True, False], ids=["autotuned", "rule"])
+def test_an_empty_batch_gives_the_originals_result(name, args, shape, formulation, autotuned, device):
+    """A batch of none, forced to each formulation, the tuner on or off, in training and eval: the
+    original's empty result (its shape and dtype, an empty gradient), not a rewrite's reshape error;
+    the next call of one batch is the original's too."""
+    autotune.set_enabled(autotuned)
+    for train in (True, False):
+        original, fused = pair(name, args, device, train=train)
+        for batch in (0, 1):
+            x = torch.rand((batch, *shape[1:]), dtype=torch.float64, device=device)
+            expected = original(x)
+            with autotune.force(formulation):
+                out = fused(x)
+            assert out.shape == expected.shape and out.dtype == expected.dtype
+            torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-12)
+            if train:
+                out.sum().backward()
+
+
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 def test_autotuner_keeps_its_choice(name, args, shape, train, device):
