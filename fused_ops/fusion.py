@@ -52,7 +52,7 @@ from torch import fx, nn
 from . import _autocast
 from . import nn as fnn
 from ._trace import transformed
-from .nn import _fusable_max_pool, scaled_batch_norm_gap
+from .nn import _fusable_max_pool, _has_hooks, scaled_batch_norm_gap
 from .ops import avg_pool2d_sigmoid_sum, max_pool3d_cascade_sum, max_pool3d_mean
 
 _NO_MEMBER = object()  # a matched op that gives the fused module no member
@@ -416,9 +416,10 @@ CHAINS = (
 
 
 # The tails alone (where no whole chain holds), each replaced by a call of its fused op: builders
-# of that call from the members the ops give. Each runs the traced ops instead where the fused op
-# does not take the pools or the input's rank or dtype, or under a torch.func transform (which cannot
-# transform the fused ops' C++ autograd), and returns the traced ops' dtype under autocast.
+# of that call, call(y, traced), from the members the ops give. Each runs the traced ops instead where
+# told to (_TailModule: under a torch.func transform, which cannot transform the fused ops' C++ autograd,
+# or where a member has hooks, which the traced ops' module calls run) or where the fused op does not take
+# the pools or the input's rank or dtype, and returns the traced ops' dtype under autocast.
 
 
 def _in_tail_dtype(out: torch.Tensor, y: torch.Tensor, ops: tuple[str, ...]) -> torch.Tensor:
@@ -426,8 +427,8 @@ def _in_tail_dtype(out: torch.Tensor, y: torch.Tensor, ops: tuple[str, ...]) -> 
 
 
 def _average_sigmoid_sum(avg_pool):
-    def call(y):
-        if y.dim() != 4 or not y.is_floating_point() or transformed():
+    def call(y, traced):
+        if traced or y.dim() != 4 or not y.is_floating_point():
             return torch.sum(torch.sigmoid(avg_pool(y)), dim=(1, 2, 3))
         out = avg_pool2d_sigmoid_sum(y, avg_pool.kernel_size, avg_pool.stride, avg_pool.padding, avg_pool.ceil_mode,
                                      avg_pool.count_include_pad, avg_pool.divisor_override)
@@ -436,9 +437,8 @@ def _average_sigmoid_sum(avg_pool):
 
 
 def _max_pool_mean(max_pool, global_avg_pool, divisor=None):
-    def call(y):
-        if (y.dim() != 5 or not y.is_floating_point() or not _fusable_max_pool(max_pool, ceil_mode_ok=True)
-                or transformed()):
+    def call(y, traced):
+        if traced or y.dim() != 5 or not y.is_floating_point() or not _fusable_max_pool(max_pool, ceil_mode_ok=True):
             return global_avg_pool(max_pool(y if divisor is None else y / divisor))
         mean = max_pool3d_mean(y, max_pool.kernel_size, max_pool.stride, max_pool.padding, max_pool.ceil_mode,
                                1.0 if divisor is None else divisor)
@@ -447,8 +447,8 @@ def _max_pool_mean(max_pool, global_avg_pool, divisor=None):
 
 
 def _max_pool_cascade_sum(max_pool1, max_pool2):
-    def call(y):
-        if (y.dim() != 5 or not y.is_floating_point() or transformed()
+    def call(y, traced):
+        if (traced or y.dim() != 5 or not y.is_floating_point()
                 or not all(_fusable_max_pool(pool, ceil_mode_ok=False) for pool in (max_pool1, max_pool2))):
             return torch.sum(max_pool2(max_pool1(y)), dim=1, keepdim=True)
         out = max_pool3d_cascade_sum(y, max_pool1.kernel_size, max_pool2.kernel_size, stride1=max_pool1.stride,
@@ -458,8 +458,8 @@ def _max_pool_cascade_sum(max_pool1, max_pool2):
 
 
 def _scale_batch_norm_mean(scale_factor, batch_norm, global_avg_pool):
-    def call(y):
-        if y.dim() != 5 or transformed():  # (BatchNorm3d's own error)
+    def call(y, traced):
+        if traced or y.dim() != 5:  # (BatchNorm3d's own error)
             return global_avg_pool(batch_norm(y * scale_factor))
         out = scaled_batch_norm_gap(y, scale_factor, batch_norm)
         return _in_tail_dtype(out, y, ("aten::batch_norm", "aten::adaptive_avg_pool3d"))
@@ -505,7 +505,7 @@ class _TailModule(nn.Module):
         self.call = self.build(**{name: getattr(self, name) for name in self.member_names})
 
     def forward(self, y):
-        return self.call(y)
+        return self.call(y, transformed() or any([_has_hooks(member) for member in self._modules.values()]))
 
 
 def _input(start: fx.Node) -> fx.Node | None:

@@ -163,6 +163,27 @@ def test_functional_call_and_per_sample_gradients_see_the_tensors_given(network)
             torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("network", [Network, Tails])
+def test_hooks_on_the_models_modules_run(network):
+    """Hooks registered on the model's modules after fuse (a pool's, the batch norm's; one changes its
+    module's output) run as they do in the original, in the fused chains and the fused tails alike."""
+    torch.manual_seed(5)
+    original = network().double()
+    args = tails_inputs("cpu") if network is Tails else inputs("cpu")
+    model = copy.deepcopy(original)
+    fused = fused_ops.fuse(model)  # (model's members: check_step compares its gradients in its order)
+    counts = {}
+    for tag, hooked in (("original", original), ("fused", fused)):
+        for name, module in hooked.named_modules():
+            if isinstance(module, (nn.MaxPool3d, nn.AvgPool2d, nn.BatchNorm3d)):
+                def hook(m, inputs, out, key=(tag, name)):
+                    counts[key] = counts.get(key, 0) + 1
+                    return out * 1.25 + 0.5
+                module.register_forward_hook(hook)
+    check_step(model, original, fused(*args), args, train=True)
+    assert counts and all(counts[("fused", name)] == n for (tag, name), n in counts.items() if tag == "original")
+
+
 class SharedIntermediate(nn.Module):
     """A's chain whose quotient is returned too: fusing it would lose that use."""
 
