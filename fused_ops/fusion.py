@@ -49,10 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from . import _autocast
+from . import _autocast, _trace
 from . import nn as fnn
-from ._trace import transformed
-from .nn import _fusable_max_pool, _has_hooks, scaled_batch_norm_gap
+from .nn import _any_hooks, _fusable_max_pool, scaled_batch_norm_gap
 from .ops import avg_pool2d_sigmoid_sum, max_pool3d_cascade_sum, max_pool3d_mean
 
 _NO_MEMBER = object()  # a matched op that gives the fused module no member
@@ -82,17 +81,18 @@ class FuseReport:
 
 
 class _FusedCall(nn.Module):
-    """The call that replaces a chain or a tail: `module` (the chain's drop-in module, or a
-    _TailModule) on its input. Its arguments after the input: the tensors the graph gives at each
-    call for `tensor_names` (the module's parameters and buffers they stand for), then the present
-    values of the model's attributes `module` holds itself (`captured`, by the names `captured_names`:
-    a functional convolution's weight, A's added parameter). Those bound, and any captured one that is
-    no longer the tensor held (torch.func.functional_call, a torch.func transform, a parameter assigned
-    anew), take the module's own's place (torch.func.functional_call). A submodule of the graph module,
-    so that a copy, a pickle or a move of it takes the call along; `module` is held outside the module
-    tree (its members are the model's own, which registered twice would repeat in the state_dict).
-    follow_mode: `module` takes this call's train / eval mode (the graph module's: its train() and
-    eval() reach its submodules) at each call; else (a functional batch norm) it keeps its own."""
+    """The call that replaces a chain or a tail: `module` (the chain's drop-in module, or a _TailModule)
+    on its input x. Its other arguments: the tensors the graph gives at each call for `tensor_names`
+    (bound into the module by torch.func.functional_call), then the model's attributes as they are now for
+    the tensors the module holds itself (`captured_names`: a functional convolution's weight, A's added
+    parameter). One that is no longer the tensor held (a parameter assigned anew, load_state_dict with
+    assign=True, .to() that makes new parameters) is held from then on; under functional_call's own
+    binding, a torch.func transform or a trace, it is bound for the call alone. A submodule of the graph
+    module, so that a copy, a pickle or a move takes it along; `module` is outside the module tree (its
+    members are the model's own: registered twice, they would repeat in the state_dict). follow_mode:
+    `module`'s own training flag follows this call's (the graph module's: its train() and eval() reach its
+    submodules), its members keeping theirs (a frozen batch norm's); else (a functional batch norm) it
+    keeps its own."""
 
     def __init__(self, module: nn.Module, follow_mode: bool, tensor_names: list[str],
                  captured: dict[str, torch.Tensor]):
@@ -102,22 +102,38 @@ class _FusedCall(nn.Module):
         self.captured_names, self.captured = list(captured), tuple(captured.values())  # (a tuple: not registered)
 
     def extra_repr(self) -> str:
-        bound = f", binding {', '.join(self.tensor_names)}" if self.tensor_names else ""
         module = self.module
         name = module.build.__name__.strip("_") if isinstance(module, _TailModule) else type(module).__name__
-        return f"{name}{bound}"
+        bound = f", binding {', '.join(self.tensor_names)}" if self.tensor_names else ""
+        held = f", holding {', '.join(self.captured_names)}" if self.captured_names else ""
+        return f"{name}{bound}{held}"
 
     def forward(self, x, *tensors):
-        if self.follow_mode and self.module.training != self.training:
-            self.module.train(self.training)
+        if self.follow_mode:
+            self.module.training = self.training
         count = len(self.tensor_names)
         bound = dict(zip(self.tensor_names, tensors[:count]))
-        for name, now, held in zip(self.captured_names, tensors[count:], self.captured):
-            if now is not held:
-                bound[name] = now
+        bound.update(self.hold(tensors[count:]))
         if not bound:
             return self.module(x)
         return torch.func.functional_call(self.module, bound, (x,))
+
+    def hold(self, present: tuple) -> dict:
+        """Holds the captured tensors' present values (`present`, in captured_names' order) where they
+        changed; returns {name: tensor} of those to bind for this call alone (a tensor of another type than
+        the one held: functional_call's plain tensor for a parameter; or under a transform or a trace)."""
+        bound = {}
+        for index, (name, now) in enumerate(zip(self.captured_names, present)):
+            held = self.captured[index]
+            if now is held:
+                continue
+            if type(now) is not type(held) or _trace.transformed() or _trace.traced(now):
+                bound[name] = now
+                continue
+            owner, _, attribute = name.rpartition(".")
+            setattr(self.module.get_submodule(owner), attribute, now)
+            self.captured = (*self.captured[:index], now, *self.captured[index + 1:])
+        return bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,7 +521,7 @@ class _TailModule(nn.Module):
         self.call = self.build(**{name: getattr(self, name) for name in self.member_names})
 
     def forward(self, y):
-        return self.call(y, transformed() or any([_has_hooks(member) for member in self._modules.values()]))
+        return self.call(y, _trace.transformed() or _any_hooks(self._modules.values()))
 
 
 def _input(start: fx.Node) -> fx.Node | None:
@@ -669,7 +685,7 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
         else:
             model = _fuse_exported(model, example_inputs, result)
         return (model, result) if report else model
-    traced.train(model.training)
+    traced.training = model.training  # (the flag alone: train() would reset its members' own, a frozen batch norm's)
     fuse_graph(traced, result, follow_mode=True)
     traced.recompile()
     _give_fused_hooks(traced)
@@ -677,12 +693,13 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
 
 
 def _give_fused_hooks(fused: fx.GraphModule) -> fx.GraphModule:
-    """Gives a ``fuse`` result, through its own class (fx makes one for each graph module; a deep copy's
-    derives from it), torch.jit.script's hook (_scriptable) and a pickling that gives them again to the
-    unpickled module (fx's, which regenerates the module's code, then this)."""
+    """Gives a ``fuse`` result, through its own class (fx makes one for each graph module),
+    torch.jit.script's hook (_scriptable), and a deep copy and a pickling (fx's, which make a module
+    of a class of their own) that give them to the copy too."""
     cls = type(fused)
     cls.__prepare_scriptable__ = _scriptable
     cls.__reduce__ = _reduce_fused
+    cls.__deepcopy__ = _deepcopy_fused
     return fused
 
 
@@ -695,6 +712,10 @@ def _rebuild_fused(rebuild, args) -> fx.GraphModule:
     return _give_fused_hooks(rebuild(*args))
 
 
+def _deepcopy_fused(fused: fx.GraphModule, memo: dict) -> fx.GraphModule:
+    return _give_fused_hooks(fx.GraphModule.__deepcopy__(fused, memo))
+
+
 def _scriptable(fused: fx.GraphModule) -> fx.GraphModule:
     """What torch.jit.script compiles for a ``fuse`` result: a copy of its graph module in which each
     fused call of a drop-in module is a call of that module as a submodule (script compiles modules,
@@ -702,16 +723,19 @@ def _scriptable(fused: fx.GraphModule) -> fx.GraphModule:
     model's own members shared. A call that binds the graph's tensors (a functional convolution or
     batch norm) stays, and script refuses it."""
     scriptable = fx.GraphModule(fused, copy.deepcopy(fused.graph))
+    scriptable.training = fused.training  # (the flag alone: train() would reach the model's own members)
     for node in list(scriptable.graph.nodes):
         call = scriptable.get_submodule(node.target) if node.op == "call_module" else None
         if isinstance(call, _FusedCall) and not call.tensor_names:
+            captured, node.args = node.args[1:], node.args[:1]
+            call.hold(tuple([_tensor_value(attribute, fused) for attribute in captured]))  # (their values now)
+            call.module.training = fused.training
             scriptable.add_submodule(node.target, call.module)
-            captured, node.args = node.args[1:], node.args[:1]  # (the module holds the captured tensors)
             for attribute in captured:
                 if not attribute.users:
                     scriptable.graph.erase_node(attribute)
     scriptable.recompile()
-    return scriptable.train(fused.training)
+    return scriptable
 
 
 def _bind(members: dict, model: fx.GraphModule) -> tuple[dict, dict, dict]:

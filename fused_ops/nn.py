@@ -56,7 +56,7 @@ def _adopt(cls, original: nn.Module, **members: type | tuple[type, ...]) -> nn.M
     nn.Module.__init__(module)
     for name in members:
         setattr(module, name, getattr(original, name))
-    module.train(original.training)
+    module.training = original.training  # (its own flag: each member keeps its own, a frozen batch norm's)
     return module
 
 
@@ -130,6 +130,11 @@ def _own_hooks(module: nn.Module) -> bool:
                 or module._backward_pre_hooks)
 
 
+def _any_hooks(modules, but: nn.Module | None = None) -> bool:
+    """Whether calling any of `modules` (but `but`) runs hooks (_has_hooks)."""
+    return _global_hooks() or any([_own_hooks(module) for module in modules if module is not but])
+
+
 def _conv(conv: nn.Module, x: Tensor, weight: Tensor | None = None) -> Tensor:
     """conv(x) (with `weight` for conv.weight where given), the functional op called directly
     (a module call's host time counts where a whole call is host-bound), or the module itself
@@ -189,10 +194,7 @@ class _Formulations:
         forward hook that records or changes its output, say), which the fused tails would skip: the
         original's forward then runs, calling each member as the original does. (The convolution's
         hooks keep the fused tails: its formulations then call it as a module.)"""
-        if _global_hooks():
-            return True
-        conv = self._modules[self._CONV]
-        return any([_own_hooks(member) for member in self._modules.values() if member is not conv])
+        return _any_hooks(self._modules.values(), but=self._modules[self._CONV])
 
     def _formulations(self, x: Tensor) -> tuple[str, ...]:
         order = self._order(x)

@@ -184,6 +184,45 @@ def test_hooks_on_the_models_modules_run(network):
     assert counts and all(counts[("fused", name)] == n for (tag, name), n in counts.items() if tag == "original")
 
 
+@pytest.mark.parametrize("network", [Network, Tails])
+@pytest.mark.parametrize("frozen", ["before fuse", "after fuse"])
+def test_a_frozen_batch_norm_stays_frozen(network, frozen):
+    """A batch norm put in eval mode inside a training model (fine-tuning with frozen statistics), before
+    or after fuse: the fused calls leave its mode alone, and training steps give the original's outputs,
+    gradients and running statistics."""
+    torch.manual_seed(6)
+    original = network().double().train()
+    norm = "d_norm" if network is Network else "norm"
+    args = tails_inputs("cpu") if network is Tails else inputs("cpu")
+    model = copy.deepcopy(original)
+    if frozen == "before fuse":
+        model.get_submodule(norm).eval()
+    fused = fused_ops.fuse(model)
+    if frozen == "after fuse":
+        fused.get_submodule(norm).eval()
+    original.get_submodule(norm).eval()
+    for _ in range(2):
+        check_step(model, original, fused(*args), args, train=True)
+    assert not fused.get_submodule(norm).training and fused.training
+
+
+def test_parameters_loaded_with_assign_are_used():
+    """load_state_dict(assign=True) (new parameter objects, a checkpoint's) into a fuse result: its calls
+    compute with them, as the original does after the same load."""
+    torch.manual_seed(7)
+    original = Functional().double()
+    args = inputs("cpu")
+    fused = fused_ops.fuse(copy.deepcopy(original))
+    state = {name: value * 0.5 + 0.1 for name, value in original.state_dict().items()}
+    original.load_state_dict(state, assign=True)
+    fused.load_state_dict({name: value.clone() for name, value in state.items()}, assign=True)
+    for model in (original, fused):
+        model.eval()
+    with torch.no_grad():
+        for out, ref in zip(fused(*args), original(*args), strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
 class SharedIntermediate(nn.Module):
     """A's chain whose quotient is returned too: fusing it would lose that use."""
 

@@ -7,6 +7,7 @@ dimension as free as the original's.
 
 Run as a script (``python tests/test_onnx_torchscript.py DIR``) it writes the scripted modules and
 their reference outputs that the C++ test reads (ctest runs it first: CMakeLists.txt)."""
+import copy
 import io
 import os
 import pickle
@@ -169,13 +170,27 @@ def test_trace_and_script_of_a_fused_model(name, args, shape):
     model = torch.nn.Sequential(torch.nn.Identity(), original).eval()
     fused = fused_ops.fuse(model)
     x = make_input(shape, torch.float64, "cpu")
-    unpickled = pickle.loads(pickle.dumps(fused))  # (its scripting hook kept)
-    for deployed in (torch.jit.trace(fused, (x,)), torch.jit.script(fused), torch.jit.script(unpickled)):
+    copies = (pickle.loads(pickle.dumps(fused)), copy.deepcopy(fused))  # (their scripting hook kept)
+    for deployed in (torch.jit.trace(fused, (x,)), torch.jit.script(fused), *map(torch.jit.script, copies)):
         deployed = saved_and_loaded(deployed, "cpu")
         assert_no_fused_ops(deployed)
         torch.testing.assert_close(deployed(larger_batch(x)), model(larger_batch(x)), **TOLERANCE[torch.float64])
-    for module in (fused, unpickled):  # (scripting left their fused calls as they were)
+    for module in (fused, *copies):  # (scripting left their fused calls as they were)
         assert [type(m) for m in module.children() if isinstance(m, fusion._FusedCall)] == [fusion._FusedCall]
+
+
+def test_script_of_a_fused_model_after_its_parameters_were_assigned():
+    """torch.jit.script of a fuse result whose parameters were assigned anew (load_state_dict with
+    assign=True), A's added parameter among them, before any call: the new ones."""
+    name, args, shape = CONFIGS[0]
+    original, _ = pair(name, args, torch.float64)
+    model = torch.nn.Sequential(torch.nn.Identity(), original).eval()
+    fused = fused_ops.fuse(copy.deepcopy(model))
+    state = {key: value * 0.5 + 0.1 for key, value in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    fused.load_state_dict({key: value.clone() for key, value in state.items()}, assign=True)
+    x = make_input(shape, torch.float64, "cpu")
+    torch.testing.assert_close(torch.jit.script(fused)(x), model(x), **TOLERANCE[torch.float64])
 
 
 def test_eager_calls_still_run_the_fused_ops():
