@@ -95,11 +95,13 @@ class _FusedCall(nn.Module):
     keeps its own."""
 
     def __init__(self, module: nn.Module, follow_mode: bool, tensor_names: list[str],
-                 captured: dict[str, torch.Tensor]):
+                 captured: dict[str, torch.Tensor], members: dict[str, str]):
         super().__init__()
         object.__setattr__(self, "module", module)  # (not a submodule)
         self.follow_mode, self.tensor_names = follow_mode, tensor_names
         self.captured_names, self.captured = list(captured), tuple(captured.values())  # (a tuple: not registered)
+        # (the members that are the model's modules: their names in `module` and in the model)
+        self.member_names, self.member_paths = list(members), list(members.values())
 
     def extra_repr(self) -> str:
         module = self.module
@@ -108,15 +110,37 @@ class _FusedCall(nn.Module):
         held = f", holding {', '.join(self.captured_names)}" if self.captured_names else ""
         return f"{name}{bound}{held}"
 
-    def forward(self, x, *tensors):
+    def forward(self, x, *given):
         if self.follow_mode:
             self.module.training = self.training
         count = len(self.tensor_names)
-        bound = dict(zip(self.tensor_names, tensors[:count]))
-        bound.update(self.hold(tensors[count:]))
+        bound = dict(zip(self.tensor_names, given[:count]))
+        bound.update(self.refresh(given[count:]))
         if not bound:
             return self.module(x)
         return torch.func.functional_call(self.module, bound, (x,))
+
+    def _check_members(self, present: tuple) -> None:
+        """The model's modules that `module` holds as members, as the model has them now (`present`): one
+        replaced by another of its type is held from then on; by another type (a batch norm converted to
+        nn.SyncBatchNorm, a pool to nn.Identity) the fused call would not compute what the model now does."""
+        for name, path, now in zip(self.member_names, self.member_paths, present):
+            held = getattr(self.module, name)
+            if now is held:
+                continue
+            if type(now) is not type(held):
+                raise TypeError(f"fused_ops.fuse: the model's {path} was a {type(held).__name__} when fused and is "
+                                f"now a {type(now).__name__}; fuse the model again (after convert_sync_batchnorm, say)")
+            setattr(self.module, name, now)
+            if isinstance(self.module, _TailModule):
+                self.module.rebuild()
+
+    def refresh(self, present: tuple) -> dict:
+        """The model's attributes that `module` holds, as they are now (`present`: the captured tensors',
+        then the member modules'): see hold and _check_members; returns hold's."""
+        count = len(self.captured_names)
+        self._check_members(present[count:])
+        return self.hold(present[:count])
 
     def hold(self, present: tuple) -> dict:
         """Holds the captured tensors' present values (`present`, in captured_names' order) where they
@@ -193,13 +217,16 @@ def _tensor_value(node, model: fx.GraphModule) -> torch.Tensor | None:
     the example value torch.compile's graphs carry (a fake tensor)."""
     if not isinstance(node, fx.Node):
         return None
-    if node.op == "get_attr":
-        value = model
-        for atom in node.target.split("."):
-            value = getattr(value, atom, None)
-    else:
-        value = node.meta.get("example_value", node.meta.get("val"))
+    value = _attribute(node, model) if node.op == "get_attr" else node.meta.get("example_value", node.meta.get("val"))
     return value if isinstance(value, torch.Tensor) else None
+
+
+def _attribute(node: fx.Node, model: nn.Module):
+    """What a get_attr node gives now (None where the model has no such attribute)."""
+    value = model
+    for atom in node.target.split("."):
+        value = getattr(value, atom, None)
+    return value
 
 
 # a convolution module's functional spelling: (the function, its arguments after the input)
@@ -511,13 +538,16 @@ class _TailModule(nn.Module):
         for name, member in members.items():
             setattr(self, name, member)
         self.build, self.member_names = tail.build, list(members)
-        self.call = self.build(**members)
+        self.rebuild()
 
     def __getstate__(self):
         return {name: value for name, value in super().__getstate__().items() if name != "call"}
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.rebuild()
+
+    def rebuild(self) -> None:
         self.call = self.build(**{name: getattr(self, name) for name in self.member_names})
 
     def forward(self, y):
@@ -727,11 +757,11 @@ def _scriptable(fused: fx.GraphModule) -> fx.GraphModule:
     for node in list(scriptable.graph.nodes):
         call = scriptable.get_submodule(node.target) if node.op == "call_module" else None
         if isinstance(call, _FusedCall) and not call.tensor_names:
-            captured, node.args = node.args[1:], node.args[:1]
-            call.hold(tuple([_tensor_value(attribute, fused) for attribute in captured]))  # (their values now)
+            attributes, node.args = node.args[1:], node.args[:1]
+            call.refresh(tuple([_attribute(attribute, fused) for attribute in attributes]))  # (as they are now)
             call.module.training = fused.training
             scriptable.add_submodule(node.target, call.module)
-            for attribute in captured:
+            for attribute in attributes:
                 if not attribute.users:
                     scriptable.graph.erase_node(attribute)
     scriptable.recompile()
@@ -771,6 +801,7 @@ def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool, in
     patterns' pass), where a match whose memory the graph writes in place anywhere stays."""
     graph = traced.graph
     taken: set[fx.Node] = set()  # (the nodes of the chains fused so far: erased)
+    paths = {id(module): path for path, module in traced.named_modules() if path}  # (the model's modules)
     for patterns, starts in ((CHAINS, ("call_module", "call_function")),
                              (TAILS, ("call_module", "call_function", "call_method"))):
         for start in list(graph.nodes):
@@ -810,10 +841,15 @@ def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool, in
                     module = pattern.module.from_module(types.SimpleNamespace(**members, training=training))
                 else:
                     module = _TailModule(pattern, members)
+                held = {key: paths[id(member)] for key, member in members.items()
+                        if isinstance(member, nn.Module) and id(member) in paths}
                 call = _FusedCall(module, follow_mode and not own_mode, list(tensors),
-                                  {key: tensor for key, (_, tensor) in captured.items()}).train(traced.training)
-                _replace(traced, nodes, call, f"fused_{name.replace('-', '_')}_{len(result.fused)}",
-                         (_input(start), *tensors.values(), *[node for node, _ in captured.values()]))
+                                  {key: tensor for key, (_, tensor) in captured.items()}, held)
+                with graph.inserting_before(nodes[0]):
+                    held_nodes = [graph.get_attr(path) for path in held.values()]
+                arguments = (_input(start), *tensors.values(), *[node for node, _ in captured.values()], *held_nodes)
+                _replace(traced, nodes, call.train(traced.training),
+                         f"fused_{name.replace('-', '_')}_{len(result.fused)}", arguments)
                 taken.update(nodes)
                 result.fused.append((name, [node.name for node in nodes]))
                 break

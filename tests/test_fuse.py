@@ -223,6 +223,27 @@ def test_parameters_loaded_with_assign_are_used():
             torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
 
 
+def test_modules_replaced_after_fuse():
+    """A module of a fused chain or tail replaced after fuse by another of its type (another pool size)
+    is the one used; by another type (a batch norm converted to nn.SyncBatchNorm) a clear error, not the
+    old module's results."""
+    torch.manual_seed(8)
+    for network, args, replace in ((Network, inputs("cpu"), ("pools.1", nn.MaxPool3d(2, stride=1))),
+                                   (Tails, tails_inputs("cpu"), ("pool", nn.MaxPool3d(3, stride=2)))):
+        original = network().double()
+        fused = fused_ops.fuse(copy.deepcopy(original))
+        path, module = replace
+        for model in (original, fused):
+            owner, _, name = path.rpartition(".")
+            setattr(model.get_submodule(owner), name, copy.deepcopy(module))
+        with torch.no_grad():
+            for out, ref in zip(fused(*args), original(*args), strict=True):
+                torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(fused_ops.fuse(Network().double()))
+    with pytest.raises(TypeError, match="d_norm was a BatchNorm3d when fused and is now a SyncBatchNorm"):
+        converted(*inputs("cpu"))
+
+
 class SharedIntermediate(nn.Module):
     """A's chain whose quotient is returned too: fusing it would lose that use."""
 
