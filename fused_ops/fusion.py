@@ -95,13 +95,13 @@ class _FusedCall(nn.Module):
     keeps its own."""
 
     def __init__(self, module: nn.Module, follow_mode: bool, tensor_names: list[str],
-                 captured: dict[str, torch.Tensor], members: dict[str, str]):
+                 captured: dict[str, torch.Tensor], members: list[str]):
         super().__init__()
         object.__setattr__(self, "module", module)  # (not a submodule)
         self.follow_mode, self.tensor_names = follow_mode, tensor_names
         self.captured_names, self.captured = list(captured), tuple(captured.values())  # (a tuple: not registered)
-        # (the members that are the model's modules: their names in `module` and in the model)
-        self.member_names, self.member_paths = list(members), list(members.values())
+        self.member_names = list(members)  # (the members that are the model's modules, passed at each call)
+        self.as_original = False  # (a member replaced by another type: _check_members)
 
     def extra_repr(self) -> str:
         module = self.module
@@ -116,24 +116,29 @@ class _FusedCall(nn.Module):
         count = len(self.tensor_names)
         bound = dict(zip(self.tensor_names, given[:count]))
         bound.update(self.refresh(given[count:]))
+        if self.as_original:
+            return self.module._original_forward(x)
         if not bound:
             return self.module(x)
         return torch.func.functional_call(self.module, bound, (x,))
 
     def _check_members(self, present: tuple) -> None:
         """The model's modules that `module` holds as members, as the model has them now (`present`): one
-        replaced by another of its type is held from then on; by another type (a batch norm converted to
-        nn.SyncBatchNorm, a pool to nn.Identity) the fused call would not compute what the model now does."""
-        for name, path, now in zip(self.member_names, self.member_paths, present):
+        replaced is held from then on. A tail then runs its traced ops, which call it (_TailModule.replaced);
+        a drop-in takes one of the same type (it checks what it computes from its members itself) or a batch
+        norm converted to nn.SyncBatchNorm (which it synchronizes), and runs its original's forward, which
+        calls each member, for any other (a pool made nn.Identity, say)."""
+        for name, now in zip(self.member_names, present):
             held = getattr(self.module, name)
             if now is held:
                 continue
-            if type(now) is not type(held):
-                raise TypeError(f"fused_ops.fuse: the model's {path} was a {type(held).__name__} when fused and is "
-                                f"now a {type(now).__name__}; fuse the model again (after convert_sync_batchnorm, say)")
             setattr(self.module, name, now)
             if isinstance(self.module, _TailModule):
+                self.module.replaced = True
                 self.module.rebuild()
+            elif type(now) is not type(held) and not (isinstance(held, nn.BatchNorm3d)
+                                                      and isinstance(now, nn.SyncBatchNorm)):
+                self.as_original = True
 
     def refresh(self, present: tuple) -> dict:
         """The model's attributes that `module` holds, as they are now (`present`: the captured tensors',
@@ -538,6 +543,7 @@ class _TailModule(nn.Module):
         for name, member in members.items():
             setattr(self, name, member)
         self.build, self.member_names = tail.build, list(members)
+        self.replaced = False  # (a member replaced after fuse: its traced ops from then on)
         self.rebuild()
 
     def __getstate__(self):
@@ -551,7 +557,7 @@ class _TailModule(nn.Module):
         self.call = self.build(**{name: getattr(self, name) for name in self.member_names})
 
     def forward(self, y):
-        return self.call(y, _trace.transformed() or _any_hooks(self._modules.values()))
+        return self.call(y, self.replaced or _trace.transformed() or _any_hooks(self._modules.values()))
 
 
 def _input(start: fx.Node) -> fx.Node | None:
@@ -801,7 +807,6 @@ def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool, in
     patterns' pass), where a match whose memory the graph writes in place anywhere stays."""
     graph = traced.graph
     taken: set[fx.Node] = set()  # (the nodes of the chains fused so far: erased)
-    paths = {id(module): path for path, module in traced.named_modules() if path}  # (the model's modules)
     for patterns, starts in ((CHAINS, ("call_module", "call_function")),
                              (TAILS, ("call_module", "call_function", "call_method"))):
         for start in list(graph.nodes):
@@ -841,10 +846,11 @@ def fuse_graph(traced: fx.GraphModule, result: FuseReport, follow_mode: bool, in
                     module = pattern.module.from_module(types.SimpleNamespace(**members, training=training))
                 else:
                     module = _TailModule(pattern, members)
-                held = {key: paths[id(member)] for key, member in members.items()
-                        if isinstance(member, nn.Module) and id(member) in paths}
+                held = {member: node.target for (member, _), node in zip(pattern.steps, nodes)
+                        if node.op == "call_module" and member is not None
+                        and traced.get_submodule(node.target) is members.get(member)}  # (the model's modules)
                 call = _FusedCall(module, follow_mode and not own_mode, list(tensors),
-                                  {key: tensor for key, (_, tensor) in captured.items()}, held)
+                                  {key: tensor for key, (_, tensor) in captured.items()}, list(held))
                 with graph.inserting_before(nodes[0]):
                     held_nodes = [graph.get_attr(path) for path in held.values()]
                 arguments = (_input(start), *tensors.values(), *[node for node, _ in captured.values()], *held_nodes)

@@ -556,9 +556,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         return order
 
     def _config(self) -> tuple:
-        bn = self.batch_norm
+        bn = self.batch_norm  # (its own mode: a batch norm frozen in a training model, or trained in an eval one)
         return (_conv_config(self.conv_transpose), self.scale_factor, bn.eps, bn.momentum, bn.affine,
-                bn.track_running_stats, bn.running_mean is None)
+                bn.track_running_stats, bn.running_mean is None, bn.training, type(bn))
 
     def _batch_stats(self) -> bool:
         # nn.BatchNorm3d's rule: batch statistics in training mode or without running statistics

@@ -452,6 +452,22 @@ def test_autotuned_under_a_non_reentrant_checkpoint(name, args, shape):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-9, atol=1e-12)
 
 
+def test_from_module_keeps_a_frozen_batch_norm():
+    """from_module of a training original whose batch norm is frozen (eval mode): the drop-in leaves the
+    member's mode as it is, and its training steps are the original's (outputs, gradients, statistics)."""
+    name, args, shape = CONFIGS[3]
+    original, _ = pair(name, args, "cpu")
+    original.batch_norm.eval()
+    reference_model = copy.deepcopy(original)
+    fused = getattr(fnn, name).from_module(original)
+    assert fused.training and not fused.batch_norm.training
+    x = torch.rand(shape, dtype=torch.float64)
+    grad = torch.rand_like(copy.deepcopy(reference_model)(x))
+    for _ in range(2):
+        for got, ref in zip(step(fused, x, grad), step(reference_model, x, grad), strict=True):
+            torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-12)
+
+
 HOOKS = {
     "forward": lambda module, record: module.register_forward_hook(lambda m, args, out: record() or out * 1.25 + 0.5),
     "forward pre": lambda module, record: module.register_forward_pre_hook(lambda m, args: record()),

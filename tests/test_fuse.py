@@ -198,8 +198,10 @@ def test_a_frozen_batch_norm_stays_frozen(network, frozen):
     if frozen == "before fuse":
         model.get_submodule(norm).eval()
     fused = fused_ops.fuse(model)
-    if frozen == "after fuse":
-        fused.get_submodule(norm).eval()
+    if frozen == "after fuse":  # (an eval call first: its fused call's mode set to eval, then back)
+        with torch.no_grad():
+            fused.eval()(*args)
+        fused.train().get_submodule(norm).eval()
     original.get_submodule(norm).eval()
     for _ in range(2):
         check_step(model, original, fused(*args), args, train=True)
@@ -213,7 +215,8 @@ def test_parameters_loaded_with_assign_are_used():
     original = Functional().double()
     args = inputs("cpu")
     fused = fused_ops.fuse(copy.deepcopy(original))
-    state = {name: value * 0.5 + 0.1 for name, value in original.state_dict().items()}
+    state = {name: value * 0.5 + 0.1 if value.is_floating_point() else value
+             for name, value in original.state_dict().items()}
     original.load_state_dict(state, assign=True)
     fused.load_state_dict({name: value.clone() for name, value in state.items()}, assign=True)
     for model in (original, fused):
@@ -223,25 +226,52 @@ def test_parameters_loaded_with_assign_are_used():
             torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
 
 
-def test_modules_replaced_after_fuse():
-    """A module of a fused chain or tail replaced after fuse by another of its type (another pool size)
-    is the one used; by another type (a batch norm converted to nn.SyncBatchNorm) a clear error, not the
-    old module's results."""
+class Pooled(nn.Module):
+    """A- and D-tails whose global averages are modules (which a user may replace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(3, 4, 3)
+        self.pool, self.norm = nn.MaxPool3d(2), nn.BatchNorm3d(4)
+        self.gap, self.gap2 = nn.AdaptiveAvgPool3d(1), nn.AdaptiveAvgPool3d(1)
+
+    def forward(self, x, image):
+        h = self.conv(x)
+        return self.gap(self.pool(h / 2.0)), self.gap2(self.norm(h * 2.0)), h.sum()
+
+
+REPLACEMENTS = [  # (model, path, the module put there after fuse)
+    (Network, "pools.1", nn.MaxPool3d(2, stride=1)),  # (B's chain: the same type)
+    (Network, "pools.1", nn.Identity()),  # (another type: the original's forward)
+    (Network, "d_norm", "sync"),  # (convert_sync_batchnorm after fuse)
+    (Tails, "pool", nn.MaxPool3d(3, stride=2)),
+    (Pooled, "gap", nn.AdaptiveAvgPool3d(2)),  # (a tail's pool the fused op does not compute: its traced ops)
+    (Pooled, "gap2", nn.AdaptiveAvgPool3d(2)),
+]
+
+
+@pytest.mark.parametrize("network,path,replacement", REPLACEMENTS,
+                         ids=[f"{n.__name__}-{p}-{type(r).__name__}" for n, p, r in REPLACEMENTS])
+def test_modules_replaced_after_fuse_are_used(network, path, replacement):
+    """A module of a fused chain or tail replaced after fuse (by one of its type, another type, a
+    convert_sync_batchnorm) is the one used: outputs and gradients as the original's so changed."""
     torch.manual_seed(8)
-    for network, args, replace in ((Network, inputs("cpu"), ("pools.1", nn.MaxPool3d(2, stride=1))),
-                                   (Tails, tails_inputs("cpu"), ("pool", nn.MaxPool3d(3, stride=2)))):
-        original = network().double()
-        fused = fused_ops.fuse(copy.deepcopy(original))
-        path, module = replace
-        for model in (original, fused):
+    original = network().double()
+    args = tails_inputs("cpu") if network is Tails else inputs("cpu")
+    model = copy.deepcopy(original)
+    fused = fused_ops.fuse(model)
+    for changed in (original, fused):
+        if replacement == "sync":
+            setattr(changed, path, nn.SyncBatchNorm.convert_sync_batchnorm(changed.get_submodule(path)))
+        else:
             owner, _, name = path.rpartition(".")
-            setattr(model.get_submodule(owner), name, copy.deepcopy(module))
-        with torch.no_grad():
-            for out, ref in zip(fused(*args), original(*args), strict=True):
-                torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
-    converted = nn.SyncBatchNorm.convert_sync_batchnorm(fused_ops.fuse(Network().double()))
-    with pytest.raises(TypeError, match="d_norm was a BatchNorm3d when fused and is now a SyncBatchNorm"):
-        converted(*inputs("cpu"))
+            setattr(changed.get_submodule(owner), name, copy.deepcopy(replacement))
+    check_step(model, original, fused(*args), args, train=True)
+    for changed in (original, fused):
+        changed.eval()
+    with torch.no_grad():
+        for out, ref in zip(fused(*args), original(*args), strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
 
 
 class SharedIntermediate(nn.Module):
