@@ -89,6 +89,13 @@ def test_modes_follow_the_model(device):
             torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
 
 
+def check_eval(fused, original, args):
+    """Both in eval mode, without autograd: the fused model's outputs are the original's (float64)."""
+    with torch.no_grad():
+        for out, ref in zip(fused.eval()(*args), original.eval()(*args), strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
 def round_trips(fused):
     """A deep copy, a pickle's and torch.save's round trips of `fused`."""
     buffer = io.BytesIO()
@@ -219,11 +226,7 @@ def test_parameters_loaded_with_assign_are_used():
              for name, value in original.state_dict().items()}
     original.load_state_dict(state, assign=True)
     fused.load_state_dict({name: value.clone() for name, value in state.items()}, assign=True)
-    for model in (original, fused):
-        model.eval()
-    with torch.no_grad():
-        for out, ref in zip(fused(*args), original(*args), strict=True):
-            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    check_eval(fused, original, args)
 
 
 class Pooled(nn.Module):
@@ -267,11 +270,7 @@ def test_modules_replaced_after_fuse_are_used(network, path, replacement):
             owner, _, name = path.rpartition(".")
             setattr(changed.get_submodule(owner), name, copy.deepcopy(replacement))
     check_step(model, original, fused(*args), args, train=True)
-    for changed in (original, fused):
-        changed.eval()
-    with torch.no_grad():
-        for out, ref in zip(fused(*args), original(*args), strict=True):
-            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    check_eval(fused, original, args)
 
 
 class SharedIntermediate(nn.Module):
