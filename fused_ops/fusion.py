@@ -713,7 +713,9 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
     flow), the model is returned as it is."""
     result = FuseReport()
     try:
-        traced = fx.symbolic_trace(model)
+        tracer = _Tracer()
+        graph = tracer.trace(model)
+        traced = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as error:  # (fx raises TraceError, TypeError, ... on what it cannot trace)
         result.reason = f"{type(error).__name__}: {error}"
         if example_inputs is None:
@@ -726,6 +728,13 @@ def fuse(model: nn.Module, example_inputs=None, *, report: bool = False):
     traced.recompile()
     _give_fused_hooks(traced)
     return (traced, result) if report else traced
+
+
+class _Tracer(fx.Tracer):
+    """fx's symbolic tracer, a fused call kept as one call (a fuse result fused again: its calls stay)."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, _FusedCall) or super().is_leaf_module(module, qualified_name)
 
 
 def _give_fused_hooks(fused: fx.GraphModule) -> fx.GraphModule:

@@ -229,6 +229,17 @@ def test_parameters_loaded_with_assign_are_used():
     check_eval(fused, original, args)
 
 
+def test_a_fuse_result_fused_again_keeps_its_calls():
+    """fuse of a fuse result traces it, its fused calls kept as they are (nothing more to fuse), with the
+    same results and state_dict keys."""
+    torch.manual_seed(9)
+    original = Network().double()
+    twice, report = fused_ops.fuse(fused_ops.fuse(copy.deepcopy(original)), report=True)
+    assert report.traced and not report.fused
+    assert sorted(twice.state_dict()) == sorted(original.state_dict())
+    check_eval(twice, original, inputs("cpu"))
+
+
 class Pooled(nn.Module):
     """A- and D-tails whose global averages are modules (which a user may replace)."""
 
