@@ -85,9 +85,10 @@ class _FusedCall(nn.Module):
     on its input x. Its other arguments: the tensors the graph gives at each call for `tensor_names`
     (bound into the module by torch.func.functional_call), then the model's attributes as they are now for
     the tensors the module holds itself (`captured_names`: a functional convolution's weight, A's added
-    parameter). One that is no longer the tensor held (a parameter assigned anew, load_state_dict with
-    assign=True, .to() that makes new parameters) is held from then on; under functional_call's own
-    binding, a torch.func transform or a trace, it is bound for the call alone. A submodule of the graph
+    parameter) and for its members that are the model's modules (`member_names`: _check_members). A
+    tensor that is no longer the one held (a parameter assigned anew, load_state_dict with assign=True,
+    .to() that makes new parameters) is held from then on; under functional_call's own binding, a
+    torch.func transform or a trace, it is bound for the call alone (hold). A submodule of the graph
     module, so that a copy, a pickle or a move takes it along; `module` is outside the module tree (its
     members are the model's own: registered twice, they would repeat in the state_dict). follow_mode:
     `module`'s own training flag follows this call's (the graph module's: its train() and eval() reach its
