@@ -102,7 +102,6 @@ class _FusedCall(nn.Module):
         self.follow_mode, self.tensor_names = follow_mode, tensor_names
         self.captured_names, self.captured = list(captured), tuple(captured.values())  # (a tuple: not registered)
         self.member_names = list(members)  # (the members that are the model's modules, passed at each call)
-        self.as_original = False  # (a member replaced by another type: _check_members)
 
     def extra_repr(self) -> str:
         module = self.module
@@ -117,29 +116,27 @@ class _FusedCall(nn.Module):
         count = len(self.tensor_names)
         bound = dict(zip(self.tensor_names, given[:count]))
         bound.update(self.refresh(given[count:]))
-        if self.as_original:
-            return self.module._original_forward(x)
         if not bound:
             return self.module(x)
         return torch.func.functional_call(self.module, bound, (x,))
 
     def _check_members(self, present: tuple) -> None:
         """The model's modules that `module` holds as members, as the model has them now (`present`): one
-        replaced is held from then on. A tail then runs its traced ops, which call it (_TailModule.replaced);
-        a drop-in takes one of the same type (it checks what it computes from its members itself) or a batch
-        norm converted to nn.SyncBatchNorm (which it synchronizes), and runs its original's forward, which
-        calls each member, for any other (a pool made nn.Identity, say)."""
+        replaced is held from then on. A tail then runs its traced ops, which call it; a drop-in takes one of
+        the same type (it checks what it computes from its members itself) or a batch norm converted to
+        nn.SyncBatchNorm (which it synchronizes), and runs its original's forward, which calls each member,
+        for any other (a pool made nn.Identity, say). (Both: _members_replaced.)"""
         for name, now in zip(self.member_names, present):
             held = getattr(self.module, name)
             if now is held:
                 continue
             setattr(self.module, name, now)
             if isinstance(self.module, _TailModule):
-                self.module.replaced = True
+                self.module._members_replaced = True
                 self.module.rebuild()
             elif type(now) is not type(held) and not (isinstance(held, nn.BatchNorm3d)
                                                       and isinstance(now, nn.SyncBatchNorm)):
-                self.as_original = True
+                self.module._members_replaced = True
 
     def refresh(self, present: tuple) -> dict:
         """The model's attributes that `module` holds, as they are now (`present`: the captured tensors',
@@ -544,7 +541,7 @@ class _TailModule(nn.Module):
         for name, member in members.items():
             setattr(self, name, member)
         self.build, self.member_names = tail.build, list(members)
-        self.replaced = False  # (a member replaced after fuse: its traced ops from then on)
+        self._members_replaced = False  # (a member replaced after fuse: its traced ops from then on)
         self.rebuild()
 
     def __getstate__(self):
@@ -558,7 +555,7 @@ class _TailModule(nn.Module):
         self.call = self.build(**{name: getattr(self, name) for name in self.member_names})
 
     def forward(self, y):
-        return self.call(y, self.replaced or _trace.transformed() or _any_hooks(self._modules.values()))
+        return self.call(y, self._members_replaced or _trace.transformed() or _any_hooks(self._modules.values()))
 
 
 def _input(start: fx.Node) -> fx.Node | None:

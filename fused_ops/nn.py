@@ -189,12 +189,16 @@ class _Formulations:
             return self._original_forward(x)
         return autotune.choose(self, self._config, self._formulations, self._call, x, self._graph_stamp)[1]
 
-    def _tail_hooked(self) -> bool:
-        """Whether a member other than the convolution runs hooks when called (_has_hooks: a pool's
-        forward hook that records or changes its output, say), which the fused tails would skip: the
-        original's forward then runs, calling each member as the original does. (The convolution's
-        hooks keep the fused tails: its formulations then call it as a module.)"""
-        return _any_hooks(self._modules.values(), but=self._modules[self._CONV])
+    # Set by fused_ops.fusion where a member was replaced, after fuse(), by a module of another type.
+    _members_replaced = False
+
+    def _runs_original(self) -> bool:
+        """Whether the original's forward runs, calling each member as the original does: a member other
+        than the convolution runs hooks when called (_has_hooks: a pool's forward hook that records or
+        changes its output, say), which the fused tails would skip, or a member is of another type than
+        the formulations compute (_members_replaced). (The convolution's hooks keep the fused tails: its
+        formulations then call it as a module.)"""
+        return self._members_replaced or _any_hooks(self._modules.values(), but=self._modules[self._CONV])
 
     def _formulations(self, x: Tensor) -> tuple[str, ...]:
         order = self._order(x)
@@ -302,7 +306,7 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
             return self._original_forward(x)
-        if _deploying() or self._tail_hooked():
+        if _deploying() or self._runs_original():
             return self._original_forward(x)
         if x.dim() != 4:
             # (the original's sum over dims 1, 2, 3 refuses an unbatched 3-D input too)
@@ -372,7 +376,7 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
             return self._original_forward(x)
-        if _deploying() or self._tail_hooked():
+        if _deploying() or self._runs_original():
             return self._original_forward(x)
         name = type(self).__name__
         _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
@@ -452,7 +456,7 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
             return self._original_forward(x)
-        if _deploying() or self._tail_hooked():
+        if _deploying() or self._runs_original():
             return self._original_forward(x)
         name = type(self).__name__
         _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=True)
@@ -529,7 +533,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
     def forward(self, x: Tensor) -> Tensor:
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
             return self._original_forward(x)
-        if _deploying() or self._tail_hooked():
+        if _deploying() or self._runs_original():
             return self._original_forward(x)
         name = type(self).__name__
         _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=False)

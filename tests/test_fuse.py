@@ -257,6 +257,7 @@ class Pooled(nn.Module):
 REPLACEMENTS = [  # (model, path, the module put there after fuse)
     (Network, "pools.1", nn.MaxPool3d(2, stride=1)),  # (B's chain: the same type)
     (Network, "pools.1", nn.Identity()),  # (another type: the original's forward)
+    (Network, "a_conv", nn.Sequential(nn.Conv3d(8, 16, 3))),  # (another type, in A's chain with its held parameter)
     (Network, "d_norm", "sync"),  # (convert_sync_batchnorm after fuse)
     (Tails, "pool", nn.MaxPool3d(3, stride=2)),
     (Pooled, "gap", nn.AdaptiveAvgPool3d(2)),  # (a tail's pool the fused op does not compute: its traced ops)
@@ -274,14 +275,21 @@ def test_modules_replaced_after_fuse_are_used(network, path, replacement):
     args = tails_inputs("cpu") if network is Tails else inputs("cpu")
     model = copy.deepcopy(original)
     fused = fused_ops.fuse(model)
+    owner, _, name = path.rpartition(".")
     for changed in (original, fused):
         if replacement == "sync":
-            setattr(changed, path, nn.SyncBatchNorm.convert_sync_batchnorm(changed.get_submodule(path)))
+            new = nn.SyncBatchNorm.convert_sync_batchnorm(changed.get_submodule(path))
         else:
-            owner, _, name = path.rpartition(".")
-            setattr(changed.get_submodule(owner), name, copy.deepcopy(replacement))
+            new = copy.deepcopy(replacement).double()
+        for target in (changed, model) if changed is fused else (changed,):  # (model: check_step's parameters)
+            setattr(target.get_submodule(owner), name, new)
     check_step(model, original, fused(*args), args, train=True)
     check_eval(fused, original, args)
+    given = {name: p.detach() * 1.5 - 0.1 for name, p in original.named_parameters()}  # (functional_call's)
+    with torch.no_grad():
+        outs, refs = functional_call(fused, given, args), functional_call(original, given, args)
+        for out, ref in zip(outs, refs, strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
 
 
 class SharedIntermediate(nn.Module):
