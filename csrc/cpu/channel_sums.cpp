@@ -1,5 +1,6 @@
 // CPU kernel of channel_sums (the math: ../channel_sums.h): ATen's reduction in the accumulation type.
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "../channel_sums.h"
