@@ -108,6 +108,9 @@ TORCH_LIBRARY(fused_ops, m) {
   // (N, I, D, H, W) and grad_y (N, O, D + kt - 1, H + kr - 1, W + ks - 1)
   // (conv_transpose3d_weight_grad.h). Not differentiable.
   m.def("conv_transpose3d_weight_grad(Tensor grad_y, Tensor x, int[3] kernel_size) -> Tensor");
+  // t (N, C, ...) summed over every dim but C: (C) in t's dtype, accumulated in its opmath type
+  // (channel_sums.h: D's bias gradient from a channels-last grad_y). Not differentiable.
+  m.def("channel_sums(Tensor t) -> Tensor");
   // Which implementation conv_transpose3d_weight_grad takes for these arguments: a CUTLASS
   // kernel's name, or "aten.convolution_backward" (for tests and benchmarks).
   m.def("conv_transpose3d_weight_grad_path(Tensor grad_y, Tensor x, int[3] kernel_size) -> str");

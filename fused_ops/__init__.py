@@ -6,14 +6,16 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers the torch.ops.fused_ops kernels)
 from . import nn, reference, rewrites
 from .fusion import FuseReport, fuse
-from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, box_fold2d, conv2d_sigmoid_sum, conv3d_max_pool3d_mean,
+from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, box_fold2d, channel_sums, conv2d_sigmoid_sum,
+                  conv3d_max_pool3d_mean,
                   conv_transpose3d_batch_norm_eval_mean, conv_transpose3d_cascade_sum,
                   conv_transpose3d_cascade_weight_grad, conv_transpose3d_stride1_channels_last,
                   conv_transpose3d_weight_grad, depth_stacked_channels_last,
                   max_pool3d_cascade_sum, max_pool3d_mean, parity_max_pool3d_cascade_sum, parity_max_pool3d_mean)
 
 __all__ = ["enable_compile_patterns", "disable_compile_patterns", "avg_pool2d_sigmoid_sum", "batch_norm_gap",
-           "box_fold2d", "conv2d_sigmoid_sum", "conv3d_max_pool3d_mean", "conv_transpose3d_batch_norm_eval_mean",
+           "box_fold2d", "channel_sums", "conv2d_sigmoid_sum", "conv3d_max_pool3d_mean",
+           "conv_transpose3d_batch_norm_eval_mean",
            "conv_transpose3d_cascade_sum",
            "conv_transpose3d_cascade_weight_grad",
            "conv_transpose3d_stride1_channels_last", "conv_transpose3d_weight_grad", "depth_stacked_channels_last",

@@ -379,23 +379,3 @@ def test_d_rewrite_with_padding_past_the_kernel(device):
         with autotune.force("rewrite"):
             out = fused(x)
     torch.testing.assert_close(out, expected, rtol=5e-2, atol=5e-2)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the sums of a CUDA grad_y (CUDA only)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64],
-                         ids=["bfloat16", "float16", "float32", "float64"])
-def test_channels_last_channel_sums(dtype):
-    """The conv bias's gradient over a channels-last grad_y (the rewrite's backward): every
-    channel's sum, within one rounding to the dtype of the float64 sum; float32's with TF32
-    matmuls allowed too (it must not round its operands to TF32)."""
-    t = (torch.randn(3, 40, 5, 6, 7, generator=torch.Generator().manual_seed(0)) + 0.5).to("cuda", dtype)
-    t = t.contiguous(memory_format=torch.channels_last_3d)
-    matmul = torch.backends.cuda.matmul
-    tf32, matmul.allow_tf32 = matmul.allow_tf32, True
-    try:
-        got = rewrites._channels_last_channel_sums(t)
-    finally:
-        matmul.allow_tf32 = tf32
-    expected = t.double().sum((0, 2, 3, 4))
-    assert got.dtype == dtype and got.shape == (40,)
-    torch.testing.assert_close(got.double(), expected, rtol=torch.finfo(dtype).eps, atol=1e-3)

@@ -27,10 +27,11 @@ from .conv_transpose3d_stride1_channels_last import (conv_transpose3d_stride1_ch
                                                      conv_transpose3d_stride1_channels_last_path)
 from .conv_transpose3d_cascade_sum import conv_transpose3d_cascade_sum, conv_transpose3d_cascade_sum_path
 from .box_fold2d import box_fold2d
+from .channel_sums import channel_sums
 
 __all__ = ["avg_pool2d_sigmoid_sum", "conv2d_sigmoid_sum", "conv3d_max_pool3d_mean", "max_pool3d_mean",
            "max_pool3d_cascade_sum", "parity_max_pool3d_mean", "parity_max_pool3d_cascade_sum",
            "depth_stacked_channels_last", "batch_norm_gap", "conv_transpose3d_batch_norm_eval_mean",
            "conv_transpose3d_cascade_weight_grad", "conv_transpose3d_weight_grad", "conv_transpose3d_weight_grad_path",
            "conv_transpose3d_stride1_channels_last", "conv_transpose3d_stride1_channels_last_path",
-           "conv_transpose3d_cascade_sum", "conv_transpose3d_cascade_sum_path", "box_fold2d"]
+           "conv_transpose3d_cascade_sum", "conv_transpose3d_cascade_sum_path", "box_fold2d", "channel_sums"]

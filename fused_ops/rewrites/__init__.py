@@ -29,7 +29,7 @@ from ._common import _transposed_axis, kernel_dtype
 from .conv3d_max_pool import conv3d_max_pool_mean, conv3d_max_pool_windows
 from .conv_transpose3d_max_pool import (_cascade_sum, _transposed_windows_geometry, conv_transpose3d_max_pool_cascade_sum,
                                         conv_transpose3d_max_pool_windows, forced_picked_weight_grad)
-from .conv_transpose3d_batch_norm import (_channels_last_channel_sums, _stride1_by_cutlass, _TransposedConv3dStride1,
+from .conv_transpose3d_batch_norm import (_stride1_by_cutlass, _TransposedConv3dStride1,
                                        conv_transpose3d_spatial_mean, conv_transpose3d_spatial_mean_map,
                                        conv_transpose3d_stride1, spatial_mean_holds, spatial_sums)
 from .conv2d_avg_pool_sigmoid import _pool_fold, _pool_folded_bias, _PoolFold, conv2d_avg_pool, conv2d_avg_pool_sigmoid_sum
@@ -40,5 +40,5 @@ __all__ = ["kernel_dtype", "conv3d_max_pool_windows", "conv3d_max_pool_mean", "c
            "conv2d_avg_pool_sigmoid_sum", "conv2d_avg_pool",
            # (private, for fused_ops.export_patterns, the tests and the benchmarks)
            "_transposed_axis", "_cascade_sum", "_transposed_windows_geometry",
-           "_channels_last_channel_sums", "_stride1_by_cutlass", "_TransposedConv3dStride1", "_pool_fold",
+           "_stride1_by_cutlass", "_TransposedConv3dStride1", "_pool_fold",
            "_pool_folded_bias", "_PoolFold"]
