@@ -13,13 +13,15 @@ to 100 of them; --reps fixes it), spread over the rounds; its time is the median
 of its rounds' medians (each round's are kept in the JSON). After its warm-up the fused module's
 formulation is recorded where the module says it (a method ``formulation(x)``
 returning a string, called under the step's settings; null where it has none).
-Writes configs-<device>[-autocast-<dtype>].json under bench/results/ (or --out)
-and prints a table last, a row per configuration, batch and step, then the
-worst cases.
+Writes configs-<device>[-autocast-<dtype>].json under bench/results/ (or --out),
+after each row ("complete": false until the last: the whole grid outlasts one
+command on the lent GPU machines; --resume keeps the rows of that file measured
+under the same settings and measures the rest), and prints a table last, a row
+per configuration, batch and step, then the worst cases.
 
     python bench/configs.py [--device cuda] [--size spec|tiny] [--configs A,B-s1p0k3,'C-p*']
                             [--batches 1,8,spec] [--steps eval,train] [--reps N]
-                            [--autocast bfloat16|float16] [--out DIR] [--estimate]
+                            [--autocast bfloat16|float16] [--out DIR] [--resume] [--estimate]
     python bench/configs.py --markdown bench/results/configs-nvidia-h200.json   # the README's table
 """
 import argparse
@@ -37,7 +39,7 @@ import torch
 
 from fused_ops import cli
 from fused_ops.architectures import ARCHITECTURES, Architecture
-from timing import device_name, interleaved_medians, provenance, warm_up, write_result
+from timing import device_name, interleaved_medians, provenance, result_path, warm_up, write_result
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SIZES = ("spec", "tiny")
@@ -298,12 +300,23 @@ def run(args) -> dict:
                  f"{len(args.batches)} batches x {len(args.steps)} steps = {len(items)} rows at {args.size} sizes"
                  + (f"; on an H200 about {estimate:.0f} s (estimated from {os.path.relpath(reference[0])})"
                     if estimate else ""))
-    rows, began = [], time.perf_counter()
+    settings = grid_settings(args)
+    kept = resumed_rows(grid_path(args), settings) if args.resume else {}
+    if kept:
+        cli.progress(f"resuming: {len(kept)} rows kept from {os.path.relpath(grid_path(args))}")
+    rows, began, measured = [], time.perf_counter(), 0
     for i, (c, batch, step) in enumerate(items):
+        key = (c.name, input_shape(c, args.size, batch)[0], step)
+        if key in kept:
+            rows.append(kept[key])
+            continue
         row = measure(c, batch, step, args)
         rows.append(row)
+        measured += 1
+        # (written after each row: a run cut short keeps what it measured, and --resume goes on from it)
+        write(result_of(rows, settings, args, time.perf_counter() - began, complete=False), args.out)
         elapsed = time.perf_counter() - began
-        left = elapsed / (i + 1) * (len(items) - i - 1)
+        left = elapsed / measured * (len(items) - i - 1)
         if "error" in row:
             what = row["error"]
         else:
@@ -312,21 +325,47 @@ def run(args) -> dict:
                     f"{row['speedup_vs_tuned']:.2f}x; {row['formulation']}")
         cli.progress(f"[{i + 1}/{len(items)} {c.name} batch {row['batch']} {step}] {what} "
                      f"({elapsed:.0f} s, about {left:.0f} s left)")
+    return result_of(rows, settings | dict(estimate_s=estimate), args, time.perf_counter() - began, complete=True)
+
+
+def grid_settings(args) -> dict:
+    """What a grid's rows were measured under: a resumed run keeps only rows of the same settings."""
     timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
-    result = dict(device=device_name(args.device), device_type=args.device.type,
-                  device_detail=cli.describe_device(args.device), torch=torch.__version__, **provenance(), dtype="float32",
-                  autocast=cli.dtype_name(args.autocast), size=args.size,
-                  tf32=args.device.type == "cuda" and torch.backends.cudnn.allow_tf32,
-                  timing=f"{timing} medians of " + (f"{args.reps} calls" if args.reps else
-                                                   f"{MIN_REPS}-{MAX_REPS[args.device.type]} calls (about "
-                                                   f"{TARGET_MS[args.device.type]:.0f} ms of them)")
-                  + f" per variant after at least {WARMUP_CALLS} warm-up calls, spread over {cli.TIMING_ROUNDS} interleaved rounds "
-                  "(the median of the rounds' medians)",
-                  estimate_s=estimate, elapsed_s=time.perf_counter() - began,
-                  ok=all(r["ok"] and r.get("memory_ok", True) for r in rows),
-                  rows=rows)
+    return dict(device=device_name(args.device), device_type=args.device.type,
+                device_detail=cli.describe_device(args.device), torch=torch.__version__, dtype="float32",
+                autocast=cli.dtype_name(args.autocast), size=args.size,
+                tf32=args.device.type == "cuda" and torch.backends.cudnn.allow_tf32,
+                timing=f"{timing} medians of " + (f"{args.reps} calls" if args.reps else
+                                                 f"{MIN_REPS}-{MAX_REPS[args.device.type]} calls (about "
+                                                 f"{TARGET_MS[args.device.type]:.0f} ms of them)")
+                + f" per variant after at least {WARMUP_CALLS} warm-up calls, spread over {cli.TIMING_ROUNDS} interleaved "
+                "rounds (the median of the rounds' medians)")
+
+
+def result_of(rows: list[dict], settings: dict, args, elapsed_s: float, complete: bool) -> dict:
+    """The JSON result of rows: complete is False while the grid is still being measured (a file written
+    after each row); a resumed run's elapsed_s counts its own time only."""
+    result = dict(settings, **provenance(), elapsed_s=elapsed_s, complete=complete,
+                  ok=all(r["ok"] and r.get("memory_ok", True) for r in rows), rows=rows)
     result["summary"] = summarize(rows)
     return result
+
+
+def grid_path(args) -> str:
+    return result_path(args.out, "configs", device_name(args.device), cli.dtype_name(args.autocast))
+
+
+def resumed_rows(path: str, settings: dict) -> dict:
+    """The rows of an earlier run's path by (config, batch, step), where it was measured under settings (else
+    none: a grid's rows come from one device, torch, precision and timing)."""
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except FileNotFoundError:
+        return {}
+    if any(earlier.get(k) != v for k, v in settings.items()):
+        return {}
+    return {(r["config"], r["batch"], r["step"]): r for r in earlier["rows"]}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -453,7 +492,8 @@ def markdown(result: dict) -> str:
                  f"a rewrite). {result['device']}, torch {result['torch']}, {cli.describe_precision(result)}, "
                  f"{result['size']} sizes. Worst over eager: {describe_worst(s['worst_vs_eager'])}, "
                  f"{s['below_1_vs_eager']} of {s['timed']} below 1.0; worst over tuned where a rewrite is taken: "
-                 f"{describe_worst(s['worst_vs_tuned_rewrite'])}.")
+                 f"{describe_worst(s['worst_vs_tuned_rewrite'])}."
+                 + (" Partial: a run cut short (`--resume` measures the rest)." if result.get("complete") is False else ""))
     return "\n".join(lines)
 
 
@@ -476,6 +516,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="every forward under torch.autocast to this dtype, the backward outside it")
     parser.add_argument("--out", default=RESULTS,
                         help="directory for configs-<device>[-autocast-<dtype>].json (default: bench/results)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows of the JSON already in --out (written after each row) where it was "
+                             "measured under the same device, torch, precision and timing, and measure the rest")
     parser.add_argument("--estimate", action="store_true",
                         help="print the grid's estimated H200 time (and each configuration's) and exit")
     parser.add_argument("--markdown", metavar="FILE.json", help="print the README table of a result and exit")

@@ -13,11 +13,15 @@ from fused_ops._timing import (device_name, device_slug, interleaved_medians, me
                               warm_up)  # (for run.py, models.py, first_calls.py, ...)
 
 
+def result_path(out_dir: str, kind: str, device: str, autocast: str | None) -> str:
+    """out_dir/<kind>-<device>[-autocast-<dtype>].json"""
+    return os.path.join(out_dir, f"{kind}-{device_slug(device)}" + (f"-autocast-{autocast}" if autocast else "") + ".json")
+
+
 def write_result(result: dict, out_dir: str, kind: str) -> str:
-    """result as out_dir/<kind>-<device>[-autocast-<dtype>].json: the path."""
+    """result as result_path(out_dir, kind, ...): the path."""
     os.makedirs(out_dir, exist_ok=True)
-    autocast = f"-autocast-{result['autocast']}" if result["autocast"] else ""
-    path = os.path.join(out_dir, f"{kind}-{device_slug(result['device'])}{autocast}.json")
+    path = result_path(out_dir, kind, result["device"], result["autocast"])
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return path

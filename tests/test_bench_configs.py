@@ -103,3 +103,39 @@ def test_grid_at_tiny_sizes_on_the_cpu(configs, tmp_path, capsys, monkeypatch):
     assert [line.split(" | ")[0] for line in table[2:6]] == [f"| {n}" for n in names]
     for line, name in zip(table[2:6], names):
         assert ("†" in line) == any(r["formulation"].startswith("rewrite") for r in rows if r["config"] == name)
+
+
+def test_a_grid_cut_short_keeps_its_rows_and_resumes(configs, tmp_path, monkeypatch):
+    """The JSON is written after each row (complete: false until the end); --resume keeps the rows measured
+    under the same settings and measures only the others; other settings (here --reps) start over."""
+    measured = []
+    measure = configs.measure
+
+    def counting(c, batch, step, args):
+        if len(measured) == 2:
+            raise KeyboardInterrupt  # (the run cut short after two rows)
+        measured.append((c.name, step))
+        return measure(c, batch, step, args)
+
+    monkeypatch.setattr(configs, "measure", counting)
+    argv = ["--device", "cpu", "--size", "tiny", "--configs", "A-pool3,D-k3", "--batches", "1", "--reps", "2",
+            "--out", str(tmp_path)]
+    with pytest.raises(KeyboardInterrupt):
+        configs.main(argv)
+    path = tmp_path / "configs-cpu.json"
+    cut = json.loads(path.read_text())
+    assert cut["complete"] is False and [(r["config"], r["step"]) for r in cut["rows"]] == measured
+    assert "Partial" in configs.markdown(cut)
+
+    measured.clear()
+    assert configs.main(argv + ["--resume"]) == 0
+    assert measured == [("D-k3", "eval"), ("D-k3", "train")]
+    resumed = json.loads(path.read_text())
+    assert resumed["complete"] is True and len(resumed["rows"]) == 4
+    assert resumed["rows"][:2] == cut["rows"] and "Partial" not in configs.markdown(resumed)
+
+    measured.clear()
+    monkeypatch.setattr(configs, "measure", lambda c, batch, step, args: measured.append(c.name) or measure(c, batch, step, args))
+    argv[argv.index("--reps") + 1] = "3"
+    assert configs.main(argv + ["--resume"]) == 0
+    assert measured == ["A-pool3", "A-pool3", "D-k3", "D-k3"]
