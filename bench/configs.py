@@ -16,12 +16,13 @@ returning a string, called under the step's settings; null where it has none).
 Writes configs-<device>[-autocast-<dtype>].json under bench/results/ (or --out),
 after each row ("complete": false until the last: the whole grid outlasts one
 command on the lent GPU machines; --resume keeps the rows of that file measured
-under the same settings and measures the rest), and prints a table last, a row
+under the same settings and measures the rest; on a machine of several GPUs a
+process a GPU, each over every N-th configuration, their rows merged), and prints a table last, a row
 per configuration, batch and step, then the worst cases.
 
     python bench/configs.py [--device cuda] [--size spec|tiny] [--configs A,B-s1p0k3,'C-p*']
                             [--batches 1,8,spec] [--steps eval,train] [--reps N]
-                            [--autocast bfloat16|float16] [--out DIR] [--resume] [--estimate]
+                            [--autocast bfloat16|float16] [--out DIR] [--gpus N] [--resume] [--estimate]
     python bench/configs.py --markdown bench/results/configs-nvidia-h200.json   # the README's table
 """
 import argparse
@@ -30,7 +31,9 @@ import json
 import math
 import os
 import re
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -328,6 +331,48 @@ def run(args) -> dict:
     return result_of(rows, settings | dict(estimate_s=estimate), args, time.perf_counter() - began, complete=True)
 
 
+def run_split(args) -> dict:
+    """The grid of args over args.gpus processes at once, process k on GPU k (CUDA_VISIBLE_DEVICES) with every
+    gpus-th configuration from the k-th, each a grid of its own written (after each row) under
+    out/gpu-K-of-N/ (where --resume finds it again); their rows merged in the grid's order. The folders
+    go once every row is measured."""
+    n, began = args.gpus, time.perf_counter()
+    folders = [os.path.join(args.out, f"gpu-{k}-of-{n}") for k in range(1, n + 1)]
+    parts = [args.configs[k::n] for k in range(n)]
+    batches = ",".join(str(b) for b in args.batches)
+    common = ["--size", args.size, "--batches", batches, "--steps", ",".join(args.steps), "--gpus", "1",
+              "--device", args.device.type, *(["--reps", str(args.reps)] if args.reps else []),
+              *(["--autocast", cli.dtype_name(args.autocast)] if args.autocast else []),
+              *(["--resume"] if args.resume else [])]
+    cli.progress(f"the grid over {n} processes, one a GPU: {', '.join(str(len(p)) for p in parts if p)} "
+                 "configurations each")
+    running = []
+    for k, (part, folder) in enumerate(zip(parts, folders)):
+        if not part:
+            continue
+        os.makedirs(folder, exist_ok=True)
+        command = [sys.executable, os.path.abspath(__file__), *common, "--configs", ",".join(c.name for c in part),
+                   "--out", folder]
+        with open(os.path.join(folder, "log.txt"), "w") as log:  # (each process's table; its progress to stderr)
+            running.append(subprocess.Popen(command, stdout=log, env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(k))))
+    for process, folder in zip(running, [f for f, part in zip(folders, parts) if part]):
+        if process.wait() not in (0, 1):  # (1: a check failed; else the process broke off: its rows so far kept)
+            cli.progress(f"the process of {folder} exited with {process.returncode}: see its log.txt; --resume "
+                         "measures what it left")
+    settings = grid_settings(args)
+    measured = {}
+    for folder in folders:
+        measured |= resumed_rows(grid_path(args, folder), settings)
+    items = grid(args.configs, args.batches, args.steps)
+    keys = [(c.name, input_shape(c, args.size, batch)[0], step) for c, batch, step in items]
+    rows = [measured[key] for key in keys if key in measured]
+    complete = len(rows) == len(keys)
+    if complete:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+    return result_of(rows, settings, args, time.perf_counter() - began, complete=complete)
+
+
 def grid_settings(args) -> dict:
     """What a grid's rows were measured under: a resumed run keeps only rows of the same settings."""
     timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
@@ -351,8 +396,8 @@ def result_of(rows: list[dict], settings: dict, args, elapsed_s: float, complete
     return result
 
 
-def grid_path(args) -> str:
-    return result_path(args.out, "configs", device_name(args.device), cli.dtype_name(args.autocast))
+def grid_path(args, out: str | None = None) -> str:
+    return result_path(out or args.out, "configs", device_name(args.device), cli.dtype_name(args.autocast))
 
 
 def resumed_rows(path: str, settings: dict) -> dict:
@@ -516,6 +561,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="every forward under torch.autocast to this dtype, the backward outside it")
     parser.add_argument("--out", default=RESULTS,
                         help="directory for configs-<device>[-autocast-<dtype>].json (default: bench/results)")
+    parser.add_argument("--gpus", type=cli.positive_int,
+                        help="processes at once, one a GPU, each over every N-th configuration (default: every "
+                             "GPU there is, for --device cuda)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows of the JSON already in --out (written after each row) where it was "
                              "measured under the same device, torch, precision and timing, and measure the rest")
@@ -530,6 +578,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.device, args.dtype, args.autocast = cli_args.device, cli_args.dtype, cli_args.autocast
     args.size = args.size or ("spec" if args.device.type == "cuda" else "tiny")
     args.configs = select(parser, args.configs)
+    if args.gpus is None:
+        args.gpus = torch.cuda.device_count() if args.device.type == "cuda" and args.device.index is None else 1
+    elif args.gpus > 1 and args.device.type == "cuda" and (args.device.index is not None
+                                                           or args.gpus > torch.cuda.device_count()):
+        parser.error(f"--gpus {args.gpus}: with --device cuda (no index) and at most the "
+                     f"{torch.cuda.device_count()} GPUs there are")
     return args
 
 
@@ -552,7 +606,7 @@ def print_estimate(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the grid (or prints an estimate, or a result's markdown table); the exit status: 0 when every
-    check passed, 1 otherwise."""
+    row was measured and every check passed, 1 otherwise."""
     args = parse_args(argv)
     if args.markdown:
         with open(args.markdown) as f:
@@ -561,10 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.estimate:
         print_estimate(args)
         return 0
-    result = run(args)
+    result = run_split(args) if args.gpus > 1 else run(args)
     print(f"wrote {write(result, args.out)}")
     print_table(result)
-    return 0 if result["ok"] else 1
+    return 0 if result["ok"] and result["complete"] else 1
 
 
 if __name__ == "__main__":

@@ -139,3 +139,17 @@ def test_a_grid_cut_short_keeps_its_rows_and_resumes(configs, tmp_path, monkeypa
     argv[argv.index("--reps") + 1] = "3"
     assert configs.main(argv + ["--resume"]) == 0
     assert measured == ["A-pool3", "A-pool3", "D-k3", "D-k3"]
+
+
+def test_a_grid_split_over_processes_merges_in_the_grid_order(configs, tmp_path):
+    """--gpus 2: two processes (on a GPU machine one a GPU), each over every other configuration, each writing
+    its own file; the rows merged in the grid's order into one complete result, the processes' folders gone."""
+    names = ["A-pool3", "B-s1p0k3", "D-k3"]
+    argv = ["--device", "cpu", "--size", "tiny", "--configs", ",".join(names), "--batches", "1", "--steps", "eval",
+            "--reps", "2", "--gpus", "2", "--out", str(tmp_path)]
+    assert configs.main(argv) == 0
+    assert os.listdir(tmp_path) == ["configs-cpu.json"]
+    result = json.loads((tmp_path / "configs-cpu.json").read_text())
+    assert result["complete"] and result["ok"]
+    assert [(r["config"], r["step"]) for r in result["rows"]] == [(n, "eval") for n in names]
+    assert all(r["fused_ms"] > 0 for r in result["rows"])
