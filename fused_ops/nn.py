@@ -564,9 +564,10 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         return (_conv_config(self.conv_transpose), self.scale_factor, bn.eps, bn.momentum, bn.affine,
                 bn.track_running_stats, bn.running_mean is None, bn.training, type(bn))
 
-    def _batch_stats(self) -> bool:
+    def _batch_stats(self, bn: nn.Module | None = None) -> bool:
         # nn.BatchNorm3d's rule: batch statistics in training mode or without running statistics
-        return self.batch_norm.training or self.batch_norm.running_mean is None
+        bn = self.batch_norm if bn is None else bn
+        return bn.training or bn.running_mean is None
 
     def _order(self, x: Tensor) -> tuple[str, ...]:
         order = _order(x, rewrite_first=not self._batch_stats())  # (the eval map, on any device)
@@ -584,9 +585,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         bn = self.batch_norm
-        batch_stats = self._batch_stats()
+        batch_stats = self._batch_stats(bn)
         if name == "rewrite" and not batch_stats:
-            out = self._running_stats_mean(x)
+            out = self._running_stats_mean(x, self.conv_transpose, bn)
             return None if out is None else out.view(*out.shape, 1, 1, 1)
         y = self._convolution(name, x)
         if y is None:
@@ -603,36 +604,38 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
             return _conv_channels_last(self.conv_transpose, x)
         return _conv(self.conv_transpose, x)
 
-    def _running_stats_mean(self, x: Tensor) -> Tensor | None:
+    def _running_stats_mean(self, x: Tensor, conv: nn.ConvTranspose3d, bn: nn.BatchNorm3d) -> Tensor | None:
         """The output (N, O) normalized with the running statistics, where the transposed convolution does
         not pad (None elsewhere): affine in x's spatial sums s (N, I) there
         (``rewrites.conv_transpose3d_spatial_mean_map``, the batch norm per channel folded in: out = (scale *
         mean - running_mean) * rstd * weight + bias). By
         ``conv_transpose3d_batch_norm_eval_mean`` (one op: x's sums, then the map from the parameters as they are
         now) where nothing records a gradient and the dtypes are the op's; else the same map in differentiable ops,
-        in float64. Nothing derived from the parameters or buffers is kept between calls."""
-        conv, bn = self.conv_transpose, self.batch_norm
+        in float64. Nothing derived from the parameters or buffers is kept between calls. (Each member's
+        tensor read once a call: a module attribute's lookup is host time at a batch of one.)"""
         # (the mean of scale * y is scale * mean(y) for a finite scale only: an infinite one meets each
         # element of y, its zeros and signs, not their mean; in a trace, where a compiler may make the scale
         # symbolic, assumed)
-        if not rewrites.spatial_mean_holds(x, conv) or not (traced(x) or math.isfinite(self.scale_factor)):
+        scale = self.scale_factor
+        if not rewrites.spatial_mean_holds(x, conv) or not (traced(x) or math.isfinite(scale)):
             return None
         dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
-        tensors = (conv.weight, conv.bias, bn.weight, bn.bias)
-        records = torch.is_grad_enabled() and (x.requires_grad or any([t is not None and t.requires_grad
-                                                                        for t in tensors]))
+        conv_weight, conv_bias = conv.weight, conv.bias
+        bn_weight, bn_bias, running_mean, running_var = bn.weight, bn.bias, bn.running_mean, bn.running_var
+        records = torch.is_grad_enabled() and (x.requires_grad or any([t is not None and t.requires_grad for t in
+                                                                        (conv_weight, conv_bias, bn_weight, bn_bias)]))
         # (the op's dtypes: the batch norm's tensors of one dtype, x's or float32 for a 16-bit x)
-        statistics = {t.dtype for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var) if t is not None}
+        statistics = {t.dtype for t in (bn_weight, bn_bias, running_mean, running_var) if t is not None}
         widened = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
-        if not records and x.dtype == conv.weight.dtype and statistics in ({x.dtype}, {widened}):
-            return conv_transpose3d_batch_norm_eval_mean(x, conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean,
-                                                         bn.running_var, conv.stride, conv.output_padding,
-                                                         self.scale_factor, bn.eps).to(dtype)
+        if not records and x.dtype == conv_weight.dtype and statistics in ({x.dtype}, {widened}):
+            out = conv_transpose3d_batch_norm_eval_mean(x, conv_weight, conv_bias, bn_weight, bn_bias, running_mean,
+                                                        running_var, conv.stride, conv.output_padding, scale, bn.eps)
+            return out if out.dtype == dtype else out.to(dtype)
         weight, bias = rewrites.conv_transpose3d_spatial_mean_map(x, conv)
-        gain = (bn.running_var.double() + bn.eps).rsqrt()  # rstd * weight
-        if bn.weight is not None:
-            gain = gain * bn.weight.double()
-        shift = (self.scale_factor * bias - bn.running_mean.double()) * gain
-        if bn.bias is not None:
-            shift = shift + bn.bias.double()
-        return torch.addmm(shift, rewrites.spatial_sums(x), weight * (self.scale_factor * gain)).to(dtype)
+        gain = (running_var.double() + bn.eps).rsqrt()  # rstd * weight
+        if bn_weight is not None:
+            gain = gain * bn_weight.double()
+        shift = (scale * bias - running_mean.double()) * gain
+        if bn_bias is not None:
+            shift = shift + bn_bias.double()
+        return torch.addmm(shift, rewrites.spatial_sums(x), weight * (scale * gain)).to(dtype)

@@ -13,6 +13,8 @@ def _expand(value, n: int, name: str) -> list[int]:
     """An int, or a sequence of 1 or n ints, as a list of n ints (SymInts under torch.compile)."""
     if isinstance(value, (int, torch.SymInt)):
         return [value] * n
+    if type(value) is tuple and len(value) == n and set(map(type, value)) == {int}:  # (a module's own: fast)
+        return list(value)
     if isinstance(value, Sequence) and len(value) in (1, n) and all(isinstance(v, (int, torch.SymInt)) for v in value):
         return [value[0]] * n if len(value) == 1 else list(value)
     raise TypeError(f"{name} must be an int or a sequence of 1 or {n} ints, got {value!r}")

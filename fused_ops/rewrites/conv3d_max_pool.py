@@ -58,15 +58,16 @@ def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor
     if not (_is_plain_conv(conv, x) and _triple(conv.stride) == (1, 1, 1) and _is_window_pool(pool)):
         return None
     cast = _autocast.cast_dtype(x)
-    if cast is None and x.dtype != conv.weight.dtype:  # (the original's error)
+    weight = conv.weight  # (read once: a module attribute's lookup is host time at a batch of one)
+    if cast is None and x.dtype != weight.dtype:  # (the original's error)
         return None
     kernel, padding = _triple(pool.kernel_size), _triple(conv.padding)
-    conv_size = [x.shape[2 + d] + 2 * padding[d] - conv.weight.shape[2 + d] + 1 for d in range(3)]
+    conv_size = [x.shape[2 + d] + 2 * padding[d] - weight.shape[2 + d] + 1 for d in range(3)]
     if any([c < k or (pool.ceil_mode and c % k) for c, k in zip(conv_size, kernel)]):
         return None
     if cast is not None and x.dtype != torch.float32:
         x = x.to(cast)
-    return conv3d_max_pool3d_mean(x, conv.weight, conv.bias, padding, kernel, divisor)
+    return conv3d_max_pool3d_mean(x, weight, conv.bias, padding, kernel, divisor)
 
 
 def _folds_exactly(divisor: float) -> bool:
