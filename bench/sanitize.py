@@ -123,6 +123,15 @@ def main():
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv_transpose3d_weight_grad: ok")
+    # D's bias gradient: channels-last rows (odd channel counts: a partial tile of 32 lanes; chunks of rows), each
+    # dtype, and an (N, C) matrix
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        fused_ops.channel_sums(rand(3, 37, 2, 3, 5, dtype=dtype).contiguous(memory_format=cl))
+        fused_ops.channel_sums(rand(1, 64, 7, 9, 9, dtype=dtype).contiguous(memory_format=cl))
+        fused_ops.channel_sums(rand(2, 130, dtype=dtype))
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+    print("channel_sums: ok")
     # D's forward: sizes that CUTLASS's TF32 and bf16 fprop kernels take (partial tiles, padding, bias or none)
     for dtype in (torch.float32, torch.bfloat16):
         for bias in (rand(136, dtype=dtype), None):
