@@ -374,9 +374,10 @@ def run_split(args) -> dict:
 
 
 def grid_settings(args) -> dict:
-    """What a grid's rows were measured under: a resumed run keeps only rows of the same settings."""
+    """What a grid's rows were measured under: a resumed run keeps only rows of the same settings (the same
+    tree's commit among them: a grid's rows come from one tree; None where it runs from no checkout)."""
     timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
-    return dict(device=device_name(args.device), device_type=args.device.type,
+    return dict(commit=provenance()["commit"], device=device_name(args.device), device_type=args.device.type,
                 device_detail=cli.describe_device(args.device), torch=torch.__version__, dtype="float32",
                 autocast=cli.dtype_name(args.autocast), size=args.size,
                 tf32=args.device.type == "cuda" and torch.backends.cudnn.allow_tf32,
@@ -390,7 +391,7 @@ def grid_settings(args) -> dict:
 def result_of(rows: list[dict], settings: dict, args, elapsed_s: float, complete: bool) -> dict:
     """The JSON result of rows: complete is False while the grid is still being measured (a file written
     after each row); a resumed run's elapsed_s counts its own time only."""
-    result = dict(settings, **provenance(), elapsed_s=elapsed_s, complete=complete,
+    result = dict(settings, date=provenance()["date"], elapsed_s=elapsed_s, complete=complete,
                   ok=all(r["ok"] and r.get("memory_ok", True) for r in rows), rows=rows)
     result["summary"] = summarize(rows)
     return result
@@ -402,7 +403,7 @@ def grid_path(args, out: str | None = None) -> str:
 
 def resumed_rows(path: str, settings: dict) -> dict:
     """The rows of an earlier run's path by (config, batch, step), where it was measured under settings (else
-    none: a grid's rows come from one device, torch, precision and timing)."""
+    none: a grid's rows come from one tree, device, torch, precision and timing)."""
     try:
         with open(path) as f:
             earlier = json.load(f)

@@ -107,7 +107,8 @@ def test_grid_at_tiny_sizes_on_the_cpu(configs, tmp_path, capsys, monkeypatch):
 
 def test_a_grid_cut_short_keeps_its_rows_and_resumes(configs, tmp_path, monkeypatch):
     """The JSON is written after each row (complete: false until the end); --resume keeps the rows measured
-    under the same settings and measures only the others; other settings (here --reps) start over."""
+    under the same settings and measures only the others; other settings (here --reps) or another tree's
+    commit start over."""
     measured = []
     measure = configs.measure
 
@@ -137,6 +138,11 @@ def test_a_grid_cut_short_keeps_its_rows_and_resumes(configs, tmp_path, monkeypa
     measured.clear()
     monkeypatch.setattr(configs, "measure", lambda c, batch, step, args: measured.append(c.name) or measure(c, batch, step, args))
     argv[argv.index("--reps") + 1] = "3"
+    assert configs.main(argv + ["--resume"]) == 0
+    assert measured == ["A-pool3", "A-pool3", "D-k3", "D-k3"]
+
+    measured.clear()  # (another tree's rows: none kept)
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), commit="another tree")))
     assert configs.main(argv + ["--resume"]) == 0
     assert measured == ["A-pool3", "A-pool3", "D-k3", "D-k3"]
 
