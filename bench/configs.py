@@ -567,7 +567,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "GPU there is, for --device cuda)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the rows of the JSON already in --out (written after each row) where it was "
-                             "measured under the same device, torch, precision and timing, and measure the rest")
+                             "measured under the same tree (commit), device, torch, precision and timing, and measure "
+                             "the rest")
     parser.add_argument("--estimate", action="store_true",
                         help="print the grid's estimated H200 time (and each configuration's) and exit")
     parser.add_argument("--markdown", metavar="FILE.json", help="print the README table of a result and exit")
