@@ -331,6 +331,11 @@ def run(args) -> dict:
     return result_of(rows, settings | dict(estimate_s=estimate), args, time.perf_counter() - began, complete=True)
 
 
+def run_grid(args) -> dict:
+    """The grid of args: in this process, or over args.gpus processes (run_split)."""
+    return run_split(args) if args.gpus > 1 else run(args)
+
+
 def run_split(args) -> dict:
     """The grid of args over args.gpus processes at once, process k on GPU k (CUDA_VISIBLE_DEVICES) with every
     gpus-th configuration from the k-th, each a grid of its own written (after each row) under
@@ -617,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.estimate:
         print_estimate(args)
         return 0
-    result = run_split(args) if args.gpus > 1 else run(args)
+    result = run_grid(args)
     print(f"wrote {write(result, args.out)}")
     print_table(result)
     return 0 if result["ok"] and result["complete"] else 1

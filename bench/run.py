@@ -247,7 +247,7 @@ def main():
     precisions = [[]] + ([] if args.no_autocast else [["--autocast", "bfloat16"]])
     whole_models = ([] if args.only in ("tails", "configs", "distributed", "kernelbench", "first_calls")
                     else [models.run(models_argv + p) for p in precisions])
-    grids = ([configs.run(configs.parse_args(["--device", device] + p)) for p in precisions]
+    grids = ([configs.run_grid(configs.parse_args(["--device", device] + p)) for p in precisions]
              if args.only in (None, "configs") else [])
     two_gpus = device.startswith("cuda") and torch.cuda.device_count() >= 2
     if args.only == "distributed" and not two_gpus:
