@@ -303,13 +303,14 @@ def run(args) -> dict:
                  f"{len(args.batches)} batches x {len(args.steps)} steps = {len(items)} rows at {args.size} sizes"
                  + (f"; on an H200 about {estimate:.0f} s (estimated from {os.path.relpath(reference[0])})"
                     if estimate else ""))
-    settings = grid_settings(args)
+    stamp = provenance()
+    settings = grid_settings(args, stamp["commit"])
     kept = resumed_rows(grid_path(args), settings) if args.resume else {}
     if kept:
         cli.progress(f"resuming: {len(kept)} rows kept from {os.path.relpath(grid_path(args))}")
     rows, began, measured = [], time.perf_counter(), 0
     for i, (c, batch, step) in enumerate(items):
-        key = (c.name, input_shape(c, args.size, batch)[0], step)
+        key = row_key(c, batch, step, args.size)
         if key in kept:
             rows.append(kept[key])
             continue
@@ -317,7 +318,7 @@ def run(args) -> dict:
         rows.append(row)
         measured += 1
         # (written after each row: a run cut short keeps what it measured, and --resume goes on from it)
-        write(result_of(rows, settings, args, time.perf_counter() - began, complete=False), args.out)
+        write(result_of(rows, settings, stamp["date"], time.perf_counter() - began, complete=False), args.out)
         elapsed = time.perf_counter() - began
         left = elapsed / measured * (len(items) - i - 1)
         if "error" in row:
@@ -328,7 +329,8 @@ def run(args) -> dict:
                     f"{row['speedup_vs_tuned']:.2f}x; {row['formulation']}")
         cli.progress(f"[{i + 1}/{len(items)} {c.name} batch {row['batch']} {step}] {what} "
                      f"({elapsed:.0f} s, about {left:.0f} s left)")
-    return result_of(rows, settings | dict(estimate_s=estimate), args, time.perf_counter() - began, complete=True)
+    return result_of(rows, settings | dict(estimate_s=estimate), stamp["date"], time.perf_counter() - began,
+                     complete=True)
 
 
 def run_grid(args) -> dict:
@@ -351,7 +353,7 @@ def run_split(args) -> dict:
               *(["--resume"] if args.resume else [])]
     cli.progress(f"the grid over {n} processes, one a GPU: {', '.join(str(len(p)) for p in parts if p)} "
                  "configurations each")
-    running = []
+    running = []  # (folder, its process)
     for k, (part, folder) in enumerate(zip(parts, folders)):
         if not part:
             continue
@@ -359,30 +361,37 @@ def run_split(args) -> dict:
         command = [sys.executable, os.path.abspath(__file__), *common, "--configs", ",".join(c.name for c in part),
                    "--out", folder]
         with open(os.path.join(folder, "log.txt"), "w") as log:  # (each process's table; its progress to stderr)
-            running.append(subprocess.Popen(command, stdout=log, env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(k))))
-    for process, folder in zip(running, [f for f, part in zip(folders, parts) if part]):
+            running.append((folder, subprocess.Popen(command, stdout=log,
+                                                     env=dict(os.environ, CUDA_VISIBLE_DEVICES=str(k)))))
+    for folder, process in running:
         if process.wait() not in (0, 1):  # (1: a check failed; else the process broke off: its rows so far kept)
             cli.progress(f"the process of {folder} exited with {process.returncode}: see its log.txt; --resume "
                          "measures what it left")
-    settings = grid_settings(args)
+    stamp = provenance()
+    settings = grid_settings(args, stamp["commit"])
     measured = {}
     for folder in folders:
         measured |= resumed_rows(grid_path(args, folder), settings)
     items = grid(args.configs, args.batches, args.steps)
-    keys = [(c.name, input_shape(c, args.size, batch)[0], step) for c, batch, step in items]
+    keys = [row_key(c, batch, step, args.size) for c, batch, step in items]
     rows = [measured[key] for key in keys if key in measured]
     complete = len(rows) == len(keys)
     if complete:
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
-    return result_of(rows, settings, args, time.perf_counter() - began, complete=complete)
+    return result_of(rows, settings, stamp["date"], time.perf_counter() - began, complete=complete)
 
 
-def grid_settings(args) -> dict:
+def row_key(c: Config, batch: int | str, step: str, size: str) -> tuple:
+    """A row's (config, batch, step), as its JSON row holds them (resumed_rows)."""
+    return c.name, input_shape(c, size, batch)[0], step
+
+
+def grid_settings(args, commit: str | None) -> dict:
     """What a grid's rows were measured under: a resumed run keeps only rows of the same settings (the same
     tree's commit among them: a grid's rows come from one tree; None where it runs from no checkout)."""
     timing = "CUDA-event" if args.device.type == "cuda" else "wall-clock"
-    return dict(commit=provenance()["commit"], device=device_name(args.device), device_type=args.device.type,
+    return dict(commit=commit, device=device_name(args.device), device_type=args.device.type,
                 device_detail=cli.describe_device(args.device), torch=torch.__version__, dtype="float32",
                 autocast=cli.dtype_name(args.autocast), size=args.size,
                 tf32=args.device.type == "cuda" and torch.backends.cudnn.allow_tf32,
@@ -393,10 +402,10 @@ def grid_settings(args) -> dict:
                 "rounds (the median of the rounds' medians)")
 
 
-def result_of(rows: list[dict], settings: dict, args, elapsed_s: float, complete: bool) -> dict:
+def result_of(rows: list[dict], settings: dict, date: str, elapsed_s: float, complete: bool) -> dict:
     """The JSON result of rows: complete is False while the grid is still being measured (a file written
     after each row); a resumed run's elapsed_s counts its own time only."""
-    result = dict(settings, date=provenance()["date"], elapsed_s=elapsed_s, complete=complete,
+    result = dict(settings, date=date, elapsed_s=elapsed_s, complete=complete,
                   ok=all(r["ok"] and r.get("memory_ok", True) for r in rows), rows=rows)
     result["summary"] = summarize(rows)
     return result
