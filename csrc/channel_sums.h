@@ -6,7 +6,8 @@
 // of D's first training step (H200), which the original never pays. Not differentiable.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
@@ -22,11 +23,12 @@ inline void channel_sums_check(const at::Tensor& t) {
                    "channel_sums: t must be float64, float32, float16 or bfloat16, got ", s);
 }
 
-// Every dim of t but the channels' (1).
-inline std::vector<int64_t> channel_sums_dims(const at::Tensor& t) {
+// The sums by ATen's reduction over every dim but the channels' (1), in the accumulation type, rounded to
+// t's: the CPU kernel, and the CUDA kernel's for a t whose memory is not rows of its channels.
+inline at::Tensor channel_sums_by_reduction(const at::Tensor& t) {
   std::vector<int64_t> dims{0};
   for (int64_t d = 2; d < t.dim(); ++d) dims.push_back(d);
-  return dims;
+  return at::sum(t, dims, false, at::toOpMathType(t.scalar_type())).to(t.scalar_type());
 }
 
 }  // namespace fused_ops

@@ -1,6 +1,5 @@
 // CPU kernel of channel_sums (the math: ../channel_sums.h): ATen's reduction in the accumulation type.
 #include <ATen/ATen.h>
-#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include "../channel_sums.h"
@@ -10,7 +9,7 @@ namespace {
 
 at::Tensor channel_sums_cpu(const at::Tensor& t) {
   channel_sums_check(t);
-  return at::sum(t, channel_sums_dims(t), false, at::toOpMathType(t.scalar_type())).to(t.scalar_type());
+  return channel_sums_by_reduction(t);
 }
 
 }  // namespace

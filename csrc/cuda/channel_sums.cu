@@ -73,7 +73,7 @@ at::Tensor channel_sums_cuda(const at::Tensor& t) {
   const int64_t channels = t.size(1);
   // (a grid's y under 2^16: channel tiles of 32)
   if (!channel_rows(t) || channels > int64_t{65535} * kLanes) {
-    return at::sum(t, channel_sums_dims(t), false, at::toOpMathType(t.scalar_type())).to(t.scalar_type());
+    return channel_sums_by_reduction(t);
   }
   at::Tensor out = at::empty({channels}, t.options());
   const int64_t rows = channels == 0 ? 0 : t.numel() / channels;
