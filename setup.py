@@ -20,6 +20,7 @@ from torch.utils.cpp_extension import (
     CppExtension,
     CUDAExtension,
     _get_cuda_arch_flags,
+    include_paths,
 )
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -128,11 +129,14 @@ def extension():
     # -fopenmp: at::parallel_for runs on torch's threads only in code compiled with OpenMP
     # (without it the CPU kernels ran on one thread).
     openmp = ["-fopenmp"] if sys.platform == "linux" else []
-    cxx = ["-O3", *openmp, *cpu_vector_flags()]
+    # torch's headers as system headers (a directory given by -isystem and -I is searched as a system one):
+    # their warnings (#pragma unroll in ATen/cpu/vec for gcc) are torch's, not ours, and would hide ours
+    system = [flag for path in include_paths() for flag in ("-isystem", path)]
+    cxx = ["-O3", *openmp, *cpu_vector_flags(), *system]
     srcs = sources("*.cpp") + sources("autograd/*.cpp") + sources("autocast/*.cpp") + sources("cpu/*.cpp")
     if build_with_cuda():
         arch, sm90a = cuda_arch_flags()
-        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", *arch]
+        nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", *arch, *system]
         cutlass = cutlass_root() if sm90a else None
         if cutlass is not None:
             nvcc += cutlass_nvcc_flags(cutlass)

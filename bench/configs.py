@@ -278,9 +278,10 @@ def measure(c: Config, batch: int | str, step: str, args) -> dict:
             row[f"{variant}_reps"] = reps[variant]
         row |= dict(speedup_vs_eager=row["eager_ms"] / row["fused_ms"],
                     speedup_vs_tuned=row["tuned_ms"] / row["fused_ms"])
-        for variant in ("eager", "fused"):  # (one call each: the most it allocates beyond what it had)
-            with cli.variant_settings(variant, train):
-                row[f"{variant}_peak_mib"] = cli.peak_extra_mib(calls[variant], args.device)
+        for variant in ("eager", "fused"):  # (one call each: the most it allocates beyond what it had, and the
+            with cli.variant_settings(variant, train):  # fused module's CUDA graphs' pools)
+                row[f"{variant}_peak_mib"] = cli.peak_extra_mib(calls[variant], args.device,
+                                                                fused if variant == "fused" else None)
         row["memory_ok"] = row["fused_peak_mib"] is None or row["fused_peak_mib"] <= row["eager_peak_mib"]
     except Exception as error:  # noqa: BLE001  (a row of the grid, not the end of it)
         row |= dict(ok=False, error=f"{type(error).__name__}: {error}")

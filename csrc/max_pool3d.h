@@ -124,8 +124,8 @@ struct WindowPick {
   // a NaN over a number, of two numbers the larger, of two equal the earlier.
   C10_HOST_DEVICE void merge(acc_t v, int element) {
     const bool v_nan = at::_isnan(v), value_nan = at::_isnan(value);
-    const bool wins = v_nan ? (!value_nan | (element > offset))
-                            : (!value_nan & ((v > value) | ((v == value) & (element < offset))));
+    const bool wins = v_nan ? ((!value_nan) | (element > offset))
+                            : ((!value_nan) & ((v > value) | ((v == value) & (element < offset))));
     const bool take = (offset < 0) | wins;
     value = take ? v : value;
     offset = take ? element : offset;

@@ -305,10 +305,11 @@ def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: R
     return graph
 
 
-def held() -> dict:
-    """{"graphs": how many graphs the modules keep, "bytes": the device memory their captures reserved}."""
-    graphs = [graph for module_graphs in list(_GRAPHS.values()) for graph, _ in module_graphs.values()
-              if graph is not None]
+def held(module: nn.Module | None = None) -> dict:
+    """{"graphs": how many graphs the modules keep (`module` alone where given), "bytes": the device
+    memory their captures reserved}."""
+    kept = list(_GRAPHS.values()) if module is None else [_GRAPHS.get(module, {})]
+    graphs = [graph for module_graphs in kept for graph, _ in module_graphs.values() if graph is not None]
     return {"graphs": len(graphs), "bytes": sum(graph.held for graph in graphs)}
 
 

@@ -24,10 +24,12 @@ from its output's gradient to its inputs'), until each has been timed a few time
 then serves every later call with the key (``_Tuning``). ``warmup`` and ``exploring()`` try them
 at once. No call is made that the user did not
 make, and every formulation computes the original's function, so the choice changes the speed,
-not what is computed (its roundings differ as the original's do between cuDNN algorithms). Once a
-signature has been called HOT_CALLS times its rearranged and channels-last convolutions run with
-cudnn.benchmark on (searched once, as by the original tuned by hand; the original's own
-convolutions always run under the user's setting), and where the calls were host-bound on a GPU
+not what is computed (its roundings differ as the original's do between cuDNN algorithms). The
+rearranged and channels-last convolutions of the candidates being tried, and of a key's settled
+choice, run with cudnn.benchmark on (each shape's plan searched at its first such call, as by the
+original tuned by hand: PyTorch keeps the first plan a convolution of a shape got, searched or
+guessed, for every later call; the original's own convolutions always run under the user's setting).
+Once a signature has been called HOT_CALLS times, where the calls were host-bound on a GPU
 (queueing a call takes the host at least half its time on the device: a batch of one) it is
 replayed from a CUDA graph of its call (``fused_ops._graphed``; ``FUSED_OPS_CUDA_GRAPHS=0`` leaves
 graphs out; at most ``_graphed.MAX_GRAPHS`` per module, ``memory()`` says what they hold), captured
@@ -46,6 +48,7 @@ CUDA graph is being captured and the key has not settled (``warmup`` first, to c
 tuned one). The tests check each formulation (``force``) against the original.
 """
 import contextlib
+import functools
 import importlib.metadata
 import json
 import math
@@ -241,18 +244,21 @@ def _choose(module: nn.Module, config, formulations, run, x: Tensor, graph_stamp
 def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", graph_stamp, run,
                  x: Tensor) -> Tensor | None:
     """The call by its key's settled choice (tuning's, or the rule's where tuning is None: the
-    module's memo), or None where that does not hold for it. A signature called HOT_CALLS times
-    runs its rearranged convolutions with cudnn.benchmark on (_run_benchmarked: searched once,
-    then kept by PyTorch) and, where the tuner found the calls host-bound, from a CUDA graph."""
+    module's memo), or None where that does not hold for it. A settled choice runs its rearranged
+    convolutions with cudnn.benchmark on (_run_benchmarked: each signature's plan searched at its
+    first call, as the candidates' were when tried; PyTorch keeps a convolution's first plan,
+    searched or guessed, for every later call) and, for a signature called HOT_CALLS times where
+    the tuner found the calls host-bound, from a CUDA graph."""
     if tuning is None:
-        name, hot, graphed = module.__dict__["_fused_ops_choice"][3], False, False
+        name, hot, searched, graphed = module.__dict__["_fused_ops_choice"][3], False, False, False
     else:
         name, graphed = tuning.choice
         # (no search while a caller captures the call: it would fail the capture)
-        hot = tuning.count(signature) >= HOT_CALLS and not _capturing(x)
+        searched = not _capturing(x)
+        hot = tuning.count(signature) >= HOT_CALLS and searched
     out = _replay(module, signature, graph_stamp, run, name, x) if graphed and hot else None
     if out is None:
-        out = _run_benchmarked(run, name, x) if hot else run(name, x)
+        out = _run_benchmarked(run, name, x) if searched else run(name, x)
     if out is not None:
         _LAST[0] = name
     return out
@@ -275,9 +281,8 @@ def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", 
 # calls after its trying began settles on the fastest timed so far.
 EXPLORE_SHARE = 0.05
 SAMPLES, ELIMINATE, PENDING_CALLS, MAX_TUNING_CALLS = 3, 2.0, 16, 64
-# Calls of one signature after which its settled formulation's rearranged convolutions are
-# searched (cudnn.benchmark) and a host-bound call is replayed from a CUDA graph: a search or a
-# capture costs about a call's time or more, paid once for many calls.
+# Calls of one signature after which a host-bound call is replayed from a CUDA graph: a capture
+# costs about a call's time or more, paid once for many calls.
 HOT_CALLS = 50
 # A call is host-bound where queueing it takes the host at least this share of its time on the device.
 HOST_BOUND_SHARE = 0.5
@@ -427,6 +432,8 @@ class _Tuning:
         timing = _Timing(x) if timed else None
         if timing is not None:
             timing.mark()
+        if self.explored is not None:  # (trying the others: their plans searched, as once settled: _run_settled)
+            run = functools.partial(_run_benchmarked, run)
         began = time.perf_counter()
         try:
             out = run(name, x)
@@ -663,11 +670,11 @@ def warmup(module: nn.Module, example_inputs: Sequence[Tensor] | Tensor, max_cal
     return {f"{t.key[0].__name__} {tuple(t.key[2][0])}": t.choice[0] for t in met if t.choice is not None}
 
 
-def memory() -> dict:
-    """What the modules' CUDA graphs hold: {"graphs": how many, "bytes": the device memory their
-    captures reserved}. At most ``fused_ops._graphed.MAX_GRAPHS`` per module, the least recently
-    replayed released first."""
-    return _graphed.held()
+def memory(module: nn.Module | None = None) -> dict:
+    """What the modules' CUDA graphs hold (`module`'s alone where given): {"graphs": how many,
+    "bytes": the device memory their captures reserved}. At most ``fused_ops._graphed.MAX_GRAPHS``
+    per module, the least recently replayed released first."""
+    return _graphed.held(module)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from . import has_cuda_kernels
+from . import autotune, has_cuda_kernels
 from ._timing import device_name, device_slug, interleaved_medians, provenance
 from .architectures import ARCHITECTURES, SIZES
 
@@ -281,17 +281,20 @@ def cudnn_benchmark():
         torch.backends.cudnn.benchmark = previous
 
 
-def peak_extra_mib(call, device: torch.device) -> float | None:
+def peak_extra_mib(call, device: torch.device, module: torch.nn.Module | None = None) -> float | None:
     """The most memory one call() allocates on a GPU beyond what was allocated
     before it (the model and input among that), in MiB, from the CUDA caching
-    allocator's statistics; None on a CPU, which keeps no such statistics."""
+    allocator's statistics, plus what `module`'s CUDA graphs hold (fused_ops.autotune.memory:
+    their private pools, kept between calls, in which a replay allocates); None on a CPU, which
+    keeps no such statistics."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     call()
-    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    graphs = 0 if module is None else autotune.memory(module)["bytes"]
+    return (torch.cuda.max_memory_allocated(device) - before + graphs) / 2**20
 
 
 def largest(errors: dict[str, float]) -> float:
@@ -382,7 +385,7 @@ def run_architecture(arch, args, train: bool) -> dict:
     times, peaks = {variant: statistics.median(r) for variant, r in rounds.items()}, {}
     for variant, call in calls.items():
         with variant_settings(variant, train):
-            peaks[variant] = peak_extra_mib(call, args.device)
+            peaks[variant] = peak_extra_mib(call, args.device, fused if variant == "fused" else None)
         peak = "" if peaks[variant] is None else f", peak {peaks[variant]:.0f} MiB over what was allocated before"
         progress(f"{tag} {variant}: {times[variant]:.3f} ms{peak}")
     with variant_settings("fused", train), autocast(args.device, args.autocast):  # (the timed calls' key)

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 
+from conftest import requires_cuda
 from fused_ops import autotune
 from test_formulations import CONFIGS, IDS, pair
 from test_graphed_calls import settle_graphed
@@ -214,6 +215,30 @@ def test_one_module_from_several_threads(name, args, shape, graphs, device, tune
         for t in threads:
             t.join()
     assert errors == [] and mismatches == []
+
+
+@requires_cuda
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_tried_and_settled_calls_search_their_plans(name, args, shape, tuner, monkeypatch):
+    """On a GPU the candidates being tried, and the settled choice, run their rearranged and channels-last
+    convolutions with cudnn.benchmark on (PyTorch keeps a convolution's first plan, searched or guessed,
+    for good: tried unsearched, a candidate's guess would be what it was timed and kept with), the
+    formulations with the original's own convolution under the user's setting (off here, and left so)."""
+    assert not torch.backends.cudnn.benchmark
+    _, fused = pair(name, args, "cuda", dtype=torch.float32, train=False)
+    seen, run = [], fused._run
+
+    def recorded(formulation, x):
+        seen.append((formulation, torch.backends.cudnn.benchmark))
+        return run(formulation, x)
+    monkeypatch.setattr(fused, "_run", recorded)
+    with torch.no_grad(), autotune.exploring():
+        for _ in range(autotune.MAX_TUNING_CALLS + 2):
+            fused(torch.rand(shape, device="cuda"))
+    assert fused.formulation(torch.rand(shape, device="cuda")) is not None  # (settled)
+    assert {formulation for formulation, _ in seen} > {"fused", "original"}
+    assert all(searched == (formulation not in autotune.OWN_CONVOLUTION) for formulation, searched in seen)
+    assert not torch.backends.cudnn.benchmark
 
 
 def test_memory_reports_the_graphs(tuner):

@@ -20,7 +20,9 @@ OP = torch.ops.fused_ops.conv_transpose3d_batch_norm_eval_mean.default
 # (batch, C_in, C_out, x's (D, H, W), kernel, stride, output_padding)
 GEOMETRIES = {"spec-like": (2, 8, 6, (3, 4, 5), (5, 5, 5), (1, 1, 1), (0, 0, 0)),
               "strided": (3, 3, 5, (4, 3, 2), (2, 3, 4), (2, 1, 3), (1, 0, 2)),
-              "one": (1, 1, 1, (1, 1, 1), (1, 1, 1), (1, 1, 1), (0, 0, 0))}
+              "one": (1, 1, 1, (1, 1, 1), (1, 1, 1), (1, 1, 1), (0, 0, 0)),
+              # (planes of 18000 elements: two of the CUDA kernel's chunks of 16384 each)
+              "two-chunks": (2, 3, 4, (20, 30, 30), (2, 2, 2), (1, 1, 1), (0, 0, 0))}
 
 
 def case(geometry, dtype, device, affine=True, bias=True, integers=False, seed=0):
@@ -57,7 +59,8 @@ def call(x, t, geometry, scale=2.0, eps=1e-3, dtype=None):
 @pytest.mark.parametrize("geometry", list(GEOMETRIES.values()), ids=list(GEOMETRIES))
 def test_against_pytorch(geometry, dtype, optional, device):
     """Random data, normwise within the dtype's tolerance of the float64 ops on the operands as given;
-    the result in x's dtype, or its accumulation type where asked; on a GPU, one kernel besides the sum."""
+    the result in x's dtype, or its accumulation type where asked; on a GPU, two kernels (x's sums in
+    chunks with the tap sums, then the map) and nothing else."""
     x, t = case(geometry, dtype, device, affine=optional != "no-affine", bias=optional != "no-bias")
     poison_cuda_allocator()
     out = call(x, t, geometry)
@@ -70,7 +73,7 @@ def test_against_pytorch(geometry, dtype, optional, device):
         assert wide.dtype == torch.float32 and torch.equal(wide.to(dtype), out)
     if device == "cuda":
         names = cuda_kernel_names(lambda: call(x, t, geometry))
-        assert any("batch_norm_eval_mean_kernel" in n for n in names)
+        assert len(names) == 2 and "chunk_and_tap_sums_kernel" in names[0] and "batch_norm_eval_mean_kernel" in names[1]
 
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES.values()), ids=list(GEOMETRIES))
@@ -82,16 +85,33 @@ def test_integers_exact(geometry, device):
     torch.testing.assert_close(out.cpu(), reference(x, t, geometry, 0.5, 0.25), rtol=1e-13, atol=1e-13)
 
 
+@pytest.mark.parametrize("name,where", [("spec-like", (1, 2, 1, 2, 3)), ("two-chunks", (1, 2, 19, 29, 29))],
+                         ids=["spec-like", "second-chunk"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-def test_non_finite(value, device):
+def test_non_finite(value, name, where, device):
     """A non-finite x gives the batch element's every output non-finite as PyTorch's ops do (NaN where
     they mix infinities of both signs through the weight's signs); one in a statistic, that channel's."""
-    geometry = GEOMETRIES["spec-like"]
+    geometry = GEOMETRIES[name]
     x, t = case(geometry, torch.float64, device)
-    x[1, 2, 1, 2, 3] = value
-    t["running_mean"][4] = value
+    x[where] = value
+    t["running_mean"][geometry[2] - 2] = value
     out, expected = call(x, t, geometry), reference(x, t, geometry, 2.0, 1e-3)
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "sliced"])
+def test_x_not_contiguous(layout, device):
+    """x channels last or a slice of a larger tensor: the same results as contiguous (on a GPU its
+    spatial sums by PyTorch's reduction, then the tap sums and the map)."""
+    geometry = GEOMETRIES["two-chunks"]
+    x, t = case(geometry, torch.float32, device)
+    strided = (x.contiguous(memory_format=torch.channels_last_3d) if layout == "channels_last"
+               else torch.cat([x, x], dim=4)[..., :x.shape[4]])
+    assert not strided.is_contiguous()
+    torch.testing.assert_close(call(strided, t, geometry), call(x, t, geometry), rtol=1e-5, atol=1e-6)
+    if device == "cuda":
+        names = cuda_kernel_names(lambda: call(strided, t, geometry))
+        assert "chunk_and_tap_sums_kernel" in names[-2] and "batch_norm_eval_mean_kernel" in names[-1]
 
 
 def test_opcheck(device):

@@ -296,6 +296,25 @@ def test_graph_memory_limit(graphs_win, monkeypatch):
     assert not graphed(fused, x)
 
 
+@requires_cuda
+def test_memory_of_one_module(graphs_win):
+    """autotune.memory(module) counts that module's graphs alone, and the benchmarks' peak memory of a
+    call (cli.peak_extra_mib) adds them: a replay allocates inside its graph's pool, held between calls."""
+    from fused_ops import cli
+    name, args, shape = CONFIGS[0]
+    (original, fused), (_, other) = (shared(name, args, "cuda") for _ in range(2))
+    x = torch.rand(shape, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            fused(x)
+        assert graphed(fused, x)
+        held = autotune.memory(fused)
+        assert held["graphs"] >= 1 and held["bytes"] > 0 and autotune.memory(other) == {"graphs": 0, "bytes": 0}
+        assert autotune.memory()["bytes"] >= held["bytes"]
+        outside = cli.peak_extra_mib(lambda: fused(x), torch.device("cuda"))
+        assert cli.peak_extra_mib(lambda: fused(x), torch.device("cuda"), fused) == outside + held["bytes"] / 2**20
+
+
 def test_graphs_off_by_environment():
     """FUSED_OPS_CUDA_GRAPHS=0 turns the graphed candidate off (the tuner stays on)."""
     for value, enabled in (("0", False), ("off", False), ("1", True)):

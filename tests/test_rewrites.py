@@ -217,6 +217,68 @@ def test_float32_passes_the_main_jobs_check_with_default_settings(arch, train):
             assert checked["ok"], f"{arch.letter}: {cli.verdict(checked, cli.TOLERANCE[torch.float32])}"
 
 
+def cascade_sum_of(conv, x, kernel2=3):
+    """B's tail, pool2(pool1(conv(x))).sum(1, keepdim=True), by its rewrite (None where it does not hold)."""
+    found = rewrites.conv_transpose3d_max_pool_cascade_sum(x, conv, nn.MaxPool3d(conv.stride), nn.MaxPool3d(kernel2))
+    return None if found is None else found[0] + found[1].sum()
+
+
+def test_conv_transpose3d_rewrite_in_full_float32(device, monkeypatch):
+    """Where full float32 is asked (rewrites._common._full_float32: on a GPU by default), B's rewrite
+    computes its windows' convolution with TF32 off by the call's own argument where autograd records
+    nothing (eval, and the forward of the picked weight gradient), takes the picked weight gradient
+    (float32 sums) for a training step on data, and does not hold where autograd would record the
+    windows' convolution (x's gradient: autograd's backward reads the global TF32 setting)."""
+    from fused_ops.rewrites import conv_transpose3d_max_pool as b_rewrite
+    monkeypatch.setattr(b_rewrite, "_full_float32", lambda x: True)
+    torch.manual_seed(0)
+    conv = nn.ConvTranspose3d(7, 13, 5, stride=2, padding=2).to(device)
+    x = torch.rand(2, 7, 5, 6, 7, device=device)
+    expected_conv = copy.deepcopy(conv).double()
+    expected = F.max_pool3d(F.max_pool3d(expected_conv(x.double()), 2), 3).sum(1, keepdim=True)
+    with torch.no_grad():
+        torch.testing.assert_close(cascade_sum_of(conv, x), expected.float(), rtol=1e-5, atol=1e-5)
+    out = cascade_sum_of(conv, x)
+    grad = torch.rand_like(out)
+    (weight_grad,) = torch.autograd.grad(out, conv.weight, grad)
+    (expected_grad,) = torch.autograd.grad(expected, expected_conv.weight, grad.double())
+    torch.testing.assert_close(weight_grad, expected_grad.float(), rtol=1e-5, atol=1e-5)
+    assert cascade_sum_of(conv, x.requires_grad_()) is None
+    assert rewrites.conv_transpose3d_max_pool_windows(x.detach(), conv, nn.MaxPool3d(2), nn.MaxPool3d(3)) is None
+    with torch.no_grad():
+        assert rewrites.conv_transpose3d_max_pool_windows(x, conv, nn.MaxPool3d(2), nn.MaxPool3d(3)) is not None
+
+
+@requires_cuda
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_conv_transpose3d_rewrite_float32_by_the_matmul_precision(precision):
+    """B's configuration 7 -> 13 channels, kernel 5, stride 2 (bench/configs.py's B-7to13-s2p2k5, whose rewrite
+    with TF32 failed KernelBench's float32 check at batch 16 on an H200): with PyTorch's default float32 matmul
+    precision ("highest"), TF32 convolutions allowed, the rewrite's output and (training step on data) weight
+    gradient lie within float32's rounding of a float64 run (TF32's is ~100x larger); with "high" it runs
+    the TF32 formulation, x's gradient included."""
+    torch.manual_seed(0)
+    conv = nn.ConvTranspose3d(7, 13, 5, stride=2, padding=2).cuda()
+    x = torch.rand(4, 7, 11, 13, 9, device="cuda")
+    expected_conv = copy.deepcopy(conv).double()
+    expected = F.max_pool3d(F.max_pool3d(expected_conv(x.double()), 2), 3).sum(1, keepdim=True)
+    before = torch.get_float32_matmul_precision()
+    try:
+        with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+            torch.set_float32_matmul_precision(precision)
+            out = cascade_sum_of(conv, x)
+            if precision == "high":
+                assert cascade_sum_of(conv, x.clone().requires_grad_()) is not None
+                return
+            grad = torch.rand_like(out)
+            (weight_grad,) = torch.autograd.grad(out, conv.weight, grad)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    (expected_grad,) = torch.autograd.grad(expected, expected_conv.weight, grad.double())
+    for actual, reference in ((out, expected), (weight_grad, expected_grad)):
+        assert (actual.double() - reference).abs().max() <= 2e-6 * reference.abs().max()
+
+
 # --------------------------------------------------------------------------
 # Integer-valued data: where PyTorch's own arithmetic is exact, the rewritten
 # convolutions give the same values bit for bit, so the max-pools' picks and

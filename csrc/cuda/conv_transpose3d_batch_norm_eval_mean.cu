@@ -1,8 +1,10 @@
-// CUDA kernel of conv_transpose3d_batch_norm_eval_mean (the math: ../conv_transpose3d_batch_norm_eval_mean.h):
-// x's spatial sums by ATen's reduction, each (input, output channel)'s tap sum (float64) and shared sign
-// by tap_sums_kernel, then a block per output channel o: per batch element the dot product of the finite
-// sums with the tap sums (a block sum), the non-finite ones' signs (block ORs), the bias, the scale and
-// the batch norm. Three launches a call, no host-side arithmetic on the weights or statistics.
+// CUDA kernels of conv_transpose3d_batch_norm_eval_mean (the math: ../conv_transpose3d_batch_norm_eval_mean.h),
+// two launches a call: chunk_and_tap_sums_kernel sums x's (n, i) planes in chunks of kChunk elements (a block
+// each, in a fixed order) and, in blocks of its own, each (input, output channel)'s tap sum (float64) and
+// shared sign; then a block per output channel o: per batch element the dot product of the finite spatial
+// sums (each its chunks' sum) with the tap sums (a block sum), the non-finite ones' signs (block ORs), the
+// bias, the scale and the batch norm. x not contiguous (or more chunks than a grid holds): its spatial sums
+// by ATen's reduction first, as one chunk each. No host-side arithmetic on the weights or statistics.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
@@ -10,6 +12,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <climits>
 #include <optional>
 
 #include "../conv_transpose3d_batch_norm_eval_mean.h"
@@ -19,24 +23,46 @@ namespace fused_ops {
 namespace {
 
 constexpr int kThreads = 256;
+// x elements a block of chunk_and_tap_sums_kernel sums: SPEC's D's planes (16 x 32 x 32) in one chunk each.
+constexpr int64_t kChunk = 16384;
 
-// taps[o, i] = tap_sum(w[i, o, :]) (its sum, and its sign as a double), weight (I, O, T) contiguous.
+// Blocks [0, chunk_blocks): partial[b] = the sum of chunk b % chunks of x's plane b / chunks (x (N I, plane)
+// contiguous, in x's accumulation type); blocks from chunk_blocks on: taps[o, i] = tap_sum(w[i, o, :]) (its
+// sum, and its sign as a double), kThreads (o, i) pairs a block, weight (I, O, T) contiguous.
 template <typename scalar_t>
-__global__ void tap_sums_kernel(const scalar_t* __restrict__ weight, const BatchNormEvalMean g,
-                                double* __restrict__ sums, double* __restrict__ signs) {
-  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;  // o * I + i
-  if (e >= g.in_channels * g.out_channels) return;
-  const int64_t o = e / g.in_channels, i = e % g.in_channels;
-  const TapSum tap = tap_sum(weight + (i * g.out_channels + o) * g.taps, g.taps);
-  sums[e] = tap.sum;
-  signs[e] = tap.sign;
+__global__ void __launch_bounds__(kThreads)
+    chunk_and_tap_sums_kernel(const scalar_t* __restrict__ x, int64_t plane, int64_t chunks, int64_t chunk_blocks,
+                              const scalar_t* __restrict__ weight, const BatchNormEvalMean g,
+                              at::opmath_type<scalar_t>* __restrict__ partial, double* __restrict__ sums,
+                              double* __restrict__ signs) {
+  using acc_t = at::opmath_type<scalar_t>;
+  __shared__ acc_t scratch[32];
+  const int64_t b = blockIdx.x;
+  if (b >= chunk_blocks) {  // (a whole block: no barrier below for it)
+    const int64_t e = (b - chunk_blocks) * kThreads + threadIdx.x;  // o * I + i
+    if (e >= g.in_channels * g.out_channels) return;
+    const int64_t o = e / g.in_channels, i = e % g.in_channels;
+    const TapSum tap = tap_sum(weight + (i * g.out_channels + o) * g.taps, g.taps);
+    sums[e] = tap.sum;
+    signs[e] = tap.sign;
+    return;
+  }
+  const int64_t first = (b % chunks) * kChunk, left = plane - first;
+  const scalar_t* const chunk = x + (b / chunks) * plane + first;
+  const int64_t size = left < kChunk ? left : kChunk;
+  acc_t sum = 0;
+#pragma unroll 4
+  for (int64_t k = threadIdx.x; k < size; k += kThreads) sum += static_cast<acc_t>(chunk[k]);
+  sum = block_sum(sum, scratch);
+  if (threadIdx.x == 0) partial[b] = sum;
 }
 
-// out[n, o] (module comment) for o = blockIdx.x; sums (N, I), taps and signs (O, I) (tap_sums_kernel's),
-// out (N, O), contiguous.
+// out[n, o] (module comment) for o = blockIdx.x; partial (N, I, chunks) (chunk_and_tap_sums_kernel's: s[n, i]
+// the sum of its chunks, in order), taps and signs (O, I), out (N, O), contiguous.
 template <typename scalar_t, typename param_t, typename out_t>
 __global__ void __launch_bounds__(kThreads)
-    batch_norm_eval_mean_kernel(const at::opmath_type<scalar_t>* __restrict__ sums, const double* __restrict__ taps,
+    batch_norm_eval_mean_kernel(const at::opmath_type<scalar_t>* __restrict__ partial, int64_t chunks,
+                                const double* __restrict__ taps,
                                 const double* __restrict__ signs, const scalar_t* __restrict__ conv_bias,
                                 const param_t* __restrict__ gamma, const param_t* __restrict__ beta,
                                 const param_t* __restrict__ running_mean, const param_t* __restrict__ running_var,
@@ -51,7 +77,10 @@ __global__ void __launch_bounds__(kThreads)
     double dot = 0;
     NonFiniteMean non_finite;
     for (int64_t i = threadIdx.x; i < g.in_channels; i += blockDim.x) {
-      const double value = static_cast<double>(sums[n * g.in_channels + i]);
+      const at::opmath_type<scalar_t>* const parts = partial + (n * g.in_channels + i) * chunks;
+      at::opmath_type<scalar_t> sum = 0;
+      for (int64_t c = 0; c < chunks; ++c) sum += parts[c];
+      const double value = static_cast<double>(sum);
       if (isfinite(value)) {
         dot += value * tap[i];
       } else {
@@ -87,7 +116,15 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({g.batch, g.out_channels}, x.options().dtype(g.result));
   if (out.numel() == 0) return out;
-  const at::Tensor sums = spatial_sums(x).contiguous();
+  // x's planes in chunks by the first kernel where x is contiguous and the grid holds them, else x's spatial
+  // sums by ATen's reduction (one chunk a plane) and the first kernel's tap blocks alone
+  const int64_t plane = x.numel() / std::max<int64_t>(g.batch * g.in_channels, 1);
+  const int64_t chunks = std::max<int64_t>((plane + kChunk - 1) / kChunk, 1);
+  const int64_t pairs = g.in_channels * g.out_channels, tap_blocks = (pairs + kThreads - 1) / kThreads;
+  const bool chunked = x.is_contiguous() && g.batch * g.in_channels * chunks + tap_blocks <= INT_MAX;
+  const int64_t chunk_blocks = chunked ? g.batch * g.in_channels * chunks : 0;
+  const at::Tensor partial = chunked ? at::empty({chunk_blocks}, x.options().dtype(at::toOpMathType(x.scalar_type())))
+                                     : spatial_sums(x).contiguous();
   const at::Tensor w = weight.contiguous();
   const auto per_channel = [](const std::optional<at::Tensor>& t) {
     return is_given(t) ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
@@ -97,19 +134,22 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
   const at::Tensor mean = running_mean.contiguous(), var = running_var.contiguous();
   const at::Tensor taps = at::empty({2, g.out_channels, g.in_channels}, x.options().dtype(at::kDouble));
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t pairs = g.in_channels * g.out_channels;
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv_transpose3d_batch_norm_eval_mean_cuda", [&] {
     using x_t = scalar_t;
-    tap_sums_kernel<x_t><<<static_cast<unsigned>((pairs + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        w.const_data_ptr<x_t>(), g, taps[0].mutable_data_ptr<double>(), taps[1].mutable_data_ptr<double>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (chunk_blocks + tap_blocks > 0) {  // (none where x has no channels)
+      chunk_and_tap_sums_kernel<x_t><<<static_cast<unsigned>(chunk_blocks + tap_blocks), kThreads, 0, stream>>>(
+          x.const_data_ptr<x_t>(), plane, chunks, chunk_blocks, w.const_data_ptr<x_t>(), g,
+          partial.mutable_data_ptr<at::opmath_type<x_t>>(), taps[0].mutable_data_ptr<double>(),
+          taps[1].mutable_data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     FUSED_OPS_DISPATCH_FLOATING_TYPES(g.param_dtype, "conv_transpose3d_batch_norm_eval_mean_cuda", [&] {
       using param_t = scalar_t;
       dispatch_scalar_or_acc<x_t>(g.result, [&](auto* out_type) {
         using out_t = std::remove_pointer_t<decltype(out_type)>;
         batch_norm_eval_mean_kernel<x_t, param_t, out_t><<<static_cast<unsigned>(g.out_channels), kThreads, 0,
                                                             stream>>>(
-            sums.const_data_ptr<at::opmath_type<x_t>>(), taps[0].const_data_ptr<double>(),
+            partial.const_data_ptr<at::opmath_type<x_t>>(), chunked ? chunks : 1, taps[0].const_data_ptr<double>(),
             taps[1].const_data_ptr<double>(), data_or_null<x_t>(conv_bias), data_or_null<param_t>(gamma),
             data_or_null<param_t>(beta), mean.const_data_ptr<param_t>(), var.const_data_ptr<param_t>(), g, scale, eps,
             out.mutable_data_ptr<out_t>());

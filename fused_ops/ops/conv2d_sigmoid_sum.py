@@ -34,9 +34,13 @@ def _conv2d_output_size(x, weight, stride, padding) -> list:
 
 
 def _conv2d_grad_factor_shape(x, weight, stride, padding) -> list:
+    return _grad_factor_shape(x.shape[0], _conv2d_output_size(x, weight, stride, padding), weight.shape[0])
+
+
+def _grad_factor_shape(batch, out_size, out_channels) -> list:
     """The saved factor's shape (csrc/conv2d_sigmoid_sum.h): (N, OH, ceil(OW / 48), ceil(O / 64), 3072)."""
-    oh, ow = _conv2d_output_size(x, weight, stride, padding)
-    return [x.shape[0], oh, -(-ow // 48), -(-weight.shape[0] // 64), 3072]
+    oh, ow = out_size
+    return [batch, oh, -(-ow // 48), -(-out_channels // 64), 3072]
 
 
 @torch.library.register_fake("fused_ops::conv2d_sigmoid_sum")

@@ -158,11 +158,14 @@ def kernel_dtype(x: Tensor, weight: Tensor) -> torch.dtype:
     return _autocast.cast_dtype(x) or weight.dtype
 
 
-def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positions: tuple[int, int, int]) -> Tensor:
+def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positions: tuple[int, int, int],
+                   full_float32: bool = False) -> Tensor:
     """The parity-class convolution: (N, Md, Mh, Mw, O, Q) for `positions` = (Md, Mh, Mw),
     with `kernel` from _parity_kernel and `bias` per output channel (O Q) or None. Under
     autocast the rearranged input is written in autocast's dtype as it is copied (one pass;
-    the convolution would cast it otherwise)."""
+    the convolution would cast it otherwise). With full_float32 cuDNN rounds nothing to TF32
+    (the call's own argument, not PyTorch's global setting; autograd's backward of it would
+    read the global one: for calls that autograd does not record, _full_float32)."""
     classes = math.prod([axis.classes for axis in axes])
     out_channels = kernel.shape[0] // classes
     # x cropped (or zero-padded) to the input span the outputs read, channels last, depth-stacked:
@@ -194,8 +197,27 @@ def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positio
                                                                                  height, width))
     else:
         stacked = stacked.reshape(n * depth, height, width, -1).permute(0, 3, 1, 2)
-    y = F.conv2d(stacked, kernel, bias, stride=(axes[1].stride, axes[2].stride))
+    stride = [axes[1].stride, axes[2].stride]
+    if full_float32:
+        cudnn = torch.backends.cudnn
+        y = torch.ops.aten._convolution(stacked, kernel, bias, stride, [0, 0], [1, 1], False, [0, 0], 1,
+                                        cudnn.benchmark,
+                                        cudnn.deterministic or torch.are_deterministic_algorithms_enabled(),
+                                        cudnn.enabled, False)
+    else:
+        y = F.conv2d(stacked, kernel, bias, stride=stride)
     return y.permute(0, 2, 3, 1).reshape(n, *positions, out_channels, classes)
+
+
+def _full_float32(x: Tensor) -> bool:
+    """Whether a rewrite's float32 convolution of x is to round nothing to TF32 (where the original's
+    does not): on a GPU, float32 outside autocast and a trace, while PyTorch's float32 matmul
+    precision is "highest" (its default; "high" or "medium" ask for TF32's speed, and get it, as
+    for conv_transpose3d_cascade_sum's bf16x3 or TF32 operands). cuDNN computes B's transposed
+    convolution in full float32 even where TF32 is allowed; its parity-class rewrite's convolution
+    with TF32 was 1.3e-4 from it at B-7to13-s2p2k5, batch 16 (H200): beyond KernelBench's 1e-4."""
+    return (x.is_cuda and _autocast.conv_dtype(x) == torch.float32 and not traced(x)
+            and torch.get_float32_matmul_precision() == "highest")
 
 
 def _channels_last_copy(t: Tensor) -> Tensor:

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from .. import _autocast
 from .._trace import traced
 from ..ops import conv_transpose3d_cascade_sum_path, conv_transpose3d_cascade_weight_grad
-from ._common import (_is_plain_conv, _is_window_pool, _op_path, _parity_conv3d, _rearranged_taps_exact,
-                      _tf32_convolutions, _transposed_axis, _transposed_parity_kernel, _triple, kernel_dtype)
+from ._common import (_full_float32, _is_plain_conv, _is_window_pool, _op_path, _parity_conv3d,
+                      _rearranged_taps_exact, _tf32_convolutions, _transposed_axis, _transposed_parity_kernel, _triple, kernel_dtype)
 
 
 def _transposed_windows_geometry(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d, pool2: nn.MaxPool3d):
@@ -112,8 +112,21 @@ def _channels_last(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def _transposed_windows(x: Tensor, weight: Tensor, axes, positions) -> Tensor:
-    """The transposed convolution's (weight's) output in parity-class layout at `positions`."""
-    return _parity_conv3d(x, _transposed_parity_kernel(weight, axes, kernel_dtype(x, weight)), None, axes, positions)
+    """The transposed convolution's (weight's) output in parity-class layout at `positions`, in full
+    float32 where _full_float32 asks it and autograd records nothing (_rounds_to_tf32)."""
+    return _parity_conv3d(x, _transposed_parity_kernel(weight, axes, kernel_dtype(x, weight)), None, axes, positions,
+                          full_float32=_full_float32(x) and not _records(x, weight))
+
+
+def _records(x: Tensor, weight: Tensor) -> bool:
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
+def _rounds_to_tf32(x: Tensor, weight: Tensor) -> bool:
+    """Whether the windows' convolution, recorded by autograd, would round to TF32 where
+    _full_float32 asks for none (autograd's convolution backward reads PyTorch's global TF32
+    setting): the rewrite then does not hold, as the original's ops do not round so."""
+    return _full_float32(x) and _records(x, weight)
 
 
 def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d,
@@ -125,7 +138,7 @@ def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1
     stride not the convolution's stride, a dilated or grouped convolution, a pool2 that
     overlaps or pads, no output, the stride's volume times pool2's over 256)."""
     found = _transposed_windows_geometry(x, conv, pool1, pool2)
-    if found is None or not _rearranged_taps_exact(x):
+    if found is None or not _rearranged_taps_exact(x) or _rounds_to_tf32(x, conv.weight):
         return None
     axes, positions, _ = found
     return _transposed_windows(x, conv.weight, axes, positions), conv.bias
@@ -150,7 +163,8 @@ def forced_picked_weight_grad(on: bool | None):
 
 def _picked_weight_grad_is_quick(x: Tensor, conv: nn.ConvTranspose3d) -> bool:
     """Whether B's rewrite takes conv_transpose3d_cascade_weight_grad for the weight's gradient:
-    on the CPU always (38.9 -> 1.4 ms at batch 1, 16^3); on a GPU where its window kernel takes
+    on the CPU always (38.9 -> 1.4 ms at batch 1, 16^3); on a GPU in full float32 always (its
+    kernels sum in float32, the dense gradient's in TF32: _full_float32); else where its window kernel takes
     the call (csrc/cuda/conv_transpose3d_cascade_weight_grad.cu: compute capability 9, stride 2
     in every dim, a cubic kernel of 3 to 5, input channels a multiple of 4, x not float64), else
     the dense gradient (the op's other kernel lost to cuDNN's: 9.0 against 4.7 ms at SPEC's size).
@@ -159,7 +173,7 @@ def _picked_weight_grad_is_quick(x: Tensor, conv: nn.ConvTranspose3d) -> bool:
     where one fails the op's other kernel runs, and the autotuner weighs the rewrite with it."""
     if _PICKED_WEIGHT_GRAD_FORCED is not None:
         return _PICKED_WEIGHT_GRAD_FORCED
-    if x.device.type == "cpu":
+    if x.device.type == "cpu" or _full_float32(x):
         return True
     return (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] >= 9
             and _triple(conv.stride) == (2, 2, 2) and _triple(conv.kernel_size) in ((3,) * 3, (4,) * 3, (5,) * 3)
@@ -181,14 +195,16 @@ def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, p
     axes, positions, out_size = found
     weight, kernel2 = conv.weight, _triple(pool2.kernel_size)
     fused = _cascade_sum_by_kernel(x, conv, kernel2)
-    if (torch.is_grad_enabled() and weight.requires_grad and not x.requires_grad
-            and _picked_weight_grad_is_quick(x, conv)):
+    picked = torch.is_grad_enabled() and weight.requires_grad and not x.requires_grad
+    if picked and _picked_weight_grad_is_quick(x, conv):
         if fused is not None and _autocast.cast_dtype(x) is None:
             # x channels-last once, for the kernel and the weight gradient's (each reads it so; the copy, where x
             # is not channels-last, is kept for the backward in x's place)
             x = _channels_last(x, x.dtype)
         out, _ = _ConvTransposeCascadeSum.apply(x, weight, _triple(conv.kernel_size), _triple(conv.stride),
                                                 _triple(conv.padding), kernel2, axes, positions, out_size, fused)
+    elif _rounds_to_tf32(x, weight):
+        return None
     else:
         out, _ = _cascade_sum(x, weight, kernel2, axes, positions, save_picks=False, fused=fused)
     return out, conv.bias

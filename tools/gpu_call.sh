@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (docs/contributing.md), its stages in order, within LIMIT seconds (default 585):
+#   build     the extension in place (setup.py build_ext --inplace; skipped where fused_ops/_C*.so is there: a
+#             machine kept warm between chained calls keeps it), its .so also into $OUT as C.so.xz.* pieces
+#   sanitize  bench/sanitize.py under compute-sanitizer memcheck, then racecheck
+#   tests     the CUDA cases (-k "not cpu") of $TESTS (default: every test file), 8 processes, at most $TCAP s
+#   grid32    bench/configs.py float32, resumed from .gpu_so/grid/ (carry it back between calls), JSON into $OUT
+#   grid16    the same under bfloat16 autocast
+#   any other word: run as a shell command
+#   LIMIT=585 TESTS="test_rewrites.py" bash tools/gpu_call.sh build sanitize tests grid32
+# FUSED_OPS_COMMIT names the tree in the results (default: the commit in .gpu_so/commit, else "unknown"): keep it
+# the same across the calls of one grid, whose --resume keeps the rows of the same commit only.
+set -o pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export FUSED_OPS_COMMIT=${FUSED_OPS_COMMIT:-$(cat .gpu_so/commit 2>/dev/null || echo unknown)} PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" .gpu_so/grid
+T0=$(date +%s); LIMIT=${LIMIT:-585}
+left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
+for stage in "$@"; do
+  echo "=== $stage at $(( $(date +%s) - T0 )) s"
+  case $stage in
+  build)
+    if ls fused_ops/_C*.so >/dev/null 2>&1; then echo "already built"; else
+      MAX_JOBS=$(nproc) TORCH_CUDA_ARCH_LIST=9.0 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
+        || { tail -30 "$OUT/build.log"; exit 1; }
+      echo "lines with 'warning': $(grep -ci warning "$OUT/build.log")"
+      xz -T0 -c fused_ops/_C*.so | split -b 15M - "$OUT/C.so.xz."
+    fi ;;
+  sanitize)
+    for tool in memcheck racecheck; do
+      timeout $(( $(left) - 5 )) compute-sanitizer --tool $tool --error-exitcode 1 python3 bench/sanitize.py \
+        > /tmp/sanitize.log 2>&1
+      echo "$tool rc=$? $(tail -1 /tmp/sanitize.log)"; cat /tmp/sanitize.log >> "$OUT/sanitize.log"
+    done ;;
+  tests)
+    (cd tests && timeout "${TCAP:-$(( $(left) - 10 ))}" python3 -m pytest -q -n 8 -c ../pytest.ini --rootdir .. \
+      -k "not cpu" ${TESTS:-.} 2>&1 | tee "$OUT/tests.log" | grep -v -i benchmark | tail -25) ;;
+  grid32|grid16)
+    precision=(); [ "$stage" = grid16 ] && precision=(--autocast bfloat16)
+    timeout -s INT $(( $(left) - 8 )) python3 bench/configs.py --device cuda --resume --out .gpu_so/grid \
+      "${precision[@]}" > "$OUT/$stage.log" 2>&1
+    echo "rc=$?"; tail -4 "$OUT/$stage.log"; cp .gpu_so/grid/*.json "$OUT/" ;;
+  *) eval "$stage" ;;
+  esac
+done
+echo "=== end at $(( $(date +%s) - T0 )) s"
