@@ -247,8 +247,9 @@ def formulation(fused: torch.nn.Module, x: torch.Tensor, train: bool, autocast_d
 
 
 def measure(c: Config, batch: int | str, step: str, args) -> dict:
-    """One configuration at one batch and step: the check, each variant's median time, the speed-ups, the
-    fused module's formulation. An exception (the original or fused module refusing the input, memory) makes
+    """One configuration at one batch and step: the check (at the fused module's first call, and again once
+    its calls have settled), each variant's median time, the speed-ups, the fused module's formulation, peak
+    memory. An exception (the original or fused module refusing the input, memory) makes
     a failed row with its message under "error"."""
     train = step == "train"
     shape = input_shape(c, args.size, batch)
@@ -283,6 +284,10 @@ def measure(c: Config, batch: int | str, step: str, args) -> dict:
                 row[f"{variant}_peak_mib"] = cli.peak_extra_mib(calls[variant], args.device,
                                                                 fused if variant == "fused" else None)
         row["memory_ok"] = row["fused_peak_mib"] is None or row["fused_peak_mib"] <= row["eager_peak_mib"]
+        # the check again, of the formulation the timed calls settled on (the first one's call took the rule's)
+        settled = cli.check(original, fused, x, train, grad, tolerance, args.autocast)
+        row |= dict(settled_errors=settled["errors"], settled_verdict=cli.verdict(settled, tolerance),
+                    ok=checked["ok"] and settled["ok"])
     except Exception as error:  # noqa: BLE001  (a row of the grid, not the end of it)
         row |= dict(ok=False, error=f"{type(error).__name__}: {error}")
         if args.device.type == "cuda":
@@ -325,7 +330,8 @@ def run(args) -> dict:
         if "error" in row:
             what = row["error"]
         else:
-            what = (f"{row['verdict']} ({row['max_rel_err']:.1e}); eager {row['eager_ms']:.3f}, tuned "
+            settled = "" if row["settled_verdict"].startswith("ok") else f"; settled: {row['settled_verdict']}"
+            what = (f"{row['verdict']} ({row['max_rel_err']:.1e}){settled}; eager {row['eager_ms']:.3f}, tuned "
                     f"{row['tuned_ms']:.3f}, fused {row['fused_ms']:.3f} ms: {row['speedup_vs_eager']:.2f}x, "
                     f"{row['speedup_vs_tuned']:.2f}x; {row['formulation']}")
         cli.progress(f"[{i + 1}/{len(items)} {c.name} batch {row['batch']} {step}] {what} "

@@ -392,6 +392,9 @@ def run_architecture(arch, args, train: bool) -> dict:
         formulation, graphed = fused.formulation(x), fused.graphed(x)
     progress(f"{tag} the fused module's calls settled on {formulation or 'no formulation yet'}"
              f"{', replayed from a CUDA graph' if graphed else ''}")
+    settled = check(original, fused, x, train, grad, tolerance, args.autocast)  # (the first check took the rule's)
+    progress(f"{tag} check of the settled formulation: max relative error {largest(settled['errors']):.2e}: "
+             f"{verdict(settled, tolerance)}")
     best = min(peers, key=times.get)
     progress(f"{tag} best peer: {best} ({times[best]:.3f} ms), the fused module's speed-up over it "
              f"{times[best] / times['fused']:.2f}x")
@@ -404,7 +407,8 @@ def run_architecture(arch, args, train: bool) -> dict:
                vs_best_peer=times[best] / times["fused"], eager_peak_mib=peaks["eager"],
                tuned_peak_mib=peaks["tuned"], compile_peak_mib=peaks.get("compile"), fused_peak_mib=peaks["fused"],
                memory_ok=peaks["fused"] is None or peaks["fused"] <= peaks["eager"], fused_formulation=formulation,
-               fused_graphed=graphed)
+               fused_graphed=graphed, settled_errors=settled["errors"], settled_verdict=verdict(settled, tolerance))
+    row["ok"] = checked["ok"] and settled["ok"]
     if "fused_compiled" in times:
         row |= dict(fused_compiled_ms=times["fused_compiled"], fused_vs_compiled=times["fused_compiled"] / times["fused"])
         progress(f"{tag} the fused module eager: {row['fused_vs_compiled']:.2f}x the speed of it compiled")

@@ -20,7 +20,8 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 # the keys of a row that the README and the JSON under docs/ use
 ROW_KEYS = {"model", "name", "args", "input_shape", "errors", "ok", "max_rel_err", "tolerance", "eager_ms",
             "tuned_ms", "compile_ms", "compile_s", "fused_ms", "speedup_vs_eager", "speedup_vs_tuned",
-            "speedup_vs_compile", "best_peer", "best_peer_ms", "vs_best_peer", "fused_formulation", "fused_graphed"}
+            "speedup_vs_compile", "best_peer", "best_peer_ms", "vs_best_peer", "fused_formulation", "fused_graphed",
+            "settled_errors", "settled_verdict"}
 PEAK_KEYS = {"eager_peak_mib", "tuned_peak_mib", "compile_peak_mib", "fused_peak_mib", "memory_ok"}
 AUTOTUNE_KEYS = {"autotune_ms", "autotune_s", "speedup_vs_autotune", "autotune_peak_mib"}
 
