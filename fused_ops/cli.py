@@ -234,6 +234,17 @@ def check(original: torch.nn.Module, fused: torch.nn.Module, x: torch.Tensor, tr
     return result
 
 
+def settled_check(original: torch.nn.Module, fused: torch.nn.Module, x: torch.Tensor, train: bool,
+                  grad: torch.Tensor | None, tolerance: float, autocast_dtype: torch.dtype | None = None) -> dict:
+    """check, of the formulation the fused module's calls settled on (the first check's call took its rule's),
+    once the original's buffers are copied into the fused module's: each ran a different number of timed
+    training steps, which move running statistics."""
+    with torch.no_grad():
+        for mine, theirs in zip(fused.buffers(), original.buffers(), strict=True):
+            mine.copy_(theirs)
+    return check(original, fused, x, train, grad, tolerance, autocast_dtype)
+
+
 def timed_call(model: torch.nn.Module, x: torch.Tensor, train: bool, grad: torch.Tensor | None,
                autocast_dtype: torch.dtype | None = None):
     """What is timed: model(x), or a training step (forward, and the gradients of every parameter); the forward
@@ -392,7 +403,7 @@ def run_architecture(arch, args, train: bool) -> dict:
         formulation, graphed = fused.formulation(x), fused.graphed(x)
     progress(f"{tag} the fused module's calls settled on {formulation or 'no formulation yet'}"
              f"{', replayed from a CUDA graph' if graphed else ''}")
-    settled = check(original, fused, x, train, grad, tolerance, args.autocast)  # (the first check took the rule's)
+    settled = settled_check(original, fused, x, train, grad, tolerance, args.autocast)
     progress(f"{tag} check of the settled formulation: max relative error {largest(settled['errors']):.2e}: "
              f"{verdict(settled, tolerance)}")
     best = min(peers, key=times.get)

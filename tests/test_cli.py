@@ -1,6 +1,7 @@
 """python -m fused_ops (fused_ops.cli): end to end at tiny sizes, its check
 failing on a wrong fused result (or dtype), its errors, its JSON and chart, both
 modes in one call, its peers (tuned, compiled, max-autotune), autocast."""
+import copy
 import importlib.util
 import json
 import os
@@ -91,6 +92,19 @@ def test_training_step_checks_every_gradient_and_buffer(tmp_path):
     # each module starts from the same running statistics, and updates them alike
     assert d["errors"]["buffer batch_norm.running_mean"] < 1e-6
     assert d["errors"]["buffer batch_norm.num_batches_tracked"] == 0
+
+
+def test_settled_check_after_steps_of_their_own():
+    """The check of the settled formulation (after the timed calls) compares D's training step once the
+    original's running statistics are copied into the fused module's: the timed calls ran each a different
+    number of steps (without the copy its buffers fail the check)."""
+    arch = next(a for a in ARCHITECTURES if a.letter == "D")
+    original, fused, x, grad = cli.prepare(arch, arch.input_shape("tiny"), torch.device("cpu"), torch.float32, True)
+    for _ in range(3):
+        cli.timed_call(original, x, True, grad)()
+    tolerance = cli.TOLERANCE[torch.float32]
+    assert not cli.check(copy.deepcopy(original), copy.deepcopy(fused), x, True, grad, tolerance)["ok"]
+    assert cli.settled_check(original, fused, x, True, grad, tolerance)["ok"]
 
 
 def test_compile_and_max_autotune_timed_too(tmp_path):
