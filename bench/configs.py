@@ -246,6 +246,16 @@ def formulation(fused: torch.nn.Module, x: torch.Tensor, train: bool, autocast_d
         return str(method(x)) + ("+graph" if fused.graphed(x) else "")
 
 
+def tuner_timings(fused: torch.nn.Module, x: torch.Tensor, train: bool, autocast_dtype) -> dict:
+    """The fused module's timed formulations for the step (its tuned_timings(x): median device and host ms
+    of each one's forward, the data of its graph rule), {} where it has no such method."""
+    method = getattr(fused, "tuned_timings", None)
+    if not callable(method):
+        return {}
+    with torch.set_grad_enabled(train), cli.autocast(x.device, autocast_dtype):
+        return {name: list(times) for name, times in method(x).items()}
+
+
 def measure(c: Config, batch: int | str, step: str, args) -> dict:
     """One configuration at one batch and step: the check (at the fused module's first call, and again once
     its calls have settled), each variant's median time, the speed-ups, the fused module's formulation, peak
@@ -269,6 +279,7 @@ def measure(c: Config, batch: int | str, step: str, args) -> dict:
                 per_call = warm_up(call, args.device, WARMUP_MS, WARMUP_CALLS)
                 if variant == "fused":
                     row["formulation"] = formulation(fused, x, train, args.autocast)
+                    row["tuner_timings_ms"] = tuner_timings(fused, x, train, args.autocast)
             reps[variant] = args.reps or reps_for(per_call, args.device.type)
         per_round = {v: max(ROUND_MIN_REPS, math.ceil(n / cli.TIMING_ROUNDS)) for v, n in reps.items()}
         rounds = interleaved_medians(calls, args.device, per_round, cli.TIMING_ROUNDS,

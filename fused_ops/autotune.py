@@ -647,6 +647,17 @@ def kept_graphed(key: tuple) -> bool:
     return tuning is not None and tuning.choice is not None and tuning.choice[1]
 
 
+def kept_timings(key: tuple) -> dict[str, tuple[float, float]]:
+    """The timed candidates of `key`'s calls: {name: (the median forward's time on the device, the median
+    host time to queue it), in ms} (the settled choice's host share decides its graph: _Tuning._settle)."""
+    tuning = _TUNINGS.get(key)
+    if tuning is None:
+        return {}
+    with _LOCK:
+        return {name: (statistics.median([t[1] for t in timings]), statistics.median([t[2] for t in timings]))
+                for name, timings in tuning.timings.items() if timings}
+
+
 def warmup(module: nn.Module, example_inputs: Sequence[Tensor] | Tensor, max_calls: int = MAX_TUNING_CALLS) -> dict:
     """Tunes `module` (a drop-in, or a model holding drop-ins: ``fuse(model)``) ahead of time for
     calls like module(*example_inputs) in its present mode, grad mode and autocast state, as a

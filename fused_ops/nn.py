@@ -232,6 +232,12 @@ class _Formulations:
         x = self._dispatched_input(x)
         return x is not None and autotune.kept_graphed(autotune.call_key(self, self._config(), x))
 
+    def tuned_timings(self, x: Tensor) -> dict[str, tuple[float, float]]:
+        """The formulations timed for calls with x now (as ``formulation``): {name: (median forward ms on
+        the device, median host ms to queue it)}; empty where none was timed."""
+        x = self._dispatched_input(x)
+        return {} if x is None else autotune.kept_timings(autotune.call_key(self, self._config(), x))
+
     def _dispatched_input(self, x: Tensor) -> Tensor | None:
         return x
 

@@ -235,10 +235,27 @@ def test_tried_and_settled_calls_search_their_plans(name, args, shape, tuner, mo
     with torch.no_grad(), autotune.exploring():
         for _ in range(autotune.MAX_TUNING_CALLS + 2):
             fused(torch.rand(shape, device="cuda"))
-    assert fused.formulation(torch.rand(shape, device="cuda")) is not None  # (settled)
+        assert fused.formulation(torch.rand(shape, device="cuda")) is not None  # (settled)
     assert {formulation for formulation, _ in seen} > {"fused", "original"}
     assert all(searched == (formulation not in autotune.OWN_CONVOLUTION) for formulation, searched in seen)
     assert not torch.backends.cudnn.benchmark
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_tuned_timings_name_the_candidates_timed(name, args, shape, tuner):
+    """A module's tuned_timings(x): each candidate its settled key timed, its median device and host ms; the
+    choice the fastest forward, or the original's ops within PREFERRED_MARGIN of it; empty before any call."""
+    _, fused = pair(name, args, "cpu", train=False)
+    x = torch.rand(shape, dtype=torch.float64)
+    assert fused.tuned_timings(x) == {}
+    with torch.no_grad(), autotune.exploring():
+        for _ in range(autotune.MAX_TUNING_CALLS + 2):
+            fused(x)
+        timings, choice = fused.tuned_timings(x), fused.formulation(x)  # (under the calls' grad mode: their key)
+    assert choice in timings and all(device > 0 and host > 0 for device, host in timings.values())
+    fastest = min(device for device, _ in timings.values())
+    assert timings[choice][0] == fastest or (choice == "original"
+                                             and timings[choice][0] <= fastest * (1 + autotune.PREFERRED_MARGIN))
 
 
 def test_memory_reports_the_graphs(tuner):

@@ -14,7 +14,7 @@ from fused_ops.architectures import ARCHITECTURES
 ROW_KEYS = {"config", "model", "name", "args", "batch", "spec_batch", "step", "input_shape", "errors", "ok",
             "max_rel_err", "tolerance", "verdict", "eager_ms", "tuned_ms", "fused_ms", "eager_reps", "tuned_reps",
             "fused_reps", "speedup_vs_eager", "speedup_vs_tuned", "formulation", "eager_peak_mib", "fused_peak_mib",
-            "memory_ok", "settled_errors", "settled_verdict"}
+            "memory_ok", "settled_errors", "settled_verdict", "tuner_timings_ms"}
 
 
 @pytest.fixture(scope="module")
