@@ -25,13 +25,11 @@ then serves every later call with the key (``_Tuning``). ``warmup`` and ``explor
 at once. No call is made that the user did not
 make, and every formulation computes the original's function, so the choice changes the speed,
 not what is computed (its roundings differ as the original's do between cuDNN algorithms). The
-rearranged and channels-last convolutions of the candidates being tried run with cudnn.benchmark on
-(each shape's plan searched at its first such call, as by the original tuned by hand: PyTorch keeps
-the first plan a convolution of a shape got, searched or guessed, for every later call; the
-original's own convolutions always run under the user's setting), and so do a settled choice's, at
-the signatures where they were tried and, at others, from a signature's HOT_CALLS-th call on (before
-that the key's fastest formulation with the original's own convolution stands in: a search costs
-more than a few calls save). Once a signature has been called HOT_CALLS times, where the calls were host-bound on a GPU
+rearranged and channels-last convolutions of the candidates being tried, and of a key's settled
+choice, run with cudnn.benchmark on (each shape's plan searched at its first such call, as by the
+original tuned by hand: PyTorch keeps the first plan a convolution of a shape got, searched or
+guessed, for every later call; the original's own convolutions always run under the user's setting).
+Once a signature has been called HOT_CALLS times, where the calls were host-bound on a GPU
 (queueing a call takes the host at least half its time on the device: a batch of one) it is
 replayed from a CUDA graph of its call (``fused_ops._graphed``; ``FUSED_OPS_CUDA_GRAPHS=0`` leaves
 graphs out; at most ``_graphed.MAX_GRAPHS`` per module, ``memory()`` says what they hold), captured
@@ -246,26 +244,18 @@ def _choose(module: nn.Module, config, formulations, run, x: Tensor, graph_stamp
 def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", graph_stamp, run,
                  x: Tensor) -> Tensor | None:
     """The call by its key's settled choice (tuning's, or the rule's where tuning is None: the
-    module's memo), or None where that does not hold for it. A settled choice that rearranges its
-    convolution runs it with cudnn.benchmark on (_run_benchmarked) at the signatures where its
-    candidates were tried (searched then) and, elsewhere, from a signature's HOT_CALLS-th call on
-    (searched then); before that a stand-in runs (_Tuning.stand_in: the key's fastest formulation
-    with the original's own convolution, whose plans the user's setting picks, as the original's):
-    PyTorch keeps a convolution's first plan, searched or guessed, for every later call, so a guess
-    would stay, and a search on a signature called a few times (a ragged last batch) costs more than
-    it saves. A signature called HOT_CALLS times, where the tuner found the calls host-bound, is
-    replayed from a CUDA graph."""
+    module's memo), or None where that does not hold for it. A settled choice runs its rearranged
+    convolutions with cudnn.benchmark on (_run_benchmarked: each signature's plan searched at its
+    first call, as the candidates' were when tried; PyTorch keeps a convolution's first plan,
+    searched or guessed, for every later call) and, for a signature called HOT_CALLS times where
+    the tuner found the calls host-bound, from a CUDA graph."""
     if tuning is None:
         name, hot, searched, graphed = module.__dict__["_fused_ops_choice"][3], False, False, False
     else:
         name, graphed = tuning.choice
-        count, capturing = tuning.count(signature), _capturing(x)
-        hot = count >= HOT_CALLS and not capturing  # (no search while a caller captures: it would fail)
-        searched = not capturing and (signature in tuning.searched or hot)
-        if x.is_cuda and name not in OWN_CONVOLUTION and not searched:
-            return tuning.stand_in(run, x)
-        if searched:
-            tuning.searched.add(signature)
+        # (no search while a caller captures the call: it would fail the capture)
+        searched = not _capturing(x)
+        hot = tuning.count(signature) >= HOT_CALLS and searched
     out = _replay(module, signature, graph_stamp, run, name, x) if graphed and hot else None
     if out is None:
         out = _run_benchmarked(run, name, x) if searched else run(name, x)
@@ -424,20 +414,6 @@ class _Tuning:
         self.calls = 0
         self.choice: tuple[str, bool] | None = _SAVED.get(_saved_key(key)) if _SAVED else None
         self.counts: dict[tuple, int] = {}
-        self.searched: set[tuple] = set()  # signatures whose rearranged convolutions' plans were searched
-
-    def stand_in(self, run, x: Tensor) -> Tensor | None:
-        """run(name, x) of the first that holds of the key's formulations with the original's own
-        convolution (OWN_CONVOLUTION), the fastest timed first: what a settled choice that rearranges
-        its convolution runs at a signature before its plans are searched (_run_settled); None where
-        none holds."""
-        medians = self._medians()
-        for name in sorted(OWN_CONVOLUTION & set(self.timings), key=lambda n: (medians.get(n, math.inf), n)):
-            out = run(name, x)
-            if out is not None:
-                _LAST[0] = name
-                return out
-        return None
 
     def count(self, signature: tuple) -> int:
         """Counts a settled call with `signature`; how many there were."""
@@ -458,7 +434,6 @@ class _Tuning:
             timing.mark()
         if self.explored is not None:  # (trying the others: their plans searched, as once settled: _run_settled)
             run = functools.partial(_run_benchmarked, run)
-            self.searched.add(signature)
         began = time.perf_counter()
         try:
             out = run(name, x)

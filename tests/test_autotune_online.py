@@ -241,35 +241,6 @@ def test_tried_and_settled_calls_search_their_plans(name, args, shape, tuner, mo
     assert not torch.backends.cudnn.benchmark
 
 
-@requires_cuda
-def test_a_settled_rewrite_stands_in_until_searched(tuner, monkeypatch):
-    """On a GPU, a key settled on a formulation that rearranges its convolution runs, at a signature where its
-    candidates were not tried, a formulation with the original's own convolution (under the user's
-    cudnn.benchmark setting) for its first HOT_CALLS - 1 calls, then the settled one with its plans searched
-    (PyTorch keeps a convolution's first plan: a guess would stay for good)."""
-    name, args, shape = CONFIGS[2]  # (C: its rewrite's convolution is cuDNN's)
-    init = autotune._Tuning.__init__
-
-    def settled(self, key, order):
-        init(self, key, order)
-        self.choice = ("rewrite", False)
-    monkeypatch.setattr(autotune._Tuning, "__init__", settled)
-    monkeypatch.setattr(autotune, "HOT_CALLS", 3)
-    original, fused = pair(name, args, "cuda", dtype=torch.float32, train=False)
-    seen, run = [], fused._run
-
-    def recorded(formulation, x):
-        seen.append((formulation, torch.backends.cudnn.benchmark))
-        return run(formulation, x)
-    monkeypatch.setattr(fused, "_run", recorded)
-    x = torch.rand(shape, device="cuda")
-    with torch.no_grad():
-        for _ in range(4):
-            torch.testing.assert_close(fused(x), original(x), rtol=1e-4, atol=1e-5)
-    assert [formulation in autotune.OWN_CONVOLUTION for formulation, _ in seen] == [True, True, False, False]
-    assert [searched for _, searched in seen] == [False, False, True, True]
-
-
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 def test_tuned_timings_name_the_candidates_timed(name, args, shape, tuner):
     """A module's tuned_timings(x): each candidate its settled key timed, its median device and host ms; the
