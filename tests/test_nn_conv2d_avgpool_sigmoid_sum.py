@@ -66,7 +66,9 @@ def test_bad_input(device):
         fused(torch.rand(3, 19, 19, device=device))
     with pytest.raises(RuntimeError, match="[Tt]ype"):
         fused(torch.ones(2, 3, 19, 19, dtype=torch.int64, device=device))
-    with pytest.raises(ValueError, match="smaller than the kernel"):
+    # (the pool's window larger than the convolution's output: the fused tail's message, or, where the rule
+    # takes the original's ops for so small an input, PyTorch's)
+    with pytest.raises((ValueError, RuntimeError), match="smaller than the kernel|Output size is too small"):
         fused(torch.rand(2, 3, 5, 19, device=device))
 
 
