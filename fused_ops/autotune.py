@@ -699,8 +699,9 @@ def _synchronize(device: torch.device) -> None:
 _FILE = os.environ.get("FUSED_OPS_AUTOTUNE_FILE") or None
 _SAVED: dict[str, tuple[str, bool]] = {}
 # Raised whenever what a saved choice means, or the rules that made it, change (a build in place has no
-# version of its own): 2, no graph where its input's copy would take over GRAPH_COPY_SHARE of the call.
-CHOICE_RULES = 2
+# version of its own): 2, no graph where its input's copy would take over GRAPH_COPY_SHARE of the call; 3,
+# the candidates timed with their plans searched (before: PyTorch's guesses, kept for good).
+CHOICE_RULES = 3
 
 
 def _versions() -> str:
