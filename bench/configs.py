@@ -236,24 +236,16 @@ def reference_result(autocast_dtype: str | None) -> tuple[str, dict] | None:
 
 # ---- the grid ----
 
-def formulation(fused: torch.nn.Module, x: torch.Tensor, train: bool, autocast_dtype) -> str | None:
-    """What the fused module computes x with, where it says (its formulation(x), under the step's autograd
-    mode and autocast, "+graph" where it replays it from a CUDA graph); None where it has no such method."""
-    method = getattr(fused, "formulation", None)
-    if not callable(method):
-        return None
+def tuned(fused: torch.nn.Module, x: torch.Tensor, train: bool, autocast_dtype) -> dict:
+    """What the fused module says of its calls for the step (asked under the step's autograd mode and
+    autocast: their key): "formulation", its formulation(x) ("+graph" where it replays it from a CUDA graph),
+    and "tuner_timings_ms", its tuned_timings(x) (median device and host ms of each formulation tried: the data
+    of its graph rule); None and {} where it has no such methods."""
+    if not callable(getattr(fused, "formulation", None)):
+        return dict(formulation=None, tuner_timings_ms={})
     with torch.set_grad_enabled(train), cli.autocast(x.device, autocast_dtype):
-        return str(method(x)) + ("+graph" if fused.graphed(x) else "")
-
-
-def tuner_timings(fused: torch.nn.Module, x: torch.Tensor, train: bool, autocast_dtype) -> dict:
-    """The fused module's timed formulations for the step (its tuned_timings(x): median device and host ms
-    of each one's forward, the data of its graph rule), {} where it has no such method."""
-    method = getattr(fused, "tuned_timings", None)
-    if not callable(method):
-        return {}
-    with torch.set_grad_enabled(train), cli.autocast(x.device, autocast_dtype):
-        return {name: list(times) for name, times in method(x).items()}
+        return dict(formulation=str(fused.formulation(x)) + ("+graph" if fused.graphed(x) else ""),
+                    tuner_timings_ms={name: list(times) for name, times in fused.tuned_timings(x).items()})
 
 
 def measure(c: Config, batch: int | str, step: str, args) -> dict:
@@ -278,8 +270,7 @@ def measure(c: Config, batch: int | str, step: str, args) -> dict:
             with cli.variant_settings(variant, train):
                 per_call = warm_up(call, args.device, WARMUP_MS, WARMUP_CALLS)
                 if variant == "fused":
-                    row["formulation"] = formulation(fused, x, train, args.autocast)
-                    row["tuner_timings_ms"] = tuner_timings(fused, x, train, args.autocast)
+                    row |= tuned(fused, x, train, args.autocast)
             reps[variant] = args.reps or reps_for(per_call, args.device.type)
         per_round = {v: max(ROUND_MIN_REPS, math.ceil(n / cli.TIMING_ROUNDS)) for v, n in reps.items()}
         rounds = interleaved_medians(calls, args.device, per_round, cli.TIMING_ROUNDS,

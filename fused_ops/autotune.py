@@ -253,9 +253,9 @@ def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", 
         name, hot, searched, graphed = module.__dict__["_fused_ops_choice"][3], False, False, False
     else:
         name, graphed = tuning.choice
-        # (no search while a caller captures the call: it would fail the capture)
-        searched = not _capturing(x)
-        hot = tuning.count(signature) >= HOT_CALLS and searched
+        # (no search, and no graph of ours, while a caller captures the call: it would fail the capture)
+        capturing = _capturing(x)
+        searched, hot = not capturing, tuning.count(signature) >= HOT_CALLS and not capturing
     out = _replay(module, signature, graph_stamp, run, name, x) if graphed and hot else None
     if out is None:
         out = _run_benchmarked(run, name, x) if searched else run(name, x)

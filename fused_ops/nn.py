@@ -21,6 +21,7 @@ from . import _autocast, _graphed, autotune, reference, rewrites
 from ._trace import traced
 from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, conv_transpose3d_batch_norm_eval_mean,
                   max_pool3d_cascade_sum, max_pool3d_mean, parity_max_pool3d_mean)
+from .ops._common import _records
 from .sync_batch_norm import sync_batch_norm_gap, sync_process_group
 
 
@@ -343,9 +344,7 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
         if x.numel() < _LAUNCH_BOUND_ELEMENTS:
             return _lead_with("original", order)
         conv = self.conv
-        records = torch.is_grad_enabled() and (x.requires_grad or conv.weight.requires_grad
-                                               or (conv.bias is not None and conv.bias.requires_grad))
-        return order if records else _lead_with("fused_conv", order)
+        return order if _records(x, conv.weight, conv.bias) else _lead_with("fused_conv", order)
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         pool = self.avg_pool
@@ -642,8 +641,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
         conv_weight, conv_bias = conv.weight, conv.bias
         bn_weight, bn_bias, running_mean, running_var = bn.weight, bn.bias, bn.running_mean, bn.running_var
-        records = torch.is_grad_enabled() and (x.requires_grad or any([t is not None and t.requires_grad for t in
-                                                                        (conv_weight, conv_bias, bn_weight, bn_bias)]))
+        records = _records(x, conv_weight, conv_bias, bn_weight, bn_bias)
         # (the op's dtypes: the batch norm's tensors of one dtype, x's or float32 for a 16-bit x)
         statistics = {t.dtype for t in (bn_weight, bn_bias, running_mean, running_var) if t is not None}
         widened = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype

@@ -9,6 +9,17 @@ from torch import Tensor
 _ops = torch.ops.fused_ops
 
 
+def _records(*tensors: Tensor | None) -> bool:
+    """Whether autograd records a call on these tensors (None skipped): grad mode on, and one of them
+    requires grad."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 def _expand(value, n: int, name: str) -> list[int]:
     """An int, or a sequence of 1 or n ints, as a list of n ints (SymInts under torch.compile)."""
     if isinstance(value, (int, torch.SymInt)):

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from .. import _autocast
 from .._trace import traced
 from ..ops import box_fold2d, conv2d_sigmoid_sum, depth_stacked_channels_last
-from ..ops._common import _accumulation_dtype, _pooled_size
+from ..ops._common import _accumulation_dtype, _pooled_size, _records
 from ..ops.conv2d_sigmoid_sum import _grad_factor_shape
 from ._common import _channels_last_copy, _is_plain_conv, _pair, _rearranged_taps_exact, _stacked_in_one_pass, kernel_dtype
 
@@ -79,12 +79,11 @@ def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) 
 
 def _saves_more_than_the_original(x: Tensor, conv: nn.Conv2d, fold: _PoolFold) -> bool:
     """Whether, where autograd records it, conv2d_sigmoid_sum would save a gradient factor (float32
-    tiles of 48 output columns by 64 output channels: _conv2d_grad_factor_shape) larger than the
+    tiles of 48 output columns by 64 output channels: _grad_factor_shape) larger than the
     convolution's output, which the original keeps for its pool's backward: with few output channels
     (3 -> 16, kernel 3, pool 2, 128 x 255 x 255 on an H200: the training step's peak 1260 MiB against
     the original's 1124)."""
-    if traced(x) or not (torch.is_grad_enabled()
-                         and any(t is not None and t.requires_grad for t in (x, conv.weight, conv.bias))):
+    if traced(x) or not _records(x, conv.weight, conv.bias):
         return False  # (nothing saved; or a compiler's sizes, whose memory it plans itself)
     factor_dtype = _accumulation_dtype(kernel_dtype(x, conv.weight))
     factor = math.prod(_grad_factor_shape(x.shape[0], fold.out, conv.weight.shape[0])) * factor_dtype.itemsize

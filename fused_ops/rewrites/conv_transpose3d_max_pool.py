@@ -15,8 +15,10 @@ from torch import Tensor, nn
 from .. import _autocast
 from .._trace import traced
 from ..ops import conv_transpose3d_cascade_sum_path, conv_transpose3d_cascade_weight_grad
+from ..ops._common import _records
 from ._common import (_full_float32, _is_plain_conv, _is_window_pool, _op_path, _parity_conv3d,
-                      _rearranged_taps_exact, _tf32_convolutions, _transposed_axis, _transposed_parity_kernel, _triple, kernel_dtype)
+                      _rearranged_taps_exact, _tf32_convolutions, _transposed_axis, _transposed_parity_kernel,
+                      _triple, kernel_dtype)
 
 
 def _transposed_windows_geometry(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d, pool2: nn.MaxPool3d):
@@ -84,7 +86,7 @@ def _cascade_sum(x: Tensor, weight: Tensor, kernel2, axes, positions, save_picks
     its picks where save_picks (autograd records the op's own backward otherwise); by
     conv_transpose3d_cascade_sum (the convolution and both pools in one kernel) where `fused` (its
     stride, padding, output_padding: _cascade_sum_by_kernel) and autograd records nothing."""
-    if fused is not None and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+    if fused is not None and not _records(x, weight):
         # x in the convolution's dtype and channels-last, as the kernel reads it (one copy, none where it lies so)
         dtype = _autocast.conv_dtype(x)
         x_kernel = _channels_last(x, dtype)
@@ -116,10 +118,6 @@ def _transposed_windows(x: Tensor, weight: Tensor, axes, positions) -> Tensor:
     float32 where _full_float32 asks it and autograd records nothing (_rounds_to_tf32)."""
     return _parity_conv3d(x, _transposed_parity_kernel(weight, axes, kernel_dtype(x, weight)), None, axes, positions,
                           full_float32=_full_float32(x) and not _records(x, weight))
-
-
-def _records(x: Tensor, weight: Tensor) -> bool:
-    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
 
 
 def _rounds_to_tf32(x: Tensor, weight: Tensor) -> bool:
@@ -195,8 +193,8 @@ def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, p
     axes, positions, out_size = found
     weight, kernel2 = conv.weight, _triple(pool2.kernel_size)
     fused = _cascade_sum_by_kernel(x, conv, kernel2)
-    picked = torch.is_grad_enabled() and weight.requires_grad and not x.requires_grad
-    if picked and _picked_weight_grad_is_quick(x, conv):
+    if (torch.is_grad_enabled() and weight.requires_grad and not x.requires_grad
+            and _picked_weight_grad_is_quick(x, conv)):
         if fused is not None and _autocast.cast_dtype(x) is None:
             # x channels-last once, for the kernel and the weight gradient's (each reads it so; the copy, where x
             # is not channels-last, is kept for the backward in x's place)
