@@ -1,3 +1,4 @@
+import contextlib
 import importlib.machinery
 import importlib.util
 import os
@@ -93,11 +94,23 @@ def dtype(request):
 
 
 def cuda_kernel_names(call) -> list:
-    """The names of the CUDA kernels call() ran, by the profiler."""
+    """The names of what call() ran on the GPU (kernels, copies), by the profiler: its events on the
+    device only (it also lists the host's runtime calls, cudaLaunchKernel, and its own overheads)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events()]
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+@contextlib.contextmanager
+def matmul_precision(precision):
+    """torch.set_float32_matmul_precision(precision) within the block."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def make_convolution_case(x_shape, w_shape, bias, dtype, device, seed=0, integers=False):

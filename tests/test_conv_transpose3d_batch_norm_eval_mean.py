@@ -73,7 +73,8 @@ def test_against_pytorch(geometry, dtype, optional, device):
         assert wide.dtype == torch.float32 and torch.equal(wide.to(dtype), out)
     if device == "cuda":
         names = cuda_kernel_names(lambda: call(x, t, geometry))
-        assert len(names) == 2 and "chunk_and_tap_sums_kernel" in names[0] and "batch_norm_eval_mean_kernel" in names[1]
+        assert (len(names) == 2 and "chunk_and_tap_sums_kernel" in names[0]
+                and "batch_norm_eval_mean_kernel" in names[1]), names
 
 
 @pytest.mark.parametrize("geometry", list(GEOMETRIES.values()), ids=list(GEOMETRIES))
@@ -111,7 +112,7 @@ def test_x_not_contiguous(layout, device):
     torch.testing.assert_close(call(strided, t, geometry), call(x, t, geometry), rtol=1e-5, atol=1e-6)
     if device == "cuda":
         names = cuda_kernel_names(lambda: call(strided, t, geometry))
-        assert "chunk_and_tap_sums_kernel" in names[-2] and "batch_norm_eval_mean_kernel" in names[-1]
+        assert "chunk_and_tap_sums_kernel" in names[-2] and "batch_norm_eval_mean_kernel" in names[-1], names
 
 
 def test_opcheck(device):

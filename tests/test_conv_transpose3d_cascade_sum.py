@@ -10,13 +10,13 @@ picks against the composite's, and B's module, whose rewrite takes it on a GPU, 
 Random data: normwise within the dtype's tolerance of float64 (conftest's RTOL, float32's for bf16x3;
 TF32 2e-3, the README's for TF32 convolutions). Integer-valued data (every product and float32 sum exact, in TF32 too): the
 float64 result exactly and the float64 composite's picks, ties and non-finite values included."""
-import contextlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICES, RTOL, build_pair, cuda_kernel_names, misaligned, poison_cuda_allocator, requires_sm90
+from conftest import (DEVICES, RTOL, build_pair, cuda_kernel_names, matmul_precision, misaligned,
+                      poison_cuda_allocator, requires_sm90)
 from fused_ops import conv_transpose3d_cascade_sum
 from fused_ops.ops import conv_transpose3d_cascade_sum_path
 
@@ -185,18 +185,6 @@ def test_path_on_the_cpu(tf32):
 # --------------------------------------------------------------------------
 # The kernel (an sm_90 GPU, a build with CUTLASS, TF32 convolutions)
 # --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def matmul_precision(precision):
-    """torch.set_float32_matmul_precision(precision) within the block (which picks the kernel's float32
-    operands: bf16x3 for "highest", TF32 for "high" and "medium")."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
 
 
 @pytest.fixture(params=list(OPERANDS))
