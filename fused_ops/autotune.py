@@ -384,13 +384,17 @@ class _Timing:
         return sum(spans), spans[0], self.host_ms
 
 
+def _batch_bits(key: tuple) -> int:
+    """The bit length of key's batch-size bucket."""
+    return key[2][0][0].bit_length()
+
+
 def _settled_neighbour(key: tuple) -> "_Tuning | None":
     """The settled tuning of key's nearest batch-size bucket (otherwise the same key), or None."""
     bucket = key[2]
     near = [t for k, t in list(_TUNINGS.items()) if t.choice is not None and k[:2] == key[:2] and k[3] == key[3]
             and k[2][1:] == bucket[1:] and k[2][0][1:] == bucket[0][1:]]
-    batch = bucket[0][0].bit_length()
-    return min(near, key=lambda t: abs(t.key[2][0][0].bit_length() - batch), default=None)
+    return min(near, key=lambda t: abs(_batch_bits(t.key) - _batch_bits(key)), default=None)
 
 
 class _Tuning:
@@ -400,10 +404,16 @@ class _Tuning:
     def __init__(self, key: tuple, order: Sequence[str]):
         self.key = key
         self.candidates = list(order)
+        self.eliminated: set[str] = set()  # candidates this key's own timings found far slower (ELIMINATE)
         neighbour = _settled_neighbour(key)
-        if neighbour is not None and neighbour.choice[0] in order:  # (its choice first, then the others it kept running)
+        if neighbour is not None and neighbour.choice[0] in order:
+            # its choice first; the others but those it found far slower where its batch is within twice
+            # this one's (the fastest changes with the batch: A-k313's rewrite, far slower at batch 8, is
+            # ~4x faster than the others at 128)
             name = neighbour.choice[0]
-            self.candidates = [name] + [n for n in order if n in neighbour.candidates and n != name]
+            near = abs(_batch_bits(neighbour.key) - _batch_bits(key)) <= 1
+            dropped = neighbour.eliminated if near else set()
+            self.candidates = [name] + [n for n in order if n != name and n not in dropped]
         self.timings: dict[str, list[tuple[float, float, float]]] = {name: [] for name in order}  # (_Timing.read)
         self.started: dict[str, int] = dict.fromkeys(order, 0)  # calls run, timed or not
         self.pending: list[tuple[int, str, _Timing, bool]] = []  # (call, name, timing, its first call)
@@ -486,6 +496,7 @@ class _Tuning:
         for name in self.candidates[1:]:  # (far slower: not run again)
             if name in medians and medians[name] > ELIMINATE * best:
                 self.candidates.remove(name)
+                self.eliminated.add(name)
         if self.explored is None and len(self.candidates) > 1:
             return
         done = all(len(self.timings[name]) >= SAMPLES for name in self.candidates)
