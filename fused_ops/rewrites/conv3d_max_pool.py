@@ -10,9 +10,9 @@ from torch import Tensor, nn
 
 from .. import _autocast
 from ..ops import conv3d_max_pool3d_mean
-from ..ops._common import _pooled_size
-from ._common import (_conv_pool_axis, _is_plain_conv, _is_window_pool, _parity_conv3d, _parity_kernel,
-                      _rearranged_taps_exact, _triple, kernel_dtype)
+from ..ops._common import _pooled_size, _records
+from ._common import (_conv_pool_axis, _full_float32, _is_plain_conv, _is_window_pool, _parity_conv3d,
+                      _parity_kernel, _rearranged_taps_exact, _triple, kernel_dtype)
 
 
 def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
@@ -39,13 +39,18 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
         return None
     axes = tuple([_conv_pool_axis(kernel[d], padding[d], classes[d]) for d in range(3)])
     weight, bias, dtype = conv.weight, conv.bias, kernel_dtype(x, conv.weight)
+    # Where autograd records it, the windows' convolution in full float32 where asked (_full_float32): a
+    # pick that TF32's rounding moves routes a whole gradient elsewhere (A-k313's training step, H200, TF32
+    # windows: the weight gradient 2.5e-4 from float64's, the original's 3.5e-5), while an output's mean
+    # over its windows moves by only a near-tie's difference (eval: 1.2e-7).
+    exact = _full_float32(x) and _records(x, weight)
     if not _folds_exactly(divisor):
         # conv(x) / d rounds twice where d is not a power of two: divide where PyTorch
         # divides, so that values PyTorch computes exactly (and their ties) are ours too
         class_bias = None if bias is None else bias.repeat_interleave(math.prod(classes))
-        return _parity_conv3d(x, _parity_kernel(weight.to(dtype), axes), class_bias, axes, positions) / divisor, None
+        return _parity_conv3d(x, _parity_kernel(weight.to(dtype), axes), class_bias, axes, positions, exact) / divisor, None
     taps = _parity_kernel((weight / divisor).to(dtype), axes)
-    return _parity_conv3d(x, taps, None, axes, positions), None if bias is None else bias / divisor
+    return _parity_conv3d(x, taps, None, axes, positions, exact), None if bias is None else bias / divisor
 
 
 def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor: float = 1.0) -> Tensor | None:
