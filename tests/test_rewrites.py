@@ -223,14 +223,33 @@ def cascade_sum_of(conv, x, kernel2=3):
     return None if found is None else found[0] + found[1].sum()
 
 
-def test_conv_transpose3d_rewrite_in_full_float32(device, monkeypatch):
+@pytest.fixture
+def full_float32(monkeypatch):
+    """rewrites._common._full_float32 true for any x (as on a GPU in float32 by default), in each module
+    that uses it."""
+    from fused_ops.rewrites import _common, conv_transpose3d_max_pool
+    for module in (_common, conv_transpose3d_max_pool):
+        monkeypatch.setattr(module, "_full_float32", lambda x: True)
+
+
+def test_conv3d_rewrite_in_full_float32(full_float32, device):
+    """Where full float32 is asked, A's rewrite does not hold where autograd records its windows'
+    convolution (its gradients in TF32 strayed beyond the original's: rewrites._common._rounds_to_tf32)
+    and holds where autograd records nothing."""
+    conv, pool = nn.Conv3d(3, 4, 3).to(device), nn.MaxPool3d(2)
+    x = torch.rand(2, 3, 7, 8, 9, device=device)
+    assert rewrites.conv3d_max_pool_windows(x, conv, pool) is None
+    assert rewrites.conv3d_max_pool_windows(x.clone().requires_grad_(), conv.requires_grad_(False), pool) is None
+    with torch.no_grad():
+        assert rewrites.conv3d_max_pool_windows(x, conv.requires_grad_(True), pool) is not None
+
+
+def test_conv_transpose3d_rewrite_in_full_float32(full_float32, device):
     """Where full float32 is asked (rewrites._common._full_float32: on a GPU by default), B's rewrite
     computes its windows' convolution with TF32 off by the call's own argument where autograd records
     nothing (eval, and the forward of the picked weight gradient), takes the picked weight gradient
     (float32 sums) for a training step on data, and does not hold where autograd would record the
     windows' convolution (x's gradient: autograd's backward reads the global TF32 setting)."""
-    from fused_ops.rewrites import conv_transpose3d_max_pool as b_rewrite
-    monkeypatch.setattr(b_rewrite, "_full_float32", lambda x: True)
     torch.manual_seed(0)
     conv = nn.ConvTranspose3d(7, 13, 5, stride=2, padding=2).to(device)
     x = torch.rand(2, 7, 5, 6, 7, device=device)
@@ -299,14 +318,17 @@ EXACT_DTYPES = [torch.float64, torch.float32]
 
 
 @pytest.mark.parametrize("divisor", [2.0, -1.5, 3.0, 0.5, -0.25, 7.0, 1.0])
+@pytest.mark.parametrize("precision", ["highest", "high"])
 @pytest.mark.parametrize("dtype", EXACT_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-def test_conv3d_max_pool_windows_exact_on_integers(divisor, dtype, device):
+def test_conv3d_max_pool_windows_exact_on_integers(divisor, dtype, precision, device):
     """conv(x) / divisor bit for bit, whatever the divisor (the weights are divided only by
-    a power of two, which is exact; other divisors divide where PyTorch divides)."""
+    a power of two, which is exact; other divisors divide where PyTorch divides). (In full float32,
+    "highest", the rewrite holds where autograd records nothing: under no_grad.)"""
     conv = integer_valued(nn.Conv3d(3, 4, (3, 2, 3), padding=(1, 0, 0)), dtype, device)
     pool = nn.MaxPool3d((2, 3, 2))
     x = integer_input((2, 3, 7, 10, 9), dtype, device)
-    windows, channel_bias = rewrites.conv3d_max_pool_windows(x, conv, pool, divisor)
+    with matmul_precision(precision), torch.set_grad_enabled(precision == "high"):
+        windows, channel_bias = rewrites.conv3d_max_pool_windows(x, conv, pool, divisor)
     plain = (conv(x) / divisor)[:, :, :windows.shape[1] * 2, :windows.shape[2] * 3, :windows.shape[3] * 2]
     assert torch.equal(with_channel_bias(interleave(windows, (2, 3, 2)), channel_bias), plain)
 

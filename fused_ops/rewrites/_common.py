@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from .. import _autocast
 from .._trace import traced
 from ..ops import depth_stacked_channels_last
-from ..ops._common import _accumulation_dtype, _expand, _pool_triples
+from ..ops._common import _accumulation_dtype, _expand, _pool_triples, _records
 
 
 def _triple(v) -> tuple[int, int, int]:
@@ -218,6 +218,15 @@ def _full_float32(x: Tensor) -> bool:
     with TF32 was 1.3e-4 from it at B-7to13-s2p2k5, batch 16 (H200): beyond KernelBench's 1e-4."""
     return (x.is_cuda and _autocast.conv_dtype(x) == torch.float32 and not traced(x)
             and torch.get_float32_matmul_precision() == "highest")
+
+
+def _rounds_to_tf32(x: Tensor, weight: Tensor) -> bool:
+    """Whether a rewrite's windows' convolution, recorded by autograd, would round to TF32 where
+    _full_float32 asks for none (autograd's convolution backward reads PyTorch's global TF32 setting):
+    the rewrite then does not hold. (Its gradients in TF32 on the rearranged taps stray further than
+    the original's: A-k313's training step, H200, the weight's gradient 2.4e-4 from float64's, the
+    original's 3.5e-5, with the windows' forward in TF32 or in full float32 alike.)"""
+    return _full_float32(x) and _records(x, weight)
 
 
 def _channels_last_copy(t: Tensor) -> Tensor:

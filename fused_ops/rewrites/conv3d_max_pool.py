@@ -10,9 +10,9 @@ from torch import Tensor, nn
 
 from .. import _autocast
 from ..ops import conv3d_max_pool3d_mean
-from ..ops._common import _pooled_size, _records
-from ._common import (_conv_pool_axis, _full_float32, _is_plain_conv, _is_window_pool, _parity_conv3d,
-                      _parity_kernel, _rearranged_taps_exact, _triple, kernel_dtype)
+from ..ops._common import _pooled_size
+from ._common import (_conv_pool_axis, _is_plain_conv, _is_window_pool, _parity_conv3d, _parity_kernel,
+                      _rearranged_taps_exact, _rounds_to_tf32, _triple, kernel_dtype)
 
 
 def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
@@ -20,7 +20,8 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
     """The windows of ``pool(conv(x) / divisor)`` side by side, (N, D', H', W', O, Q), less a
     constant per output channel, and that constant (O) or None; or None where the rewrite
     does not hold (a strided, dilated or grouped convolution, a pool whose windows overlap or
-    leave gaps or pad, ceil_mode adding windows, more than 256 classes).
+    leave gaps or pad, ceil_mode adding windows, more than 256 classes, autograd recording it in
+    full float32: _rounds_to_tf32).
 
     The constant is the convolution's bias over the divisor where the divisor folds exactly
     (below): the same for every element of a channel's windows, it passes through their
@@ -35,22 +36,17 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
     positions = tuple([_pooled_size(s, p, p, 0, pool.ceil_mode) for s, p in zip(conv_size, classes)])
     # every window whole (ceil_mode may add a partial last one)
     if min(positions) < 1 or any([m * p > s for s, p, m in zip(conv_size, classes, positions)]) \
-            or math.prod(classes) > 256 or not _rearranged_taps_exact(x):
+            or math.prod(classes) > 256 or not _rearranged_taps_exact(x) or _rounds_to_tf32(x, conv.weight):
         return None
     axes = tuple([_conv_pool_axis(kernel[d], padding[d], classes[d]) for d in range(3)])
     weight, bias, dtype = conv.weight, conv.bias, kernel_dtype(x, conv.weight)
-    # Where autograd records it, the windows' convolution in full float32 where asked (_full_float32): a
-    # pick that TF32's rounding moves routes a whole gradient elsewhere (A-k313's training step, H200, TF32
-    # windows: the weight gradient 2.5e-4 from float64's, the original's 3.5e-5), while an output's mean
-    # over its windows moves by only a near-tie's difference (eval: 1.2e-7).
-    exact = _full_float32(x) and _records(x, weight)
     if not _folds_exactly(divisor):
         # conv(x) / d rounds twice where d is not a power of two: divide where PyTorch
         # divides, so that values PyTorch computes exactly (and their ties) are ours too
         class_bias = None if bias is None else bias.repeat_interleave(math.prod(classes))
-        return _parity_conv3d(x, _parity_kernel(weight.to(dtype), axes), class_bias, axes, positions, exact) / divisor, None
+        return _parity_conv3d(x, _parity_kernel(weight.to(dtype), axes), class_bias, axes, positions) / divisor, None
     taps = _parity_kernel((weight / divisor).to(dtype), axes)
-    return _parity_conv3d(x, taps, None, axes, positions, exact), None if bias is None else bias / divisor
+    return _parity_conv3d(x, taps, None, axes, positions), None if bias is None else bias / divisor
 
 
 def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor: float = 1.0) -> Tensor | None:

@@ -17,8 +17,8 @@ from .._trace import traced
 from ..ops import conv_transpose3d_cascade_sum_path, conv_transpose3d_cascade_weight_grad
 from ..ops._common import _records
 from ._common import (_full_float32, _is_plain_conv, _is_window_pool, _op_path, _parity_conv3d,
-                      _rearranged_taps_exact, _tf32_convolutions, _transposed_axis, _transposed_parity_kernel,
-                      _triple, kernel_dtype)
+                      _rearranged_taps_exact, _rounds_to_tf32, _tf32_convolutions, _transposed_axis,
+                      _transposed_parity_kernel, _triple, kernel_dtype)
 
 
 def _transposed_windows_geometry(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d, pool2: nn.MaxPool3d):
@@ -118,13 +118,6 @@ def _transposed_windows(x: Tensor, weight: Tensor, axes, positions) -> Tensor:
     float32 where _full_float32 asks it and autograd records nothing (_rounds_to_tf32)."""
     return _parity_conv3d(x, _transposed_parity_kernel(weight, axes, kernel_dtype(x, weight)), None, axes, positions,
                           full_float32=_full_float32(x) and not _records(x, weight))
-
-
-def _rounds_to_tf32(x: Tensor, weight: Tensor) -> bool:
-    """Whether the windows' convolution, recorded by autograd, would round to TF32 where
-    _full_float32 asks for none (autograd's convolution backward reads PyTorch's global TF32
-    setting): the rewrite then does not hold, as the original's ops do not round so."""
-    return _full_float32(x) and _records(x, weight)
 
 
 def conv_transpose3d_max_pool_windows(x: Tensor, conv: nn.ConvTranspose3d, pool1: nn.MaxPool3d,
