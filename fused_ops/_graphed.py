@@ -27,9 +27,10 @@ from collections.abc import Callable, Hashable
 import torch
 from torch import Tensor, nn
 
-# A graph whose capture holds more of the device's memory than this is dropped (its call is
-# then not graphed): graphs are for small, host-bound calls (at a batch of one the SPEC
-# configurations' graphs hold 20-100 MiB, what one call's intermediates take).
+# A graph that holds more of the device's memory than this, or than its call's budget (the module's:
+# what the original's ops hold at least in that call), is dropped (its call is then not graphed):
+# graphs are for small, host-bound calls (at a batch of one the SPEC configurations' graphs hold
+# 2-36 MiB, whole allocator segments: 20 MiB for any allocation of 1-10 MiB).
 MEMORY_LIMIT = 256 << 20
 # A module whose graph for one signature was captured this many times is no longer graphed.
 MAX_CAPTURES = 4
@@ -104,18 +105,21 @@ def _static_input(x: Tensor) -> Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
-def _check_held(device: torch.device, reserved: int) -> int:
-    """The device memory a capture reserved since `reserved` was read (what its graph holds)."""
-    held = torch.cuda.memory_reserved(device) - reserved
-    if held > MEMORY_LIMIT:
-        raise CaptureRefused("the graph holds more than fused_ops._graphed.MEMORY_LIMIT bytes")
+def _check_held(device: torch.device, reserved: int, static: list[Tensor], budget: int) -> int:
+    """What a graph holds: the device memory its capture reserved since `reserved` was read (its pool,
+    in the allocator's whole segments) and its static tensors allocated before; refused over `budget`
+    or MEMORY_LIMIT bytes."""
+    held = torch.cuda.memory_reserved(device) - reserved + sum(t.untyped_storage().nbytes() for t in static)
+    if held > min(budget, MEMORY_LIMIT):
+        raise CaptureRefused(f"the graph holds {held} bytes, over its budget ({budget}) or "
+                             "fused_ops._graphed.MEMORY_LIMIT")
     return held
 
 
 class GraphedCall:
     """run(name, x) captured for x's signature; calling it replays the graph on a new input."""
 
-    def __init__(self, module: nn.Module, run: Run, name: str, x: Tensor, stamp: Hashable):
+    def __init__(self, module: nn.Module, run: Run, name: str, x: Tensor, stamp: Hashable, budget: int):
         self.stamp = stamp
         self._lock = threading.Lock()
         self._x = _static_input(x)
@@ -125,7 +129,7 @@ class GraphedCall:
             self._graph, self._out = _capture(lambda: run(name, self._x))
         if self._out is None:
             raise CaptureRefused(f"formulation {name} does not hold for the captured call")
-        self.held = _check_held(x.device, reserved)
+        self.held = _check_held(x.device, reserved, [self._x], budget)
 
     def __call__(self, x: Tensor) -> Tensor:
         with self._lock:  # (one static input and output: calls from several threads take turns)
@@ -140,7 +144,7 @@ class GraphedStep:
     autograd node whose backward replays the backward graph, or returns None while the last
     replay's backward is still to come (the graph's activations are that call's)."""
 
-    def __init__(self, module: nn.Module, run: Run, name: str, x: Tensor, stamp: Hashable):
+    def __init__(self, module: nn.Module, run: Run, name: str, x: Tensor, stamp: Hashable, budget: int):
         self.stamp = stamp
         self._lock = threading.Lock()
         self._module, self._run, self._name = weakref.ref(module), run, name
@@ -164,12 +168,13 @@ class GraphedStep:
             if out is None or not out.requires_grad:
                 raise CaptureRefused(f"formulation {name} does not record gradients for the captured call")
             backward(out, torch.ones_like(out))
+            self._grad_out = torch.empty_like(out)  # (the captured forward's output is the warm-up's like)
+            del out
             reserved = torch.cuda.memory_reserved(x.device)
             self._forward, out = _capture(lambda: run(name, self._x))
-            self._grad_out = torch.empty_like(out)
             self._backward, self._grads = _capture(lambda: backward(out, self._grad_out), self._forward.pool())
         self._out = out.detach()
-        self.held = _check_held(x.device, reserved)
+        self.held = _check_held(x.device, reserved, [self._x, self._grad_out], budget)
 
     def __call__(self, x: Tensor) -> Tensor | None:
         with self._lock:
@@ -273,12 +278,12 @@ def call_in_flight():
 
 
 def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: Run, name: str,
-                 x: Tensor) -> GraphedCall | GraphedStep | None:
+                 x: Tensor, budget: Callable[[], int]) -> GraphedCall | GraphedStep | None:
     """The module's graph of formulation `name` for calls with `signature` (a GraphedStep where
     the call records gradients, else a GraphedCall), captured now where there is none or where
     it was captured under another stamp (configuration and tensor memory); None where the call
-    is not to be graphed (its capture was refused or failed: the call runs without a graph, and
-    raises there if its input is wrong)."""
+    is not to be graphed (its capture was refused or failed, or it would hold more than budget()
+    bytes: the call runs without a graph, and raises there if its input is wrong)."""
     graphs = _GRAPHS.setdefault(module, {})
     graph, captures = graphs.get(signature, (None, 0))
     if graph is not None and graph.stamp == stamp:
@@ -294,7 +299,8 @@ def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: R
         graphs[signature] = (None, MAX_CAPTURES)  # (the old graph's memory released before the new capture)
         del graph
         try:  # (a call the tuner may graph in grad mode records gradients: fused_ops.autotune._graph_kind)
-            graph = (GraphedStep if torch.is_grad_enabled() else GraphedCall)(module, run, name, x, stamp)
+            graph = (GraphedStep if torch.is_grad_enabled() else GraphedCall)(module, run, name, x, stamp,
+                                                                              budget())
         except RuntimeError:  # (CaptureRefused, or a capture CUDA refused)
             return None
     finally:

@@ -626,7 +626,9 @@ def _replay(module: nn.Module, signature: tuple, graph_stamp, run, name: str, x:
     the module's mode or the parameters' requires_grad may have changed since the choice),
     another stream than the default one (a capture in progress, or streams that could overlap
     the static input's use), graph_stamp() None, a call recording gradients under the caller's
-    saved-tensor hooks or while the graph's last replay awaits its backward."""
+    saved-tensor hooks or while the graph's last replay awaits its backward. A capture that would hold
+    more than module._graph_budget(x) bytes is refused (a lower bound of the original's peak in the call:
+    a call's peak, the capture's included, at most the original's)."""
     kind = _graph_kind(module, x)
     if kind is None or torch._C._cuda_getCurrentRawStream(x.device.index) != 0:
         return None
@@ -636,7 +638,7 @@ def _replay(module: nn.Module, signature: tuple, graph_stamp, run, name: str, x:
     if stamp is None:
         return None
     graph = _graphed.graphed_call(module, signature, (stamp, kind), lambda n, t: _run_benchmarked(run, n, t), name,
-                                  x)
+                                  x, lambda: module._graph_budget(x))
     return None if graph is None else graph(x)
 
 

@@ -13,11 +13,14 @@ import torch.utils.checkpoint
 
 from conftest import requires_cuda
 from fused_ops import _graphed, autotune
+from fused_ops.nn import _Formulations
 from test_formulations import CONFIGS, IDS, pair, shared
 
-def settle_graphed(monkeypatch, formulation=None):
+def settle_graphed(monkeypatch, formulation=None, module_budget=False):
     """Each key settles at its first call on `formulation` (the rule's first where None or not
-    its module's), replayed from a graph from its first call on (its timing otherwise decides)."""
+    its module's), replayed from a graph from its first call on (its timing otherwise decides); a
+    graph kept whatever it holds up to MEMORY_LIMIT (the tests' convolution outputs, a module's own
+    budget, take kilobytes), or within the module's budget where module_budget."""
     init = autotune._Tuning.__init__
 
     def settled(self, key, order):
@@ -25,6 +28,8 @@ def settle_graphed(monkeypatch, formulation=None):
         self.choice = (formulation if formulation in order else order[0], True)
     monkeypatch.setattr(autotune._Tuning, "__init__", settled)
     monkeypatch.setattr(autotune, "HOT_CALLS", 1)
+    if not module_budget:
+        monkeypatch.setattr(_Formulations, "_graph_budget", lambda self, x: _graphed.MEMORY_LIMIT)
 
 
 @pytest.fixture
@@ -294,6 +299,49 @@ def test_graph_memory_limit(graphs_win, monkeypatch):
         for _ in range(2):
             torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12)
     assert not graphed(fused, x)
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+def test_graph_budget_is_the_convolution_output(name, args, shape, autocast):
+    """A module's graph budget (nn._Formulations._graph_budget): the bytes of its convolution's output for
+    x, in the dtype it computes in (odd sizes, a batch of one, an unbatched input, 'same' and 'valid'
+    padding)."""
+    _, fused = shared(name, args, "cpu")
+    conv = getattr(fused, fused._CONV)
+    cases = [(conv.padding, 3), (conv.padding, 1), (conv.padding, None)]
+    if not conv.transposed:
+        cases += [("same", 2), ("valid", 1)]
+    for padding, batch in cases:
+        conv.padding = padding
+        x = torch.rand(*(() if batch is None else (batch,)), *shape[1:2], *[n + 1 for n in shape[2:]])
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            y = conv(x)
+            assert fused._graph_budget(x) == y.numel() * y.element_size()
+
+
+@requires_cuda
+def test_graph_within_the_originals_memory(monkeypatch):
+    """A graph is kept only where what it holds (its pool, in whole allocator segments, and its static
+    input) is within the module's budget: not at the tests' small sizes, whose convolution outputs take
+    kilobytes; with a budget that allows it, kept, its memory counting the static input."""
+    settle_graphed(monkeypatch, module_budget=True)
+    autotune.set_enabled(True)
+    name, args, shape = CONFIGS[0]
+    original, fused = shared(name, args, "cuda")
+    x = torch.rand(shape, device="cuda")
+    assert fused._graph_budget(x) < 2**21
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                torch.testing.assert_close(fused(x), original(x))
+            assert fused.graphed(x) and not graphed(fused, x)  # (settled on a graph; none kept)
+            monkeypatch.setattr(_Formulations, "_graph_budget", lambda self, x: _graphed.MEMORY_LIMIT)
+            autotune.clear()
+            torch.testing.assert_close(fused(x), original(x))
+            assert graphed(fused, x) and autotune.memory(fused)["bytes"] >= x.nbytes + 2**21
+    finally:
+        autotune.clear()
 
 
 @requires_cuda
