@@ -311,6 +311,12 @@ def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: R
     return graph
 
 
+def kept(module: nn.Module, signature: Hashable) -> bool:
+    """Whether the module keeps a graph for calls with `signature` (captured, not refused)."""
+    graph, _ = _GRAPHS.get(module, {}).get(signature, (None, 0))
+    return graph is not None
+
+
 def held(module: nn.Module | None = None) -> dict:
     """{"graphs": how many graphs the modules keep (`module` alone where given), "bytes": the device
     memory their captures reserved}."""

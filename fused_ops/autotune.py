@@ -660,6 +660,12 @@ def kept_graphed(key: tuple) -> bool:
     return tuning is not None and tuning.choice is not None and tuning.choice[1]
 
 
+def graph_captured(module: nn.Module, x: Tensor) -> bool:
+    """Whether the module keeps a CUDA graph for calls like module(x) now (captured at the signature's
+    HOT_CALLS-th call, not refused: its memory within the module's budget)."""
+    return _graphed.kept(module, _signature(module, x))
+
+
 def kept_timings(key: tuple) -> dict[str, tuple[float, float]]:
     """The timed candidates of `key`'s calls: {name: (the median forward's time on the device, the median
     host time to queue it), in ms} (the settled choice's host share decides its graph: _Tuning._settle)."""

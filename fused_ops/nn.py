@@ -248,9 +248,12 @@ class _Formulations:
 
     def graphed(self, x: Tensor) -> bool:
         """Whether calls like this one with x now (the same mode, gradient recording and
-        autocast state) replay the tuned formulation from a CUDA graph (``fused_ops._graphed``)."""
+        autocast state) replay the tuned formulation from a CUDA graph (``fused_ops._graphed``):
+        the tuner settled on one for them and it was captured (the signature's HOT_CALLS-th call)
+        and kept (within _graph_budget)."""
         x = self._dispatched_input(x)
-        return x is not None and autotune.kept_graphed(autotune.call_key(self, self._config(), x))
+        return (x is not None and autotune.kept_graphed(autotune.call_key(self, self._config(), x))
+                and autotune.graph_captured(self, x))
 
     def tuned_timings(self, x: Tensor) -> dict[str, tuple[float, float]]:
         """The formulations timed for calls with x now (as ``formulation``): {name: (median forward ms on

@@ -42,11 +42,6 @@ def graphs_win(monkeypatch):
     autotune.clear()
 
 
-def graphed(fused, x) -> bool:
-    """Whether the call fused(x) replays a graph: kept so by the tuner, and one captured."""
-    return fused.graphed(x) and any(g is not None for g, _ in _graphed._GRAPHS.get(fused, {}).values())
-
-
 @requires_cuda
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
@@ -58,7 +53,7 @@ def test_replays_follow_inputs_and_parameters(name, args, shape, mode, graphs_wi
     with context():
         x = torch.rand(shape, dtype=torch.float64, device="cuda")
         first = fused(x)
-        assert graphed(fused, x)
+        assert fused.graphed(x)
         kept = first.clone()
         for _ in range(2):
             x = torch.rand(shape, dtype=torch.float64, device="cuda")
@@ -70,7 +65,7 @@ def test_replays_follow_inputs_and_parameters(name, args, shape, mode, graphs_wi
         conv = fused.conv if hasattr(fused, "conv") else fused.conv_transpose
         conv.weight = torch.nn.Parameter(torch.rand_like(conv.weight))  # (shared: the same conv)
         torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12)
-        assert graphed(fused, x)
+        assert fused.graphed(x)
         setting = {"A": "divisor", "D": "scale_factor"}.get(IDS[[c[0] for c in CONFIGS].index(name)])
         if setting is not None:
             setattr(original, setting, 3.0)
@@ -98,7 +93,7 @@ def test_no_graph_where_it_must_not(name, args, shape, graphs_win, monkeypatch):
     assert not replays
     with torch.no_grad():
         fused(x)
-        assert graphed(fused, x) and replays
+        assert fused.graphed(x) and replays
         conv = fused.conv if hasattr(fused, "conv") else fused.conv_transpose
         calls = []
         handle = conv.register_forward_hook(lambda module, args, out: calls.append(1))
@@ -157,7 +152,7 @@ def test_training_steps_replayed(name, args, shape, x_grad, graphs_win, count_st
         original.load_state_dict(fused.state_dict())  # (the running statistics as the fused module's)
         expected = training_step(original, x, grad)
         actual = training_step(fused, x, grad)
-        assert graphed(fused, x)
+        assert fused.graphed(x)
         for a, e in zip(actual + list(fused.buffers()), expected + list(original.buffers()), strict=True):
             torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-12)
         results.append(([a.clone() for a in actual], actual))
@@ -257,7 +252,7 @@ def test_replays_under_autocast_follow_parameters(name, args, shape, train, grap
         x = torch.rand(shape, device="cuda", requires_grad=train)
         with torch.autocast("cuda", dtype=torch.bfloat16), torch.set_grad_enabled(train):
             out = fused(x)
-            assert graphed(fused, x)
+            assert fused.graphed(x)
             with autotune.force(fused.formulation(x)):
                 expected = fused(x)
         torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
@@ -298,7 +293,7 @@ def test_graph_memory_limit(graphs_win, monkeypatch):
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12)
-    assert not graphed(fused, x)
+    assert not fused.graphed(x)
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
@@ -335,11 +330,12 @@ def test_graph_within_the_originals_memory(monkeypatch):
         with torch.no_grad():
             for _ in range(2):
                 torch.testing.assert_close(fused(x), original(x))
-            assert fused.graphed(x) and not graphed(fused, x)  # (settled on a graph; none kept)
+            key = autotune.call_key(fused, fused._config(), x)
+            assert autotune.kept_graphed(key) and not fused.graphed(x)  # (settled on a graph; none kept)
             monkeypatch.setattr(_Formulations, "_graph_budget", lambda self, x: _graphed.MEMORY_LIMIT)
             autotune.clear()
             torch.testing.assert_close(fused(x), original(x))
-            assert graphed(fused, x) and autotune.memory(fused)["bytes"] >= x.nbytes + 2**21
+            assert fused.graphed(x) and autotune.memory(fused)["bytes"] >= x.nbytes + 2**21
     finally:
         autotune.clear()
 
@@ -355,7 +351,7 @@ def test_memory_of_one_module(graphs_win):
     with torch.no_grad():
         for _ in range(3):
             fused(x)
-        assert graphed(fused, x)
+        assert fused.graphed(x)
         held = autotune.memory(fused)
         assert held["graphs"] >= 1 and held["bytes"] > 0 and autotune.memory(other) == {"graphs": 0, "bytes": 0}
         assert autotune.memory()["bytes"] >= held["bytes"]
