@@ -1,9 +1,9 @@
 // CUDA kernels of conv_transpose3d_batch_norm_eval_mean (the math: ../conv_transpose3d_batch_norm_eval_mean.h),
 // two launches a call: chunk_and_tap_sums_kernel sums x's (n, i) planes in chunks of kChunk elements (a block
-// each, in a fixed order) and, in blocks of its own, each (input, output channel)'s tap sum (float64) and
-// shared sign; then a block per output channel o: per batch element the dot product of the finite spatial
-// sums (each its chunks' sum) with the tap sums (a block sum), the non-finite ones' signs (block ORs), the
-// bias, the scale and the batch norm. x not contiguous (or more chunks than a grid holds): its spatial sums
+// each, in an order fixed by the shape) and, in blocks of its own, each (input, output channel)'s tap sum
+// (float64) and shared sign; then a block per output channel o, a warp per batch element: the dot product of
+// the finite spatial sums (each its chunks' sum) with the tap sums (a warp sum), the non-finite ones' signs
+// (warp votes), the bias, the scale and the batch norm. x not contiguous (or more chunks than a grid holds): its spatial sums
 // by ATen's reduction first, as one chunk each. No host-side arithmetic on the weights or statistics.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -18,6 +18,7 @@
 
 #include "../conv_transpose3d_batch_norm_eval_mean.h"
 #include "block_reduce.cuh"
+#include "plane_rows.cuh"
 
 namespace fused_ops {
 namespace {
@@ -27,15 +28,20 @@ constexpr int kThreads = 256;
 constexpr int64_t kChunk = 16384;
 
 // Blocks [0, chunk_blocks): partial[b] = the sum of chunk b % chunks of x's plane b / chunks (x (N I, plane)
-// contiguous, in x's accumulation type); blocks from chunk_blocks on: taps[o, i] = tap_sum(w[i, o, :]) (its
-// sum, and its sign as a double), kThreads (o, i) pairs a block, weight (I, O, T) contiguous.
-template <typename scalar_t>
+// contiguous, in x's accumulation type), each thread adding kGroup consecutive elements in turn (as VEC-element
+// aligned vectors where x allows: the same order either way); blocks from chunk_blocks on: taps[o, i] =
+// tap_sum(w[i, o, :]) (its sum, and its sign as a double), kThreads (o, i) pairs a block, weight (I, O, T)
+// contiguous.
+constexpr int kGroup = 8;
+
+template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
     chunk_and_tap_sums_kernel(const scalar_t* __restrict__ x, int64_t plane, int64_t chunks, int64_t chunk_blocks,
                               const scalar_t* __restrict__ weight, const BatchNormEvalMean g,
                               at::opmath_type<scalar_t>* __restrict__ partial, double* __restrict__ sums,
                               double* __restrict__ signs) {
   using acc_t = at::opmath_type<scalar_t>;
+  static_assert(kGroup % VEC == 0 && kChunk % kGroup == 0, "whole vectors a group, whole groups a chunk");
   __shared__ acc_t scratch[32];
   const int64_t b = blockIdx.x;
   if (b >= chunk_blocks) {  // (a whole block: no barrier below for it)
@@ -49,16 +55,28 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t first = (b % chunks) * kChunk, left = plane - first;
   const scalar_t* const chunk = x + (b / chunks) * plane + first;
-  const int64_t size = left < kChunk ? left : kChunk;
+  const int64_t size = left < kChunk ? left : kChunk, whole = size / kGroup * kGroup;
   acc_t sum = 0;
 #pragma unroll 4
-  for (int64_t k = threadIdx.x; k < size; k += kThreads) sum += static_cast<acc_t>(chunk[k]);
+  for (int64_t k = threadIdx.x * kGroup; k < whole; k += kThreads * kGroup) {
+#pragma unroll
+    for (int v = 0; v < kGroup; v += VEC) {
+      const Vector<scalar_t, VEC> in = load_vector<scalar_t, VEC>(chunk + k + v);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) sum += static_cast<acc_t>(in.v[j]);
+    }
+  }
+  if (threadIdx.x == 0) {  // (a last group the chunk cuts)
+    for (int64_t k = whole; k < size; ++k) sum += static_cast<acc_t>(chunk[k]);
+  }
   sum = block_sum(sum, scratch);
   if (threadIdx.x == 0) partial[b] = sum;
 }
 
-// out[n, o] (module comment) for o = blockIdx.x; partial (N, I, chunks) (chunk_and_tap_sums_kernel's: s[n, i]
-// the sum of its chunks, in order), taps and signs (O, I), out (N, O), contiguous.
+// out[n, o] (module comment) for o = blockIdx.x, a warp per batch element n (the block's warps in turn over n):
+// its lanes' dot products of the finite spatial sums s[n, i] (each its chunks' sum, in order) with the tap
+// sums, a warp sum, the non-finite ones' signs (warp votes), then the bias, the scale and the batch norm; no
+// barrier. partial (N, I, chunks) (chunk_and_tap_sums_kernel's), taps and signs (O, I), out (N, O), contiguous.
 template <typename scalar_t, typename param_t, typename out_t>
 __global__ void __launch_bounds__(kThreads)
     batch_norm_eval_mean_kernel(const at::opmath_type<scalar_t>* __restrict__ partial, int64_t chunks,
@@ -67,16 +85,18 @@ __global__ void __launch_bounds__(kThreads)
                                 const param_t* __restrict__ gamma, const param_t* __restrict__ beta,
                                 const param_t* __restrict__ running_mean, const param_t* __restrict__ running_var,
                                 const BatchNormEvalMean g, double scale, double eps, out_t* __restrict__ out) {
-  __shared__ double scratch[32];
+  constexpr int kWarps = kThreads / 32;
   const int64_t o = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const double* const tap = taps + o * g.in_channels;
   const double* const sign = signs + o * g.in_channels;
   const double gain = (gamma != nullptr ? static_cast<double>(gamma[o]) : 1.0) /
                       sqrt(static_cast<double>(running_var[o]) + eps);
-  for (int64_t n = 0; n < g.batch; ++n) {
+  const double bias = conv_bias != nullptr ? static_cast<double>(conv_bias[o]) : 0.0;
+  for (int64_t n = warp; n < g.batch; n += kWarps) {  // (a warp's own loop: uniform across its lanes)
     double dot = 0;
     NonFiniteMean non_finite;
-    for (int64_t i = threadIdx.x; i < g.in_channels; i += blockDim.x) {
+    for (int64_t i = lane; i < g.in_channels; i += 32) {
       const at::opmath_type<scalar_t>* const parts = partial + (n * g.in_channels + i) * chunks;
       at::opmath_type<scalar_t> sum = 0;
       for (int64_t c = 0; c < chunks; ++c) sum += parts[c];
@@ -87,17 +107,15 @@ __global__ void __launch_bounds__(kThreads)
         non_finite.meet(value, static_cast<int>(sign[i]));
       }
     }
-    dot = block_sum(dot, scratch);
-    non_finite.positive = __syncthreads_or(non_finite.positive);
-    non_finite.negative = __syncthreads_or(non_finite.negative);
-    non_finite.nan = __syncthreads_or(non_finite.nan);
-    if (threadIdx.x == 0) {
-      const double bias = conv_bias != nullptr ? static_cast<double>(conv_bias[o]) : 0.0;
+    dot = warp_sum(dot);
+    non_finite.positive = __any_sync(0xffffffffu, non_finite.positive);
+    non_finite.negative = __any_sync(0xffffffffu, non_finite.negative);
+    non_finite.nan = __any_sync(0xffffffffu, non_finite.nan);
+    if (lane == 0) {
       const double mean = non_finite.mean(dot * g.inverse_volume + bias);
       out[n * g.out_channels + o] = static_cast<out_t>(scaled_batch_norm(
           mean, scale, static_cast<double>(running_mean[o]), gain, beta != nullptr ? static_cast<double>(beta[o]) : 0.0));
     }
-    __syncthreads();  // (block_sum's scratch reused)
   }
 }
 
@@ -137,11 +155,15 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv_transpose3d_batch_norm_eval_mean_cuda", [&] {
     using x_t = scalar_t;
     if (chunk_blocks + tap_blocks > 0) {  // (none where x has no channels)
-      chunk_and_tap_sums_kernel<x_t><<<static_cast<unsigned>(chunk_blocks + tap_blocks), kThreads, 0, stream>>>(
-          x.const_data_ptr<x_t>(), plane, chunks, chunk_blocks, w.const_data_ptr<x_t>(), g,
-          partial.mutable_data_ptr<at::opmath_type<x_t>>(), taps[0].mutable_data_ptr<double>(),
-          taps[1].mutable_data_ptr<double>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const int vec = chunked ? std::min(aligned_vector_width<x_t>(x.const_data_ptr(), {plane}), kGroup) : 1;
+      dispatch_vector_width<x_t>(vec, [&](auto width) {
+        chunk_and_tap_sums_kernel<x_t, decltype(width)::value>
+            <<<static_cast<unsigned>(chunk_blocks + tap_blocks), kThreads, 0, stream>>>(
+                x.const_data_ptr<x_t>(), plane, chunks, chunk_blocks, w.const_data_ptr<x_t>(), g,
+                partial.mutable_data_ptr<at::opmath_type<x_t>>(), taps[0].mutable_data_ptr<double>(),
+                taps[1].mutable_data_ptr<double>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     }
     FUSED_OPS_DISPATCH_FLOATING_TYPES(g.param_dtype, "conv_transpose3d_batch_norm_eval_mean_cuda", [&] {
       using param_t = scalar_t;
