@@ -168,10 +168,12 @@ def main():
     print("conv_transpose3d_cascade_sum: ok")
     # D's eval forward: its map (x's sums in chunks with the tap sums, then a block per output channel), float32
     # and bfloat16 x, a non-finite x; planes of two chunks (the second partial); x channels last (PyTorch's sums);
-    # x off a 16-byte boundary with planes of 105 elements (read element by element, a last group cut)
+    # x off a 16-byte boundary with planes of 105 elements (read element by element, a last group cut); planes
+    # of 60 (vectors, a last group cut)
     for dtype in (torch.float32, torch.bfloat16):
         stats = (rand(7), rand(7), rand(7), rand(7) + 0.5)
         for x in (rand(3, 5, 4, 3, 2, dtype=dtype), rand(2, 5, 20, 30, 30, dtype=dtype),
+                  rand(2, 5, 3, 4, 5, dtype=dtype),
                   rand(2, 5, 4, 3, 2, dtype=dtype).contiguous(memory_format=torch.channels_last_3d),
                   rand(2 * 5 * 105 + 1, dtype=dtype)[1:].view(2, 5, 3, 5, 7)):
             x[1, 2, 0, 0, 0] = float("inf")

@@ -105,11 +105,15 @@ def _static_input(x: Tensor) -> Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(x)
 
 
-def _check_held(device: torch.device, reserved: int, static: list[Tensor], budget: int) -> int:
-    """What a graph holds: the device memory its capture reserved since `reserved` was read (its pool,
-    in the allocator's whole segments) and its static tensors allocated before; refused over `budget`
-    or MEMORY_LIMIT bytes."""
-    held = torch.cuda.memory_reserved(device) - reserved + sum(t.untyped_storage().nbytes() for t in static)
+# The least a capture's pool reserves: one of the caching allocator's small segments.
+_SMALLEST_POOL = 2 << 20
+
+
+def _check_held(static: list[Tensor], budget: int, pool: int = _SMALLEST_POOL) -> int:
+    """What a graph holds: its static tensors and its pool (`pool` bytes: what its capture reserved, in
+    the allocator's whole segments; before the capture, the least it can); refused over `budget` or
+    MEMORY_LIMIT bytes."""
+    held = pool + sum(t.untyped_storage().nbytes() for t in static)
     if held > min(budget, MEMORY_LIMIT):
         raise CaptureRefused(f"the graph holds {held} bytes, over its budget ({budget}) or "
                              "fused_ops._graphed.MEMORY_LIMIT")
@@ -123,13 +127,14 @@ class GraphedCall:
         self.stamp = stamp
         self._lock = threading.Lock()
         self._x = _static_input(x)
+        _check_held([self._x], budget)  # (before its warm-up and capture)
         with _on_side_stream(x.device):
             run(name, self._x)  # (warm-up on the capture's stream: its library handles and workspaces)
             reserved = torch.cuda.memory_reserved(x.device)
             self._graph, self._out = _capture(lambda: run(name, self._x))
         if self._out is None:
             raise CaptureRefused(f"formulation {name} does not hold for the captured call")
-        self.held = _check_held(x.device, reserved, [self._x], budget)
+        self.held = _check_held([self._x], budget, torch.cuda.memory_reserved(x.device) - reserved)
 
     def __call__(self, x: Tensor) -> Tensor:
         with self._lock:  # (one static input and output: calls from several threads take turns)
@@ -156,6 +161,7 @@ class GraphedStep:
             # (new leaves made here: the gradients' consumers on the capture's stream; a parameter's
             # own accumulator may be tied to the default stream, which a capture may not wait on)
             self._x = _static_input(x).requires_grad_(x.requires_grad)
+            _check_held([self._x], budget)  # (before its warm-up and capture)
             inputs = ([self._x] if x.requires_grad else []) + [a for a in aliases if a.requires_grad]
 
             def backward(out, grad_out):  # (outside autocast, as AMP runs it)
@@ -174,7 +180,8 @@ class GraphedStep:
             self._forward, out = _capture(lambda: run(name, self._x))
             self._backward, self._grads = _capture(lambda: backward(out, self._grad_out), self._forward.pool())
         self._out = out.detach()
-        self.held = _check_held(x.device, reserved, [self._x, self._grad_out], budget)
+        self.held = _check_held([self._x, self._grad_out], budget,
+                                torch.cuda.memory_reserved(x.device) - reserved)
 
     def __call__(self, x: Tensor) -> Tensor | None:
         with self._lock:
@@ -282,8 +289,8 @@ def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: R
     """The module's graph of formulation `name` for calls with `signature` (a GraphedStep where
     the call records gradients, else a GraphedCall), captured now where there is none or where
     it was captured under another stamp (configuration and tensor memory); None where the call
-    is not to be graphed (its capture was refused or failed, or it would hold more than budget()
-    bytes: the call runs without a graph, and raises there if its input is wrong)."""
+    is not to be graphed (its capture was refused or failed, or it would take the module's graphs
+    past budget() bytes: the call runs without a graph, and raises there if its input is wrong)."""
     graphs = _GRAPHS.setdefault(module, {})
     graph, captures = graphs.get(signature, (None, 0))
     if graph is not None and graph.stamp == stamp:
@@ -299,8 +306,8 @@ def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: R
         graphs[signature] = (None, MAX_CAPTURES)  # (the old graph's memory released before the new capture)
         del graph
         try:  # (a call the tuner may graph in grad mode records gradients: fused_ops.autotune._graph_kind)
-            graph = (GraphedStep if torch.is_grad_enabled() else GraphedCall)(module, run, name, x, stamp,
-                                                                              budget())
+            room = budget() - sum(other.held for other, _ in graphs.values() if other is not None)
+            graph = (GraphedStep if torch.is_grad_enabled() else GraphedCall)(module, run, name, x, stamp, room)
         except RuntimeError:  # (CaptureRefused, or a capture CUDA refused)
             return None
     finally:
@@ -317,11 +324,17 @@ def kept(module: nn.Module, signature: Hashable) -> bool:
     return graph is not None
 
 
+def refused(module: nn.Module, signature: Hashable) -> bool:
+    """Whether calls with `signature` are no longer graphed (refused, failed, or captured too often)."""
+    graph, captures = _GRAPHS.get(module, {}).get(signature, (None, 0))
+    return graph is None and captures >= MAX_CAPTURES
+
+
 def held(module: nn.Module | None = None) -> dict:
     """{"graphs": how many graphs the modules keep (`module` alone where given), "bytes": the device
-    memory their captures reserved}."""
-    kept = list(_GRAPHS.values()) if module is None else [_GRAPHS.get(module, {})]
-    graphs = [graph for module_graphs in kept for graph, _ in module_graphs.values() if graph is not None]
+    memory they hold (their pools and static tensors)}."""
+    modules = list(_GRAPHS.values()) if module is None else [_GRAPHS.get(module, {})]
+    graphs = [graph for module_graphs in modules for graph, _ in module_graphs.values() if graph is not None]
     return {"graphs": len(graphs), "bytes": sum(graph.held for graph in graphs)}
 
 

@@ -404,15 +404,15 @@ class _Tuning:
     def __init__(self, key: tuple, order: Sequence[str]):
         self.key = key
         self.candidates = list(order)
-        self.eliminated: set[str] = set()  # candidates this key's own timings found far slower (ELIMINATE)
+        self.dropped: set[str] = set()  # candidates this key's own calls dropped: far slower, not holding, raising
         neighbour = _settled_neighbour(key)
         if neighbour is not None and neighbour.choice[0] in order:
-            # its choice first; the others but those it found far slower where its batch is within twice
-            # this one's (the fastest changes with the batch: A-k313's rewrite, far slower at batch 8, is
-            # ~4x faster than the others at 128)
+            # its choice first; the others but those it dropped where its batch is within twice this one's
+            # (the fastest changes with the batch: A-k313's rewrite, far slower at batch 8, is ~4x faster
+            # than the others at 128)
             name = neighbour.choice[0]
             near = abs(_batch_bits(neighbour.key) - _batch_bits(key)) <= 1
-            dropped = neighbour.eliminated if near else set()
+            dropped = neighbour.dropped if near else set()
             self.candidates = [name] + [n for n in order if n != name and n not in dropped]
         self.timings: dict[str, list[tuple[float, float, float]]] = {name: [] for name in order}  # (_Timing.read)
         self.started: dict[str, int] = dict.fromkeys(order, 0)  # calls run, timed or not
@@ -456,6 +456,7 @@ class _Tuning:
             with _LOCK:
                 if name in self.candidates and len(self.candidates) > 1:
                     self.candidates.remove(name)
+                    self.dropped.add(name)
             return self._first_that_runs(run, x, [] if out is None else [out])
         if timing is None:
             return name, out
@@ -496,7 +497,7 @@ class _Tuning:
         for name in self.candidates[1:]:  # (far slower: not run again)
             if name in medians and medians[name] > ELIMINATE * best:
                 self.candidates.remove(name)
-                self.eliminated.add(name)
+                self.dropped.add(name)
         if self.explored is None and len(self.candidates) > 1:
             return
         done = all(len(self.timings[name]) >= SAMPLES for name in self.candidates)
@@ -626,9 +627,12 @@ def _replay(module: nn.Module, signature: tuple, graph_stamp, run, name: str, x:
     the module's mode or the parameters' requires_grad may have changed since the choice),
     another stream than the default one (a capture in progress, or streams that could overlap
     the static input's use), graph_stamp() None, a call recording gradients under the caller's
-    saved-tensor hooks or while the graph's last replay awaits its backward. A capture that would hold
-    more than module._graph_budget(x) bytes is refused (a lower bound of the original's peak in the call:
-    a call's peak, the capture's included, at most the original's)."""
+    saved-tensor hooks or while the graph's last replay awaits its backward. A capture that would take
+    the module's graphs past module._graph_budget(x) bytes is refused (a lower bound of the original's
+    peak in the call: the capture's call peaks at most at the original's), and its signature not tried
+    again."""
+    if _graphed.refused(module, signature):  # (host time: the calls that graphs are for are host-bound)
+        return None
     kind = _graph_kind(module, x)
     if kind is None or torch._C._cuda_getCurrentRawStream(x.device.index) != 0:
         return None

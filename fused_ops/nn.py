@@ -221,10 +221,11 @@ class _Formulations:
         return self._config(), _graphed.tensor_pointers(self)
 
     def _graph_budget(self, x: Tensor) -> int:
-        """The most device memory a CUDA graph of a call with x may hold (fused_ops._graphed): the bytes
-        of the convolution's output, which the original's ops hold whole in any call (eval or training):
-        a lower bound of the original's peak, so that a graph's memory, its capture's, never takes a call
-        beyond it. (At a batch of one A's and B's graphs hold 22-36 MiB, their outputs 0.8 and 31.5 MB.)"""
+        """The most device memory the module's CUDA graphs may hold together once a call with x captures
+        one (fused_ops._graphed): the bytes of the convolution's output, which the original's ops hold
+        whole in any call (eval or training): a lower bound of the original's peak, so that no capture
+        takes its call beyond it. (At a batch of one A's and B's graphs hold 22-36 MiB, their outputs 0.8
+        and 31.5 MB.)"""
         conv = getattr(self, self._CONV)
         dims = len(conv.kernel_size)
         size = math.prod(x.shape[:-dims - 1]) * conv.out_channels

@@ -265,8 +265,8 @@ def test_memory_reports_the_graphs(tuner):
 
 def test_a_new_bucket_starts_from_its_neighbours_choice(tuner, monkeypatch):
     """A batch-size bucket met after another settled starts with that one's choice; it leaves out the
-    formulations that one's timings found far slower only where the two batches lie within a factor
-    of two (the fastest changes with the batch)."""
+    formulations that one dropped (far slower, not holding, raising) only where the two batches lie within
+    a factor of two (the fastest changes with the batch)."""
     name, args, shape = CONFIGS[1]
     _, fused = pair(name, args, "cpu", train=False)
     with torch.no_grad():
@@ -274,7 +274,7 @@ def test_a_new_bucket_starts_from_its_neighbours_choice(tuner, monkeypatch):
         (neighbour,) = [t for t in autotune._TUNINGS.values() if t.choice is not None]
         order = fused._order(torch.rand(4, *shape[1:], dtype=torch.float64))
         slow = next(n for n in order if n != neighbour.choice[0])
-        neighbour.eliminated.add(slow)  # (as if its timings had found it far slower)
+        neighbour.dropped.add(slow)  # (as if its timings had found it far slower)
         ran = counting_runs(monkeypatch, fused)
         for batch in (2, 32):  # (buckets 2 and 32: next to 4's, and 8 times it)
             fused(torch.rand(batch, *shape[1:], dtype=torch.float64))

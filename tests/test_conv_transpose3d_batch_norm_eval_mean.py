@@ -115,12 +115,15 @@ def test_x_not_contiguous(layout, device):
         assert "chunk_and_tap_sums_kernel" in names[-2] and "batch_norm_eval_mean_kernel" in names[-1], names
 
 
-def test_x_misaligned(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("geometry", ["two-chunks", "spec-like"])  # (planes of 18000 and 60 elements)
+def test_x_misaligned(geometry, dtype, device):
     """x contiguous but off a 16-byte boundary (a view at an odd offset): the same result, bit for bit, as an
-    aligned copy's (on a GPU its sums read element by element rather than in vectors, in the same order)."""
-    geometry = GEOMETRIES["two-chunks"]
-    x, t = case(geometry, torch.float32, device)
-    shifted = torch.empty(x.numel() + 1, device=device)[1:].view(x.shape).copy_(x)
+    aligned copy's (on a GPU its sums read element by element rather than in vectors, in the same order;
+    a plane of 60 cuts the last group of 8 that a thread adds)."""
+    geometry = GEOMETRIES[geometry]
+    x, t = case(geometry, dtype, device)
+    shifted = torch.empty(x.numel() + 1, dtype=dtype, device=device)[1:].view(x.shape).copy_(x)
     assert shifted.is_contiguous() and shifted.data_ptr() % 16 != 0
     assert torch.equal(call(shifted, t, geometry), call(x, t, geometry))
 

@@ -293,7 +293,31 @@ def test_graph_memory_limit(graphs_win, monkeypatch):
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12)
-    assert not fused.graphed(x)
+        assert autotune.kept_graphed(autotune.call_key(fused, fused._config(), x)) and not fused.graphed(x)
+
+
+def test_graphs_of_a_module_share_its_budget(monkeypatch):
+    """_graphed.graphed_call gives a capture the module's budget less what its other graphs hold; a refused
+    signature is not captured again (the capture classes stood in for: no device needed)."""
+    rooms = []
+
+    class Capture:
+        def __init__(self, module, run, name, x, stamp, budget):
+            rooms.append(budget)
+            if budget < 10:
+                raise _graphed.CaptureRefused("over its budget")
+            self.stamp, self.held = stamp, 10
+    monkeypatch.setattr(_graphed, "GraphedCall", Capture)
+    module, x = torch.nn.Linear(1, 1), torch.zeros(1)
+    try:
+        with torch.no_grad():
+            graphs = [_graphed.graphed_call(module, signature, 0, None, "fused", x, lambda: 25)
+                      for signature in ("a", "b", "c", "c")]
+        assert rooms == [25, 15, 5] and graphs[0] is not None and graphs[1] is not None and graphs[2:] == [None, None]
+        assert _graphed.kept(module, "a") and _graphed.refused(module, "c") and not _graphed.refused(module, "a")
+        assert _graphed.held(module) == {"graphs": 2, "bytes": 20}
+    finally:
+        _graphed.drop(module)
 
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])

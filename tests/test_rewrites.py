@@ -234,17 +234,19 @@ def full_float32(monkeypatch):
 
 def test_conv3d_rewrite_in_full_float32(full_float32, device):
     """Where full float32 is asked, A's rewrite does not hold where autograd records its windows'
-    convolution (its gradients in TF32 strayed beyond the original's: rewrites._common._rounds_to_tf32)
-    and holds where autograd records nothing."""
+    convolution with TF32 convolutions allowed (its gradients in TF32 strayed beyond the original's:
+    rewrites._common._rounds_to_tf32), and holds where autograd records nothing or TF32 is off."""
     conv, pool = nn.Conv3d(3, 4, 3).to(device), nn.MaxPool3d(2)
     x = torch.rand(2, 3, 7, 8, 9, device=device)
-    assert rewrites.conv3d_max_pool_windows(x, conv, pool) is None
-    assert rewrites.conv3d_max_pool_windows(x.clone().requires_grad_(), conv.requires_grad_(False), pool) is None
-    with torch.no_grad():
-        assert rewrites.conv3d_max_pool_windows(x, conv.requires_grad_(True), pool) is not None
+    assert rewrites.conv3d_max_pool_windows(x, conv, pool) is not None  # (the tests' TF32 off: conftest)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=True):
+        assert rewrites.conv3d_max_pool_windows(x, conv, pool) is None
+        assert rewrites.conv3d_max_pool_windows(x.clone().requires_grad_(), conv.requires_grad_(False), pool) is None
+        with torch.no_grad():
+            assert rewrites.conv3d_max_pool_windows(x, conv.requires_grad_(True), pool) is not None
 
 
-def test_conv_transpose3d_rewrite_in_full_float32(full_float32, device):
+def test_conv_transpose3d_rewrite_in_full_float32(full_float32, tf32, device):
     """Where full float32 is asked (rewrites._common._full_float32: on a GPU by default), B's rewrite
     computes its windows' convolution with TF32 off by the call's own argument where autograd records
     nothing (eval, and the forward of the picked weight gradient), takes the picked weight gradient
@@ -398,7 +400,7 @@ def test_stacked_input_without_grad_same_as_with(dtype, device):
         lambda x: rewrites.conv_transpose3d_stride1(x, stride1),
     ]
     for rewrite in rewritten:
-        with matmul_precision("high"):  # (in full float32 B's rewrite does not hold where autograd records it)
+        with matmul_precision("high"):  # (in full float32 A's and B's rewrites may not hold where autograd records)
             with torch.no_grad():
                 one_pass = rewrite(x)
             assert torch.equal(one_pass, rewrite(x.clone().requires_grad_()).detach())

@@ -221,12 +221,12 @@ def _full_float32(x: Tensor) -> bool:
 
 
 def _rounds_to_tf32(x: Tensor, weight: Tensor) -> bool:
-    """Whether a rewrite's windows' convolution, recorded by autograd, would round to TF32 where
-    _full_float32 asks for none (autograd's convolution backward reads PyTorch's global TF32 setting):
+    """Whether a rewrite's windows' convolution, recorded by autograd, would round to TF32 (autograd's
+    convolution backward reads PyTorch's global cudnn.allow_tf32) where _full_float32 asks for none:
     the rewrite then does not hold. (Its gradients in TF32 on the rearranged taps stray further than
     the original's: A-k313's training step, H200, the weight's gradient 2.4e-4 from float64's, the
     original's 3.5e-5, with the windows' forward in TF32 or in full float32 alike.)"""
-    return _full_float32(x) and _records(x, weight)
+    return _full_float32(x) and torch.backends.cudnn.allow_tf32 and _records(x, weight)
 
 
 def _channels_last_copy(t: Tensor) -> Tensor:
