@@ -6,6 +6,8 @@
 #   tests     the CUDA cases (-k "not cpu") of $TESTS (default: every test file), 8 processes, at most $TCAP s
 #   grid32    bench/configs.py float32, resumed from .gpu_so/grid/ (carry it back between calls), JSON into $OUT
 #   grid16    the same under bfloat16 autocast
+#   models32  bench/models.py (the main job's models, eval and training, every peer), JSON and log into $OUT
+#   models16  the same under bfloat16 autocast
 #   any other word: run as a shell command
 #   LIMIT=585 TESTS="test_rewrites.py" bash tools/gpu_call.sh build sanitize tests grid32
 # FUSED_OPS_COMMIT names the tree in the results (default: the commit in .gpu_so/commit, else "unknown"): keep it
@@ -40,6 +42,10 @@ for stage in "$@"; do
     timeout -s INT $(( $(left) - 8 )) python3 bench/configs.py --device cuda --resume --out .gpu_so/grid \
       "${precision[@]}" > "$OUT/$stage.log" 2>&1
     echo "rc=$?"; tail -4 "$OUT/$stage.log"; cp .gpu_so/grid/*.json "$OUT/" ;;
+  models32|models16)
+    precision=(); [ "$stage" = models16 ] && precision=(--autocast bfloat16)
+    timeout $(( $(left) - 8 )) python3 bench/models.py --out "$OUT" "${precision[@]}" > "$OUT/$stage.log" 2>&1
+    echo "rc=$?"; tail -12 "$OUT/$stage.log" ;;
   *) eval "$stage" ;;
   esac
 done
