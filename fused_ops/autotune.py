@@ -706,7 +706,7 @@ def warmup(module: nn.Module, example_inputs: Sequence[Tensor] | Tensor, max_cal
 
 def memory(module: nn.Module | None = None) -> dict:
     """What the modules' CUDA graphs hold (`module`'s alone where given): {"graphs": how many,
-    "bytes": the device memory their captures reserved}. At most ``fused_ops._graphed.MAX_GRAPHS``
+    "bytes": the device memory they hold, their pools and static tensors}. At most ``fused_ops._graphed.MAX_GRAPHS``
     per module, the least recently replayed released first."""
     return _graphed.held(module)
 

@@ -226,19 +226,7 @@ class _Formulations:
         whole in any call (eval or training): a lower bound of the original's peak, so that no capture
         takes its call beyond it. (At a batch of one A's and B's graphs hold 22-36 MiB, their outputs 0.8
         and 31.5 MB.)"""
-        conv = getattr(self, self._CONV)
-        dims = len(conv.kernel_size)
-        size = math.prod(x.shape[:-dims - 1]) * conv.out_channels
-        for d, length in enumerate(x.shape[-dims:]):
-            span = conv.dilation[d] * (conv.kernel_size[d] - 1)
-            if conv.transposed:
-                size *= (length - 1) * conv.stride[d] - 2 * conv.padding[d] + span + conv.output_padding[d] + 1
-            elif conv.padding == "same":
-                size *= length
-            else:
-                padding = 0 if conv.padding == "valid" else conv.padding[d]
-                size *= (length + 2 * padding - span - 1) // conv.stride[d] + 1
-        return size * _autocast.conv_dtype(x).itemsize
+        return rewrites.conv_output_bytes(getattr(self, self._CONV), x)
 
     def formulation(self, x: Tensor) -> str | None:
         """The formulation tuned for a call with x now (the same mode, gradient recording and

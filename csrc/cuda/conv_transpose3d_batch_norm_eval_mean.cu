@@ -3,8 +3,9 @@
 // each, in an order fixed by the shape) and, in blocks of its own, each (input, output channel)'s tap sum
 // (float64) and shared sign; then a block per output channel o, a warp per batch element: the dot product of
 // the finite spatial sums (each its chunks' sum) with the tap sums (a warp sum), the non-finite ones' signs
-// (warp votes), the bias, the scale and the batch norm. x not contiguous (or more chunks than a grid holds): its spatial sums
-// by ATen's reduction first, as one chunk each. No host-side arithmetic on the weights or statistics.
+// (warp votes), the bias, the scale and the batch norm. x not contiguous (or more chunks than a grid holds):
+// its spatial sums by ATen's reduction first, as one chunk each. No host-side arithmetic on the weights or
+// statistics.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>

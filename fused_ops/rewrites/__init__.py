@@ -25,7 +25,7 @@ cannot lower them on the CPU.
 A name re-exported here is looked up in its own module by the code there: to replace one
 (a test, a benchmark), set it on that module.
 """
-from ._common import _transposed_axis, kernel_dtype
+from ._common import _transposed_axis, conv_output_bytes, kernel_dtype
 from .conv3d_max_pool import conv3d_max_pool_mean, conv3d_max_pool_windows
 from .conv_transpose3d_max_pool import (_cascade_sum, _transposed_windows_geometry, conv_transpose3d_max_pool_cascade_sum,
                                         conv_transpose3d_max_pool_windows, forced_picked_weight_grad)
@@ -34,7 +34,7 @@ from .conv_transpose3d_batch_norm import (_stride1_by_cutlass, _TransposedConv3d
                                        conv_transpose3d_stride1, spatial_mean_holds, spatial_sums)
 from .conv2d_avg_pool_sigmoid import _pool_fold, _pool_folded_bias, _PoolFold, conv2d_avg_pool, conv2d_avg_pool_sigmoid_sum
 
-__all__ = ["kernel_dtype", "conv3d_max_pool_windows", "conv3d_max_pool_mean", "conv_transpose3d_max_pool_windows",
+__all__ = ["kernel_dtype", "conv_output_bytes", "conv3d_max_pool_windows", "conv3d_max_pool_mean", "conv_transpose3d_max_pool_windows",
            "conv_transpose3d_max_pool_cascade_sum", "forced_picked_weight_grad", "conv_transpose3d_stride1",
            "spatial_mean_holds", "conv_transpose3d_spatial_mean_map", "spatial_sums", "conv_transpose3d_spatial_mean",
            "conv2d_avg_pool_sigmoid_sum", "conv2d_avg_pool",

@@ -209,6 +209,23 @@ def _parity_conv3d(x: Tensor, kernel: Tensor, bias: Tensor | None, axes, positio
     return y.permute(0, 2, 3, 1).reshape(n, *positions, out_channels, classes)
 
 
+def conv_output_bytes(conv: nn.Module, x: Tensor) -> int:
+    """The bytes of conv(x)'s output (an nn.Conv*d or nn.ConvTranspose*d; x batched or not), in the
+    dtype the convolution computes in (autocast's)."""
+    dims = len(conv.kernel_size)
+    size = math.prod(x.shape[:-dims - 1]) * conv.out_channels
+    for d, length in enumerate(x.shape[-dims:]):
+        span = conv.dilation[d] * (conv.kernel_size[d] - 1)
+        if conv.transposed:
+            size *= (length - 1) * conv.stride[d] - 2 * conv.padding[d] + span + conv.output_padding[d] + 1
+        elif conv.padding == "same":
+            size *= length
+        else:
+            padding = 0 if conv.padding == "valid" else conv.padding[d]
+            size *= (length + 2 * padding - span - 1) // conv.stride[d] + 1
+    return size * _autocast.conv_dtype(x).itemsize
+
+
 def _full_float32(x: Tensor) -> bool:
     """Whether a rewrite's float32 convolution of x is to round nothing to TF32 (where the original's
     does not): on a GPU, float32 outside autocast and a trace, while PyTorch's float32 matmul

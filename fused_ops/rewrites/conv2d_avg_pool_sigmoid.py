@@ -16,7 +16,8 @@ from .._trace import traced
 from ..ops import box_fold2d, conv2d_sigmoid_sum, depth_stacked_channels_last
 from ..ops._common import _accumulation_dtype, _pooled_size, _records
 from ..ops.conv2d_sigmoid_sum import _grad_factor_shape
-from ._common import _channels_last_copy, _is_plain_conv, _pair, _rearranged_taps_exact, _stacked_in_one_pass, kernel_dtype
+from ._common import (_channels_last_copy, _is_plain_conv, _pair, _rearranged_taps_exact, _stacked_in_one_pass,
+                      conv_output_bytes, kernel_dtype)
 
 
 @dataclass(frozen=True)
@@ -87,9 +88,7 @@ def _saves_more_than_the_original(x: Tensor, conv: nn.Conv2d, fold: _PoolFold) -
         return False  # (nothing saved; or a compiler's sizes, whose memory it plans itself)
     factor_dtype = _accumulation_dtype(kernel_dtype(x, conv.weight))
     factor = math.prod(_grad_factor_shape(x.shape[0], fold.out, conv.weight.shape[0])) * factor_dtype.itemsize
-    conv_size = [x.shape[2 + d] + 2 * fold.padding[d] - conv.weight.shape[2 + d] + 1 for d in range(2)]
-    output = x.shape[0] * conv.weight.shape[0] * math.prod(conv_size) * _autocast.conv_dtype(x).itemsize
-    return factor > output
+    return factor > conv_output_bytes(conv, x)
 
 
 def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | None:
