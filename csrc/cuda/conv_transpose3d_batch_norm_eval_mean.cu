@@ -29,11 +29,13 @@ constexpr int kThreads = 256;
 constexpr int64_t kChunk = 16384;
 
 // Blocks [0, chunk_blocks): partial[b] = the sum of chunk b % chunks of x's plane b / chunks (x (N I, plane)
-// contiguous, in x's accumulation type), each thread adding kGroup consecutive elements in turn (as VEC-element
-// aligned vectors where x allows: the same order either way); blocks from chunk_blocks on: taps[o, i] =
-// tap_sum(w[i, o, :]) (its sum, and its sign as a double), kThreads (o, i) pairs a block, weight (I, O, T)
-// contiguous.
-constexpr int kGroup = 8;
+// contiguous, in x's accumulation type), each thread adding a group of kGroup consecutive elements (16 bytes)
+// in turn, the block's threads on consecutive groups (a warp's loads whole 512-byte spans); a group read as one
+// aligned vector where x allows, else as VEC-element pieces (the same order either way); blocks from
+// chunk_blocks on: taps[o, i] = tap_sum(w[i, o, :]) (its sum, and its sign as a double), kThreads (o, i) pairs
+// a block, weight (I, O, T) contiguous.
+template <typename scalar_t>
+constexpr int kGroup = 16 / sizeof(scalar_t);
 
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
@@ -42,7 +44,8 @@ __global__ void __launch_bounds__(kThreads)
                               at::opmath_type<scalar_t>* __restrict__ partial, double* __restrict__ sums,
                               double* __restrict__ signs) {
   using acc_t = at::opmath_type<scalar_t>;
-  static_assert(kGroup % VEC == 0 && kChunk % kGroup == 0, "whole vectors a group, whole groups a chunk");
+  constexpr int group = kGroup<scalar_t>;
+  static_assert(group % VEC == 0 && kChunk % group == 0, "whole vectors a group, whole groups a chunk");
   __shared__ acc_t scratch[32];
   const int64_t b = blockIdx.x;
   if (b >= chunk_blocks) {  // (a whole block: no barrier below for it)
@@ -56,12 +59,12 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t first = (b % chunks) * kChunk, left = plane - first;
   const scalar_t* const chunk = x + (b / chunks) * plane + first;
-  const int64_t size = left < kChunk ? left : kChunk, whole = size / kGroup * kGroup;
+  const int64_t size = left < kChunk ? left : kChunk, whole = size / group * group;
   acc_t sum = 0;
 #pragma unroll 4
-  for (int64_t k = threadIdx.x * kGroup; k < whole; k += kThreads * kGroup) {
+  for (int64_t k = threadIdx.x * group; k < whole; k += kThreads * group) {
 #pragma unroll
-    for (int v = 0; v < kGroup; v += VEC) {
+    for (int v = 0; v < group; v += VEC) {
       const Vector<scalar_t, VEC> in = load_vector<scalar_t, VEC>(chunk + k + v);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) sum += static_cast<acc_t>(in.v[j]);
@@ -151,18 +154,19 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
   const auto gamma = per_channel(bn_weight), beta = per_channel(bn_bias);
   const auto conv_bias = per_channel(bias);
   const at::Tensor mean = running_mean.contiguous(), var = running_var.contiguous();
-  const at::Tensor taps = at::empty({2, g.out_channels, g.in_channels}, x.options().dtype(at::kDouble));
+  const at::Tensor taps = at::empty({2 * pairs}, x.options().dtype(at::kDouble));  // (O, I) sums, then signs
+  double* const tap_sums = taps.mutable_data_ptr<double>();
+  double* const tap_signs = tap_sums + pairs;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv_transpose3d_batch_norm_eval_mean_cuda", [&] {
     using x_t = scalar_t;
     if (chunk_blocks + tap_blocks > 0) {  // (none where x has no channels)
-      const int vec = chunked ? std::min(aligned_vector_width<x_t>(x.const_data_ptr(), {plane}), kGroup) : 1;
+      const int vec = chunked ? aligned_vector_width<x_t>(x.const_data_ptr(), {plane}) : 1;  // (at most a group)
       dispatch_vector_width<x_t>(vec, [&](auto width) {
         chunk_and_tap_sums_kernel<x_t, decltype(width)::value>
             <<<static_cast<unsigned>(chunk_blocks + tap_blocks), kThreads, 0, stream>>>(
                 x.const_data_ptr<x_t>(), plane, chunks, chunk_blocks, w.const_data_ptr<x_t>(), g,
-                partial.mutable_data_ptr<at::opmath_type<x_t>>(), taps[0].mutable_data_ptr<double>(),
-                taps[1].mutable_data_ptr<double>());
+                partial.mutable_data_ptr<at::opmath_type<x_t>>(), tap_sums, tap_signs);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     }
@@ -172,10 +176,9 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
         using out_t = std::remove_pointer_t<decltype(out_type)>;
         batch_norm_eval_mean_kernel<x_t, param_t, out_t><<<static_cast<unsigned>(g.out_channels), kThreads, 0,
                                                             stream>>>(
-            partial.const_data_ptr<at::opmath_type<x_t>>(), chunked ? chunks : 1, taps[0].const_data_ptr<double>(),
-            taps[1].const_data_ptr<double>(), data_or_null<x_t>(conv_bias), data_or_null<param_t>(gamma),
-            data_or_null<param_t>(beta), mean.const_data_ptr<param_t>(), var.const_data_ptr<param_t>(), g, scale, eps,
-            out.mutable_data_ptr<out_t>());
+            partial.const_data_ptr<at::opmath_type<x_t>>(), chunked ? chunks : 1, tap_sums, tap_signs,
+            data_or_null<x_t>(conv_bias), data_or_null<param_t>(gamma), data_or_null<param_t>(beta),
+            mean.const_data_ptr<param_t>(), var.const_data_ptr<param_t>(), g, scale, eps, out.mutable_data_ptr<out_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
