@@ -318,6 +318,12 @@ def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: R
     return graph
 
 
+def refuse(module: nn.Module, signature: Hashable) -> None:
+    """Releases the module's graph for calls with `signature` (and its memory) and graphs them no more."""
+    graphs = _GRAPHS.setdefault(module, {})
+    graphs[signature] = (None, MAX_CAPTURES)
+
+
 def kept(module: nn.Module, signature: Hashable) -> bool:
     """Whether the module keeps a graph for calls with `signature` (captured, not refused)."""
     graph, _ = _GRAPHS.get(module, {}).get(signature, (None, 0))

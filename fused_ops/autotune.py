@@ -33,7 +33,8 @@ Once a signature has been called HOT_CALLS times, where the calls were host-boun
 (queueing a call takes the host at least half its time on the device: a batch of one) it is
 replayed from a CUDA graph of its call (``fused_ops._graphed``; ``FUSED_OPS_CUDA_GRAPHS=0`` leaves
 graphs out; at most ``_graphed.MAX_GRAPHS`` per module, ``memory()`` says what they hold), captured
-only while no other thread's call is in flight. Choices can be kept across processes
+only while no other thread's call is in flight, kept only where its first replays are faster than the
+calls were without it. Choices can be kept across processes
 (``FUSED_OPS_AUTOTUNE_FILE``, ``save``, ``load``) and made ahead of time (``warmup``). One module
 may be called from several threads at once.
 
@@ -256,7 +257,13 @@ def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", 
         # (no search, and no graph of ours, while a caller captures the call: it would fail the capture)
         capturing = _capturing(x)
         searched, hot = not capturing, tuning.count(signature) >= HOT_CALLS and not capturing
-    out = _replay(module, signature, graph_stamp, run, name, x) if graphed and hot else None
+        graphed = graphed and tuning.replays_pay(module, signature)
+    out = None
+    if graphed and hot:
+        timing = tuning.replay_timing(module, signature, x)
+        out = _replay(module, signature, graph_stamp, run, name, x)
+        if timing is not None and out is not None:
+            tuning.replayed(module, signature, timing, x, out)
     if out is None:
         out = _run_benchmarked(run, name, x) if searched else run(name, x)
     if out is not None:
@@ -286,6 +293,11 @@ SAMPLES, ELIMINATE, PENDING_CALLS, MAX_TUNING_CALLS = 3, 2.0, 16, 64
 HOT_CALLS = 50
 # A call is host-bound where queueing it takes the host at least this share of its time on the device.
 HOST_BOUND_SHARE = 0.5
+# A kept graph's first SAMPLES replays after its capture are timed as the candidates' calls were (_Timing); where
+# their median is not below the median of the choice's own calls (its timings as a candidate) by
+# PREFERRED_MARGIN, the graph is released and the key's calls with that signature are graphed no more: a replay
+# copies the input in and the result out, and its host time is not always less than the call's (D's eval at
+# SPEC's size on an H200: 70 us of host time a replay against 61 a call, and the input's 16 us copy).
 # A graph's replay first copies the call's input into the graph's own (fused_ops._graphed): 2 x.nbytes of
 # memory traffic at no more than GRAPH_COPY_BANDWIDTH bytes a second (above any GPU's today: an H200's 4.8
 # TB/s, a B200's 8). Where that copy would take over GRAPH_COPY_SHARE of the call (the larger of the
@@ -304,11 +316,12 @@ def _input_copy_ms(key: tuple) -> float:
 
 def steady_calls(device: torch.device | str) -> int:
     """About how many calls of one signature it takes before its calls run as they will from then on
-    (each formulation timed, then HOT_CALLS on a GPU): what a benchmark of the steady state warms up
+    (each formulation timed, then HOT_CALLS on a GPU and a graph's replays timed): what a benchmark of the
+    steady state warms up
     with (fused_ops._timing.warm_up)."""
     # (a module's candidates: FORMULATIONS, and A's and C's fused convolution)
     tuning = (SAMPLES + 1) * (len(FORMULATIONS) + 1) + 5 if _ENABLED else 0
-    return tuning + (HOT_CALLS if torch.device(device).type == "cuda" else 0)
+    return tuning + (HOT_CALLS + 2 * SAMPLES if torch.device(device).type == "cuda" else 0)
 
 
 _LOCK = threading.RLock()  # (the choices' state: one module may be called from several threads)
@@ -424,11 +437,65 @@ class _Tuning:
         self.calls = 0
         self.choice: tuple[str, bool] | None = _SAVED.get(_saved_key(key)) if _SAVED else None
         self.counts: dict[tuple, int] = {}
+        self.replays: dict[tuple, list[float]] = {}  # a signature's timed replays (ms; the comment above HOT_CALLS)
+        self.replay_pending: list[tuple[int, tuple, _Timing]] = []  # (the signature's call count, signature, timing)
+        self.replays_won: dict[tuple, bool] = {}  # whether a signature's replays were faster than its calls
 
     def count(self, signature: tuple) -> int:
         """Counts a settled call with `signature`; how many there were."""
         count = self.counts[signature] = self.counts.get(signature, 0) + 1
         return count
+
+    def replays_pay(self, module: nn.Module, signature: tuple) -> bool:
+        """Whether calls with `signature` may be replayed from a graph: not where their first replays were
+        no faster than the calls without it (a module's graph for them then released)."""
+        if self.replays_won.get(signature, True):
+            return True
+        if _graphed.kept(module, signature):  # (another module of this key, its graph captured before the verdict)
+            _graphed.refuse(module, signature)
+        return False
+
+    def replay_timing(self, module: nn.Module, signature: tuple, x: Tensor) -> "_Timing | None":
+        """A _Timing marked before this call's replay while the first replays of the module's graph for
+        `signature` are timed, else None: the choice's own calls untimed (nothing to compare with), the
+        graph not yet captured (this call captures it), the verdict given or enough replays timed."""
+        if signature in self.replays_won:
+            return None
+        with _LOCK:
+            self._read_replays(module, signature)
+            timed = len(self.replays.get(signature, ())) + sum(1 for _, s, _ in self.replay_pending if s == signature)
+            if (signature in self.replays_won or timed >= SAMPLES or not self.timings.get(self.choice[0])
+                    or not _graphed.kept(module, signature)):
+                return None
+        timing = _Timing(x)
+        timing.mark()
+        return timing
+
+    def replayed(self, module: nn.Module, signature: tuple, timing: "_Timing", x: Tensor, out: Tensor) -> None:
+        """Marks the end of a timed replay (its backward's too, where it records gradients: _Timing)."""
+        timing.mark()
+        if out.requires_grad:
+            timing.time_backward(out, [t for t in (x, *module.parameters()) if t.requires_grad])
+        with _LOCK:
+            self.replay_pending.append((self.counts.get(signature, 0), signature, timing))
+
+    def _read_replays(self, module: nn.Module, signature: tuple) -> None:
+        """Reads the replays' timings that have passed; with SAMPLES of them, the verdict (the comment above
+        HOT_CALLS). Under _LOCK."""
+        for entry in list(self.replay_pending):
+            called, pending, timing = entry
+            read = timing.read()
+            if read is not None:
+                self.replays.setdefault(pending, []).append(read[0])
+            if read is not None or self.counts.get(pending, 0) - called > PENDING_CALLS:
+                timing.close()
+                self.replay_pending.remove(entry)
+        times = self.replays.get(signature, [])
+        if len(times) >= SAMPLES and signature not in self.replays_won:
+            calls = statistics.median([t[0] for t in self.timings[self.choice[0]]])
+            won = self.replays_won[signature] = statistics.median(times) < calls * (1 - PREFERRED_MARGIN)
+            if not won:
+                _graphed.refuse(module, signature)
 
     def call(self, module: nn.Module, run, x: Tensor, signature: tuple) -> tuple[str, Tensor]:
         with _LOCK:

@@ -384,6 +384,89 @@ def test_memory_of_one_module(graphs_win):
         assert with_graphs == pytest.approx(outside + held["bytes"] / 2**20, rel=1e-12)
 
 
+class _ReadTiming:
+    """A replay's timing already read: `ms` a call."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+    def read(self):
+        return self.ms, self.ms, 0.0
+
+    def close(self):
+        pass
+
+
+@pytest.mark.parametrize("replay_ms,kept", [(0.5, True), (0.99, False), (1.5, False)])
+def test_graph_kept_where_its_replays_are_faster(replay_ms, kept):
+    """A graph's first SAMPLES replays decide it: kept where their median is below the choice's own calls'
+    (1 ms here) by PREFERRED_MARGIN, else released and its signature graphed no more (the verdict read at the
+    next call). The bookkeeping alone: no device needed."""
+    module, signature = torch.nn.Linear(1, 1), ("signature",)
+    tuning = autotune._Tuning((object, (), ((1, 3), "contiguous", torch.float32), ()), ["fused", "original"])
+    tuning.choice = ("fused", True)
+    tuning.timings["fused"] = [(1.0, 1.0, 0.8)] * autotune.SAMPLES
+    _graphed._GRAPHS[module] = {signature: (object(), 1)}  # (a graph captured)
+    try:
+        tuning.replay_pending = [(0, signature, _ReadTiming(replay_ms))] * autotune.SAMPLES
+        assert tuning.replay_timing(module, signature, torch.zeros(1)) is None  # (the verdict, no more timing)
+        assert tuning.replays_won[signature] is kept and tuning.replays[signature] == [replay_ms] * 3
+        assert _graphed.kept(module, signature) is kept and _graphed.refused(module, signature) is not kept
+        assert tuning.replays_pay(module, signature) is kept
+    finally:
+        _graphed.drop(module)
+
+
+def test_no_verdict_without_the_calls_timed():
+    """A choice whose own calls were never timed (set by a neighbour's, a saved file's, or a test's) keeps its
+    graph: nothing to compare the replays with."""
+    module, signature = torch.nn.Linear(1, 1), ("signature",)
+    tuning = autotune._Tuning((object, (), ((1, 3), "contiguous", torch.float32), ()), ["fused", "original"])
+    tuning.choice = ("fused", True)
+    _graphed._GRAPHS[module] = {signature: (object(), 1)}
+    try:
+        assert tuning.replay_timing(module, signature, torch.zeros(1)) is None
+        assert signature not in tuning.replays_won and tuning.replays_pay(module, signature)
+    finally:
+        _graphed.drop(module)
+
+
+@requires_cuda
+@pytest.mark.parametrize("calls_ms,kept", [(1e-6, False), (1e6, True)], ids=["replays-slower", "replays-faster"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_replays_timed_decide_the_graph(calls_ms, kept, train, monkeypatch):
+    """On a GPU, a key settled graphed with its calls timed at calls_ms: its graph's first replays are timed
+    (a training step's to its parameters' gradients) and the graph kept only where they were faster; the
+    results the original's throughout."""
+    init = autotune._Tuning.__init__
+
+    def settled(self, key, order):
+        init(self, key, order)
+        self.choice = (order[0], True)
+        self.timings[order[0]] = [(calls_ms, calls_ms, calls_ms)] * autotune.SAMPLES
+    monkeypatch.setattr(autotune._Tuning, "__init__", settled)
+    monkeypatch.setattr(autotune, "HOT_CALLS", 1)
+    monkeypatch.setattr(_Formulations, "_graph_budget", lambda self, x: _graphed.MEMORY_LIMIT)
+    autotune.clear()
+    name, args, shape = CONFIGS[0]
+    original, fused = shared(name, args, "cuda", dtype=torch.float64, train=train)
+    x = torch.rand(shape, dtype=torch.float64, device="cuda")
+    try:
+        with torch.set_grad_enabled(train):
+            for _ in range(3 * autotune.SAMPLES):
+                out, expected = fused(x), original(x)
+                if train:
+                    out.sum().backward()
+                torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-12)
+                torch.cuda.synchronize()
+            signature = autotune._signature(fused, x)
+            tuning = autotune._TUNINGS[autotune.call_key(fused, fused._config(), x)]
+            assert len(tuning.replays[signature]) == autotune.SAMPLES and tuning.replays_won[signature] is kept
+            assert fused.graphed(x) is kept
+    finally:
+        autotune.clear()
+
+
 def test_graphs_off_by_environment():
     """FUSED_OPS_CUDA_GRAPHS=0 turns the graphed candidate off (the tuner stays on)."""
     for value, enabled in (("0", False), ("off", False), ("1", True)):
