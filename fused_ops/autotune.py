@@ -437,7 +437,7 @@ class _Tuning:
         self.calls = 0
         self.choice: tuple[str, bool] | None = _SAVED.get(_saved_key(key)) if _SAVED else None
         self.counts: dict[tuple, int] = {}
-        self.replays: dict[tuple, list[float]] = {}  # a signature's timed replays (ms; the comment above HOT_CALLS)
+        self.replays: dict[tuple, list[float]] = {}  # a signature's replays timed (ms; below HOST_BOUND_SHARE)
         self.replay_pending: list[tuple[int, tuple, _Timing]] = []  # (the signature's call count, signature, timing)
         self.replays_won: dict[tuple, bool] = {}  # whether a signature's replays were faster than its calls
 
@@ -480,8 +480,8 @@ class _Tuning:
             self.replay_pending.append((self.counts.get(signature, 0), signature, timing))
 
     def _read_replays(self, module: nn.Module, signature: tuple) -> None:
-        """Reads the replays' timings that have passed; with SAMPLES of them, the verdict (the comment above
-        HOT_CALLS). Under _LOCK."""
+        """Reads the replays' timings that have passed; with SAMPLES of them, the verdict (the comment below
+        HOST_BOUND_SHARE). Under _LOCK."""
         for entry in list(self.replay_pending):
             called, pending, timing = entry
             read = timing.read()
