@@ -448,6 +448,7 @@ def test_replays_timed_decide_the_graph(calls_ms, kept, train, monkeypatch):
     monkeypatch.setattr(autotune, "HOT_CALLS", 1)
     monkeypatch.setattr(_Formulations, "_graph_budget", lambda self, x: _graphed.MEMORY_LIMIT)
     autotune.clear()
+    autotune.set_enabled(True)  # (conftest's rule_formulations turns it off, and back after)
     name, args, shape = CONFIGS[0]
     original, fused = shared(name, args, "cuda", dtype=torch.float64, train=train)
     x = torch.rand(shape, dtype=torch.float64, device="cuda")
