@@ -397,6 +397,19 @@ class _Timing:
         return sum(spans), spans[0], self.host_ms
 
 
+def _read_passed(pending: list, keep: Callable, stale: Callable) -> None:
+    """Reads the pending timings (entries (the call they were made at, ..., their _Timing, ...)) that have
+    passed, each kept by keep(entry, read); a timing read, or stale(entry) (not read within PENDING_CALLS
+    calls: a backward that never ran), is closed (its hooks removed) and leaves `pending`."""
+    for entry in list(pending):
+        read = entry[2].read()
+        if read is not None:
+            keep(entry, read)
+        if read is not None or stale(entry):
+            entry[2].close()
+            pending.remove(entry)
+
+
 def _batch_bits(key: tuple) -> int:
     """The bit length of key's batch-size bucket."""
     return key[2][0][0].bit_length()
@@ -459,13 +472,15 @@ class _Tuning:
         """A _Timing marked before this call's replay while the first replays of the module's graph for
         `signature` are timed, else None: the choice's own calls untimed (nothing to compare with), the
         graph not yet captured (this call captures it), the verdict given or enough replays timed."""
-        if signature in self.replays_won:
+        # (no lock, no reading, on the calls of a signature judged, refused or without timed calls to compare
+        # with: every such call is host-bound)
+        if (signature in self.replays_won or not self.timings.get(self.choice[0])
+                or not _graphed.kept(module, signature)):
             return None
         with _LOCK:
             self._read_replays(module, signature)
             timed = len(self.replays.get(signature, ())) + sum(1 for _, s, _ in self.replay_pending if s == signature)
-            if (signature in self.replays_won or timed >= SAMPLES or not self.timings.get(self.choice[0])
-                    or not _graphed.kept(module, signature)):
+            if signature in self.replays_won or timed >= SAMPLES:
                 return None
         timing = _Timing(x)
         timing.mark()
@@ -482,14 +497,8 @@ class _Tuning:
     def _read_replays(self, module: nn.Module, signature: tuple) -> None:
         """Reads the replays' timings that have passed; with SAMPLES of them, the verdict (the comment below
         HOST_BOUND_SHARE). Under _LOCK."""
-        for entry in list(self.replay_pending):
-            called, pending, timing = entry
-            read = timing.read()
-            if read is not None:
-                self.replays.setdefault(pending, []).append(read[0])
-            if read is not None or self.counts.get(pending, 0) - called > PENDING_CALLS:
-                timing.close()
-                self.replay_pending.remove(entry)
+        _read_passed(self.replay_pending, lambda entry, read: self.replays.setdefault(entry[1], []).append(read[0]),
+                     lambda entry: self.counts.get(entry[1], 0) - entry[0] > PENDING_CALLS)
         times = self.replays.get(signature, [])
         if len(times) >= SAMPLES and signature not in self.replays_won:
             calls = statistics.median([t[0] for t in self.timings[self.choice[0]]])
@@ -549,16 +558,14 @@ class _Tuning:
 
     def _read(self) -> None:
         self.calls += 1
-        for entry in list(self.pending):
-            called, name, timing, first = entry
-            read = timing.read()
-            if read is not None and first:
+
+        def keep(entry, read):
+            _, name, _, first = entry
+            if first:
                 self.firsts[name].append(read[0])
-            elif read is not None:
+            else:
                 self.timings[name].append(read)
-            if read is not None or self.calls - called > PENDING_CALLS:
-                timing.close()
-                self.pending.remove(entry)
+        _read_passed(self.pending, keep, lambda entry: self.calls - entry[0] > PENDING_CALLS)
         medians = self._medians()
         best = min(medians.values(), default=None)
         for name in self.candidates[1:]:  # (far slower: not run again)
