@@ -100,6 +100,25 @@ def test_non_finite(value, name, where, device):
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-12, atol=1e-12, equal_nan=True)
 
 
+@pytest.mark.parametrize("value", [float("inf"), -float("inf")])
+def test_tap_signs(value, device):
+    """An infinite x met through rows of taps all positive, all negative, of mixed signs or with a zero
+    tap: each output's infinity or NaN as PyTorch's ops give it; 45 (input, output channel) rows of 36 taps
+    (more rows than one block of the CUDA kernel sums, more taps than a warp has lanes)."""
+    geometry = (2, 5, 9, (2, 3, 2), (3, 3, 4), (1, 1, 1), (0, 0, 0))
+    x, t = case(geometry, torch.float64, device)
+    w = t["weight"].abs() + 0.1  # o = 0, 4, 8: every tap positive
+    w[:, 1::4] *= -1  # o = 1, 5: every tap negative
+    w[:, 2::4, 0, 0, 0] *= -1  # o = 2, 6: mixed
+    w[:, 3::4, 1, 1, 1] = 0  # o = 3, 7: a zero tap
+    t["weight"] = w
+    x[0, 1, 1, 2, 0] = value
+    x[1, 3, 0, 0, 1] = x[1, 2, 1, 0, 1] = -value  # (two of one sign in one batch element)
+    out, expected = call(x, t, geometry), reference(x, t, geometry, 2.0, 1e-3)
+    assert expected.isinf().sum() == 10 and expected.isnan().sum() == 8
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
 @pytest.mark.parametrize("layout", ["channels_last", "sliced"])
 def test_x_not_contiguous(layout, device):
     """x channels last or a slice of a larger tensor: the same results as contiguous (on a GPU its

@@ -1,7 +1,7 @@
 // CUDA kernels of conv_transpose3d_batch_norm_eval_mean (the math: ../conv_transpose3d_batch_norm_eval_mean.h),
-// two launches a call: chunk_and_tap_sums_kernel sums x's (n, i) planes in chunks of kChunk elements (a block
-// each, in an order fixed by the shape) and, in blocks of its own, each (input, output channel)'s tap sum
-// (float64) and shared sign; then a block per output channel o, a warp per batch element: the dot product of
+// two launches a call: chunk_and_tap_sums_kernel, in blocks of its own first (a warp per row of taps), each
+// (input, output channel)'s tap sum (float64) and shared sign, then x's (n, i) planes in chunks of kChunk
+// elements (a block each, in an order fixed by the shape); then a block per output channel o, a warp per batch element: the dot product of
 // the finite spatial sums (each its chunks' sum) with the tap sums (a warp sum), the non-finite ones' signs
 // (warp votes), the bias, the scale and the batch norm. x not contiguous (or more chunks than a grid holds):
 // its spatial sums by ATen's reduction first, as one chunk each. No host-side arithmetic on the weights or
@@ -28,18 +28,22 @@ constexpr int kThreads = 256;
 // x elements a block of chunk_and_tap_sums_kernel sums: SPEC's D's planes (16 x 32 x 32) in one chunk each.
 constexpr int64_t kChunk = 16384;
 
-// Blocks [0, chunk_blocks): partial[b] = the sum of chunk b % chunks of x's plane b / chunks (x (N I, plane)
-// contiguous, in x's accumulation type), each thread adding a group of kGroup consecutive elements (16 bytes)
-// in turn, the block's threads on consecutive groups (a warp's loads whole 512-byte spans); a group read as one
-// aligned vector where x allows, else as VEC-element pieces (the same order either way); blocks from
-// chunk_blocks on: taps[o, i] = tap_sum(w[i, o, :]) (its sum, and its sign as a double), kThreads (o, i) pairs
-// a block, weight (I, O, T) contiguous.
+// Blocks [0, tap_blocks): taps[o, i] = the sum of w[i, o, :] in float64 and its sign as a double (1 where
+// every tap is positive, -1 where every one is negative, else 0; tap_sum's, summed in lane order), a warp per
+// row of kTapRows consecutive e = o * I + i, its lanes on consecutive taps (a row's loads coalesced), weight
+// (I, O, T) contiguous; first in the grid, so that they run beside the chunks, not after them. Blocks from
+// tap_blocks on (b = block - tap_blocks): partial[b] = the sum of chunk b % chunks of x's plane b / chunks
+// (x (N I, plane) contiguous, in x's accumulation type), each thread adding a group of kGroup consecutive
+// elements (16 bytes) in turn, the block's threads on consecutive groups (a warp's loads whole 512-byte spans);
+// a group read as one aligned vector where x allows, else as VEC-element pieces (the same order either way).
 template <typename scalar_t>
 constexpr int kGroup = 16 / sizeof(scalar_t);
+constexpr int kTapRows = 4;  // rows of taps a warp sums: their loads in flight together
+constexpr int64_t kTapRowsPerBlock = kTapRows * kThreads / 32;
 
 template <typename scalar_t, int VEC>
 __global__ void __launch_bounds__(kThreads)
-    chunk_and_tap_sums_kernel(const scalar_t* __restrict__ x, int64_t plane, int64_t chunks, int64_t chunk_blocks,
+    chunk_and_tap_sums_kernel(const scalar_t* __restrict__ x, int64_t plane, int64_t chunks, int64_t tap_blocks,
                               const scalar_t* __restrict__ weight, const BatchNormEvalMean g,
                               at::opmath_type<scalar_t>* __restrict__ partial, double* __restrict__ sums,
                               double* __restrict__ signs) {
@@ -47,16 +51,40 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int group = kGroup<scalar_t>;
   static_assert(group % VEC == 0 && kChunk % group == 0, "whole vectors a group, whole groups a chunk");
   __shared__ acc_t scratch[32];
-  const int64_t b = blockIdx.x;
-  if (b >= chunk_blocks) {  // (a whole block: no barrier below for it)
-    const int64_t e = (b - chunk_blocks) * kThreads + threadIdx.x;  // o * I + i
-    if (e >= g.in_channels * g.out_channels) return;
-    const int64_t o = e / g.in_channels, i = e % g.in_channels;
-    const TapSum tap = tap_sum(weight + (i * g.out_channels + o) * g.taps, g.taps);
-    sums[e] = tap.sum;
-    signs[e] = tap.sign;
+  if (blockIdx.x < tap_blocks) {  // (a whole block: no barrier below for it)
+    const int lane = threadIdx.x % 32;
+    const int64_t pairs = g.in_channels * g.out_channels;
+    const int64_t first = blockIdx.x * kTapRowsPerBlock + threadIdx.x / 32 * kTapRows;
+    double sum[kTapRows] = {};
+    bool positive[kTapRows], negative[kTapRows];
+#pragma unroll
+    for (int r = 0; r < kTapRows; ++r) {
+      positive[r] = negative[r] = true;
+      const int64_t e = first + r;  // o * I + i
+      if (e >= pairs) continue;  // (uniform across the warp)
+      const scalar_t* const row = weight + (e % g.in_channels * g.out_channels + e / g.in_channels) * g.taps;
+      for (int64_t t = lane; t < g.taps; t += 32) {
+        const double v = static_cast<double>(row[t]);
+        sum[r] += v;
+        positive[r] = positive[r] && v > 0;
+        negative[r] = negative[r] && v < 0;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kTapRows; ++r) {
+      const int64_t e = first + r;
+      if (e >= pairs) break;  // (uniform across the warp)
+      const double total = warp_sum(sum[r]);
+      const bool all_positive = __all_sync(0xffffffffu, positive[r]);
+      const bool all_negative = __all_sync(0xffffffffu, negative[r]);
+      if (lane == 0) {
+        sums[e] = total;
+        signs[e] = all_positive ? 1.0 : (all_negative ? -1.0 : 0.0);
+      }
+    }
     return;
   }
+  const int64_t b = blockIdx.x - tap_blocks;
   const int64_t first = (b % chunks) * kChunk, left = plane - first;
   const scalar_t* const chunk = x + (b / chunks) * plane + first;
   const int64_t size = left < kChunk ? left : kChunk, whole = size / group * group;
@@ -142,7 +170,8 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
   // sums by ATen's reduction (one chunk a plane) and the first kernel's tap blocks alone
   const int64_t plane = x.numel() / std::max<int64_t>(g.batch * g.in_channels, 1);
   const int64_t chunks = std::max<int64_t>((plane + kChunk - 1) / kChunk, 1);
-  const int64_t pairs = g.in_channels * g.out_channels, tap_blocks = (pairs + kThreads - 1) / kThreads;
+  const int64_t pairs = g.in_channels * g.out_channels;
+  const int64_t tap_blocks = (pairs + kTapRowsPerBlock - 1) / kTapRowsPerBlock;
   const bool chunked = x.is_contiguous() && g.batch * g.in_channels * chunks + tap_blocks <= INT_MAX;
   const int64_t chunk_blocks = chunked ? g.batch * g.in_channels * chunks : 0;
   const at::Tensor partial = chunked ? at::empty({chunk_blocks}, x.options().dtype(at::toOpMathType(x.scalar_type())))
@@ -165,7 +194,7 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
       dispatch_vector_width<x_t>(vec, [&](auto width) {
         chunk_and_tap_sums_kernel<x_t, decltype(width)::value>
             <<<static_cast<unsigned>(chunk_blocks + tap_blocks), kThreads, 0, stream>>>(
-                x.const_data_ptr<x_t>(), plane, chunks, chunk_blocks, w.const_data_ptr<x_t>(), g,
+                x.const_data_ptr<x_t>(), plane, chunks, tap_blocks, w.const_data_ptr<x_t>(), g,
                 partial.mutable_data_ptr<at::opmath_type<x_t>>(), tap_sums, tap_signs);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
