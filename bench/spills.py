@@ -27,13 +27,14 @@ def depth_stack(dtype_in, dtype_out):
     return (lambda: fused_ops.depth_stacked_channels_last(x, 4, 2, (0, 0, 0), (7, 64, 64), dtype=dtype_out)), moved
 
 
-def batch_norm_gap_channels_last(dtype):
-    """D's tail in training on a channels_last_3d y (16 x 128 x 20 x 36 x 36): forward and backward
-    (plane_moments_channels_last_kernel, grad_x_channels_last_kernel)."""
-    y = torch.rand(16, 128, 20, 36, 36, device="cuda", dtype=dtype).to(memory_format=torch.channels_last_3d)
+def batch_norm_gap_channels_last(dtype, channels):
+    """D's tail in training on a channels_last_3d y (16 x channels x 20 x 36 x 36): forward and backward
+    (plane_moments_channels_last_kernel, grad_x_channels_last_kernel; their vectors over channels as wide as
+    the channel count allows: 8 for 128, 4 for 124, 2 for 126)."""
+    y = torch.rand(16, channels, 20, 36, 36, device="cuda", dtype=dtype).to(memory_format=torch.channels_last_3d)
     y.requires_grad_()
-    state = [torch.ones(128, device="cuda"), torch.zeros(128, device="cuda"), torch.zeros(128, device="cuda"),
-             torch.ones(128, device="cuda"), torch.tensor(0, device="cuda")]
+    state = [torch.ones(channels, device="cuda"), torch.zeros(channels, device="cuda"),
+             torch.zeros(channels, device="cuda"), torch.ones(channels, device="cuda"), torch.tensor(0, device="cuda")]
 
     def step():
         out = fused_ops.batch_norm_gap(y, 2.0, *state, training=True, dtype=torch.float32)
@@ -61,14 +62,17 @@ CASES = (
     ("depth_stack_kernel", "float32 -> bfloat16", "<float, BFloat16, 8>", lambda: depth_stack(F32, BF16)),
     ("depth_stack_kernel", "bfloat16 -> bfloat16", "<BFloat16, BFloat16, 8>", lambda: depth_stack(BF16, BF16)),
     ("depth_stack_kernel", "float16 -> float16", "<Half, Half, 8>", lambda: depth_stack(F16, F16)),
-    ("batch_norm_gap channels-last", "bfloat16", "", lambda: batch_norm_gap_channels_last(BF16)),
-    ("batch_norm_gap channels-last", "float16", "grad_x<Half, 4>, plane_moments<Half, 2>",
-     lambda: batch_norm_gap_channels_last(F16)),
+    ("batch_norm_gap channels-last", "bfloat16, 124 channels", "", lambda: batch_norm_gap_channels_last(BF16, 124)),
+    ("batch_norm_gap channels-last", "float16, 124 channels", "grad_x<Half, 4>",
+     lambda: batch_norm_gap_channels_last(F16, 124)),
+    ("batch_norm_gap channels-last", "bfloat16, 126 channels", "", lambda: batch_norm_gap_channels_last(BF16, 126)),
+    ("batch_norm_gap channels-last", "float16, 126 channels", "plane_moments<Half, 2>",
+     lambda: batch_norm_gap_channels_last(F16, 126)),
     ("avg_pool2d_sigmoid_sum backward", "bfloat16", "", lambda: avg_pool2d_sigmoid_sum_backward(BF16)),
     ("avg_pool2d_sigmoid_sum backward", "float32", "backward_aligned_runs<float>",
      lambda: avg_pool2d_sigmoid_sum_backward(F32)),
     ("parity_max_pool3d_mean", "float32", "", lambda: parity_mean(F32)),
-    ("parity_max_pool3d_mean", "bfloat16", "parity_mean<BFloat16, 8>", lambda: parity_mean(BF16)),
+    ("parity_max_pool3d_mean", "bfloat16", "", lambda: parity_mean(BF16)),
     ("parity_max_pool3d_mean", "float16", "", lambda: parity_mean(F16)),
 )
 
@@ -97,9 +101,9 @@ def main():
     path = os.path.join(args.out, f"spills-{device_slug(device_name(device))}.json")
     with open(path, "w") as f:
         json.dump(dict(device=device_name(device), **provenance(), rows=rows), f, indent=1)
-    print(f"{'kernel':<33}{'variant':<22}{'spills':<42}{'ms':>8}{'GB/s':>7}")
+    print(f"{'kernel':<33}{'variant':<25}{'spills':<42}{'ms':>8}{'GB/s':>7}")
     for r in rows:
-        print(f"{r['kernel']:<33}{r['variant']:<22}{r['spills'] or '-':<42}{r['ms']:>8.3f}{r['gbs']:>7.0f}")
+        print(f"{r['kernel']:<33}{r['variant']:<25}{r['spills'] or '-':<42}{r['ms']:>8.3f}{r['gbs']:>7.0f}")
     print(f"(written to {path})")
 
 
