@@ -34,7 +34,7 @@ Once a signature has been called HOT_CALLS times, where the calls were host-boun
 replayed from a CUDA graph of its call (``fused_ops._graphed``; ``FUSED_OPS_CUDA_GRAPHS=0`` leaves
 graphs out; at most ``_graphed.MAX_GRAPHS`` per module, ``memory()`` says what they hold), captured
 only while no other thread's call is in flight, kept only where its first replays are faster than the
-calls were without it. Choices can be kept across processes
+calls without it timed beside them. Choices can be kept across processes
 (``FUSED_OPS_AUTOTUNE_FILE``, ``save``, ``load``) and made ahead of time (``warmup``). One module
 may be called from several threads at once.
 
@@ -259,15 +259,18 @@ def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", 
         searched, hot = not capturing, tuning.count(signature) >= HOT_CALLS and not capturing
         graphed = graphed and tuning.replays_pay(module, signature)
     out = None
+    timed = None
     if graphed and hot:
-        timing = tuning.replay_timing(module, signature, x)
-        out = _replay(module, signature, graph_stamp, run, name, x)
-        if timing is not None and out is not None:
-            tuning.replayed(module, signature, timing, x, out)
+        timed = tuning.replay_timing(module, signature, x)
+        if timed is None or timed[1]:
+            out = _replay(module, signature, graph_stamp, run, name, x)
+            timed = timed if out is not None else None
     if out is None:
         out = _run_benchmarked(run, name, x) if searched else run(name, x)
     if out is not None:
         _LAST[0] = name
+        if timed is not None:
+            tuning.replayed(module, signature, timed, x, out)
     return out
 
 
@@ -293,11 +296,12 @@ SAMPLES, ELIMINATE, PENDING_CALLS, MAX_TUNING_CALLS = 3, 2.0, 16, 64
 HOT_CALLS = 50
 # A call is host-bound where queueing it takes the host at least this share of its time on the device.
 HOST_BOUND_SHARE = 0.5
-# A kept graph's first SAMPLES replays after its capture are timed as the candidates' calls were (_Timing); where
-# their median is not below the median of the choice's own calls (its timings as a candidate) by
-# PREFERRED_MARGIN, the graph is released and the key's calls with that signature are graphed no more: a replay
-# copies the input in and the result out, and its host time is not always less than the call's (D's eval at
-# SPEC's size on an H200: 70 us of host time a replay against 61 a call, and the input's 16 us copy).
+# A kept graph's first SAMPLES replays after its capture are timed as the candidates' calls were (_Timing), each
+# beside a call of the choice without the graph (the two in turn); where the replays' median is not below those
+# calls' by PREFERRED_MARGIN, the graph is released and the key's calls with that signature are graphed no more:
+# a replay copies the input in and the result out, and its host time is not always less than the call's (D's
+# eval at SPEC's size on an H200: 81 us a call replayed against 56 without the graph, session 26). (Not the
+# choice's timings as a candidate: a formulation's first calls, tried first, took 0.28, 0.23 and 0.15 ms there.)
 # A graph's replay first copies the call's input into the graph's own (fused_ops._graphed): 2 x.nbytes of
 # memory traffic at no more than GRAPH_COPY_BANDWIDTH bytes a second (above any GPU's today: an H200's 4.8
 # TB/s, a B200's 8). Where that copy would take over GRAPH_COPY_SHARE of the call (the larger of the
@@ -450,8 +454,11 @@ class _Tuning:
         self.calls = 0
         self.choice: tuple[str, bool] | None = _SAVED.get(_saved_key(key)) if _SAVED else None
         self.counts: dict[tuple, int] = {}
-        self.replays: dict[tuple, list[float]] = {}  # a signature's replays timed (ms; below HOST_BOUND_SHARE)
-        self.replay_pending: list[tuple[int, tuple, _Timing]] = []  # (the signature's call count, signature, timing)
+        # a signature's replays and its calls without the graph beside them, timed (ms; below HOST_BOUND_SHARE)
+        self.replays: dict[tuple, list[float]] = {}
+        self.unreplayed: dict[tuple, list[float]] = {}
+        # (the signature's call count, signature, timing, whether a replay's)
+        self.replay_pending: list[tuple[int, tuple, _Timing, bool]] = []
         self.replays_won: dict[tuple, bool] = {}  # whether a signature's replays were faster than its calls
 
     def count(self, signature: tuple) -> int:
@@ -468,41 +475,47 @@ class _Tuning:
             _graphed.refuse(module, signature)
         return False
 
-    def replay_timing(self, module: nn.Module, signature: tuple, x: Tensor) -> "_Timing | None":
-        """A _Timing marked before this call's replay while the first replays of the module's graph for
-        `signature` are timed, else None: the choice's own calls untimed (nothing to compare with), the
-        graph not yet captured (this call captures it), the verdict given or enough replays timed."""
-        # (no lock, no reading, on the calls of a signature judged, refused or without timed calls to compare
-        # with: every such call is host-bound)
-        if (signature in self.replays_won or not self.timings.get(self.choice[0])
-                or not _graphed.kept(module, signature)):
+    def replay_timing(self, module: nn.Module, signature: tuple, x: Tensor) -> "tuple[_Timing, bool] | None":
+        """(a _Timing marked now, whether this call replays the graph) while the first replays of the module's
+        graph for `signature` are timed, in turn with calls without it; else None: the graph not yet captured
+        (this call captures it), the verdict given or enough calls timed."""
+        # (no lock, no reading, on the calls of a signature judged or refused: every such call is host-bound)
+        if signature in self.replays_won or not _graphed.kept(module, signature):
             return None
         with _LOCK:
             self._read_replays(module, signature)
-            timed = len(self.replays.get(signature, ())) + sum(1 for _, s, _ in self.replay_pending if s == signature)
-            if signature in self.replays_won or timed >= SAMPLES:
+            timed = [len(self.replays.get(signature, ())), len(self.unreplayed.get(signature, ()))]
+            for _, pending, _, replay in self.replay_pending:
+                if pending == signature:
+                    timed[0 if replay else 1] += 1
+            if signature in self.replays_won or min(timed) >= SAMPLES:
                 return None
         timing = _Timing(x)
         timing.mark()
-        return timing
+        return timing, timed[0] <= timed[1]
 
-    def replayed(self, module: nn.Module, signature: tuple, timing: "_Timing", x: Tensor, out: Tensor) -> None:
-        """Marks the end of a timed replay (its backward's too, where it records gradients: _Timing)."""
+    def replayed(self, module: nn.Module, signature: tuple, timed: "tuple[_Timing, bool]", x: Tensor,
+                 out: Tensor) -> None:
+        """Marks the end of a call timed by replay_timing (its backward's too, where it records gradients:
+        _Timing)."""
+        timing, replay = timed
         timing.mark()
         if out.requires_grad:
             timing.time_backward(out, [t for t in (x, *module.parameters()) if t.requires_grad])
         with _LOCK:
-            self.replay_pending.append((self.counts.get(signature, 0), signature, timing))
+            self.replay_pending.append((self.counts.get(signature, 0), signature, timing, replay))
 
     def _read_replays(self, module: nn.Module, signature: tuple) -> None:
-        """Reads the replays' timings that have passed; with SAMPLES of them, the verdict (the comment below
-        HOST_BOUND_SHARE). Under _LOCK."""
-        _read_passed(self.replay_pending, lambda entry, read: self.replays.setdefault(entry[1], []).append(read[0]),
+        """Reads the timed calls that have passed; with SAMPLES replays and SAMPLES calls without the graph, the
+        verdict (the comment below HOST_BOUND_SHARE). Under _LOCK."""
+        _read_passed(self.replay_pending,
+                     lambda entry, read: (self.replays if entry[3] else self.unreplayed).setdefault(entry[1], [])
+                     .append(read[0]),
                      lambda entry: self.counts.get(entry[1], 0) - entry[0] > PENDING_CALLS)
-        times = self.replays.get(signature, [])
-        if len(times) >= SAMPLES and signature not in self.replays_won:
-            calls = statistics.median([t[0] for t in self.timings[self.choice[0]]])
-            won = self.replays_won[signature] = statistics.median(times) < calls * (1 - PREFERRED_MARGIN)
+        replays, calls = self.replays.get(signature, []), self.unreplayed.get(signature, [])
+        if min(len(replays), len(calls)) >= SAMPLES and signature not in self.replays_won:
+            won = statistics.median(replays) < statistics.median(calls) * (1 - PREFERRED_MARGIN)
+            self.replays_won[signature] = won
             if not won:
                 _graphed.refuse(module, signature)
 

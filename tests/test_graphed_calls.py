@@ -399,52 +399,75 @@ class _ReadTiming:
 
 @pytest.mark.parametrize("replay_ms,kept", [(0.5, True), (0.99, False), (1.5, False)])
 def test_graph_kept_where_its_replays_are_faster(replay_ms, kept):
-    """A graph's first SAMPLES replays decide it: kept where their median is below the choice's own calls'
-    (1 ms here) by PREFERRED_MARGIN, else released and its signature graphed no more (the verdict read at the
-    next call). The bookkeeping alone: no device needed."""
+    """A graph's first SAMPLES replays decide it against SAMPLES calls without it timed beside them (1 ms
+    here, not the choice's timings as a candidate): kept where the replays' median is below the calls' by
+    PREFERRED_MARGIN, else released and its signature graphed no more (the verdict read at the next call).
+    The bookkeeping alone: no device needed."""
     module, signature = torch.nn.Linear(1, 1), ("signature",)
     tuning = autotune._Tuning((object, (), ((1, 3), "contiguous", torch.float32), ()), ["fused", "original"])
     tuning.choice = ("fused", True)
-    tuning.timings["fused"] = [(1.0, 1.0, 0.8)] * autotune.SAMPLES
+    tuning.timings["fused"] = [(100.0, 100.0, 0.8)] * autotune.SAMPLES  # (first calls: set-up, not compared)
     _graphed._GRAPHS[module] = {signature: (object(), 1)}  # (a graph captured)
     try:
-        tuning.replay_pending = [(0, signature, _ReadTiming(replay_ms))] * autotune.SAMPLES
+        tuning.replay_pending = ([(0, signature, _ReadTiming(replay_ms), True)] * autotune.SAMPLES +
+                                 [(0, signature, _ReadTiming(1.0), False)] * autotune.SAMPLES)
         assert tuning.replay_timing(module, signature, torch.zeros(1)) is None  # (the verdict, no more timing)
         assert tuning.replays_won[signature] is kept and tuning.replays[signature] == [replay_ms] * 3
+        assert tuning.unreplayed[signature] == [1.0] * 3
         assert _graphed.kept(module, signature) is kept and _graphed.refused(module, signature) is not kept
         assert tuning.replays_pay(module, signature) is kept
     finally:
         _graphed.drop(module)
 
 
-def test_no_verdict_without_the_calls_timed():
-    """A choice whose own calls were never timed (set by a neighbour's, a saved file's, or a test's) keeps its
-    graph: nothing to compare the replays with."""
+def test_replays_and_calls_timed_in_turn(monkeypatch):
+    """While its graph's verdict is open a signature's calls are timed in turn replayed and not (a replay
+    first), SAMPLES of each, then no more; no verdict before both are read."""
     module, signature = torch.nn.Linear(1, 1), ("signature",)
     tuning = autotune._Tuning((object, (), ((1, 3), "contiguous", torch.float32), ()), ["fused", "original"])
     tuning.choice = ("fused", True)
+    monkeypatch.setattr(autotune, "_Timing", lambda x: _MarkedTiming())
     _graphed._GRAPHS[module] = {signature: (object(), 1)}
     try:
-        assert tuning.replay_timing(module, signature, torch.zeros(1)) is None
+        replays = []
+        for _ in range(2 * autotune.SAMPLES):
+            timing, replay = tuning.replay_timing(module, signature, torch.zeros(1))
+            replays.append(replay)
+            tuning.replay_pending.append((0, signature, timing, replay))  # (as replayed() adds it, unread)
+        assert replays == [True, False] * autotune.SAMPLES
+        assert tuning.replay_timing(module, signature, torch.zeros(1)) is None  # (enough timed: none read yet)
         assert signature not in tuning.replays_won and tuning.replays_pay(module, signature)
     finally:
         _graphed.drop(module)
 
 
+class _MarkedTiming:
+    """A timing not yet passed."""
+
+    def mark(self):
+        pass
+
+    def read(self):
+        return None
+
+    def close(self):
+        pass
+
+
 @requires_cuda
-@pytest.mark.parametrize("calls_ms,kept", [(1e-6, False), (1e6, True)], ids=["replays-slower", "replays-faster"])
+@pytest.mark.parametrize("margin,kept", [(1.0, False), (-1e9, True)], ids=["replays-slower", "replays-faster"])
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-def test_replays_timed_decide_the_graph(calls_ms, kept, train, monkeypatch):
-    """On a GPU, a key settled graphed with its calls timed at calls_ms: its graph's first replays are timed
-    (a training step's to its parameters' gradients) and the graph kept only where they were faster; the
-    results the original's throughout."""
+def test_replays_timed_decide_the_graph(margin, kept, train, monkeypatch):
+    """On a GPU, a key settled graphed: its graph's first replays are timed in turn with calls without it (a
+    training step's to its parameters' gradients) and the graph kept only where the replays were faster by
+    PREFERRED_MARGIN (1: never; -1e9: always); the results the original's throughout."""
     init = autotune._Tuning.__init__
 
     def settled(self, key, order):
         init(self, key, order)
         self.choice = (order[0], True)
-        self.timings[order[0]] = [(calls_ms, calls_ms, calls_ms)] * autotune.SAMPLES
     monkeypatch.setattr(autotune._Tuning, "__init__", settled)
+    monkeypatch.setattr(autotune, "PREFERRED_MARGIN", margin)
     monkeypatch.setattr(autotune, "HOT_CALLS", 1)
     monkeypatch.setattr(_Formulations, "_graph_budget", lambda self, x: _graphed.MEMORY_LIMIT)
     autotune.clear()
@@ -462,7 +485,8 @@ def test_replays_timed_decide_the_graph(calls_ms, kept, train, monkeypatch):
                 torch.cuda.synchronize()
             signature = autotune._signature(fused, x)
             tuning = autotune._TUNINGS[autotune.call_key(fused, fused._config(), x)]
-            assert len(tuning.replays[signature]) == autotune.SAMPLES and tuning.replays_won[signature] is kept
+            assert len(tuning.replays[signature]) == len(tuning.unreplayed[signature]) == autotune.SAMPLES
+            assert tuning.replays_won[signature] is kept
             assert fused.graphed(x) is kept
     finally:
         autotune.clear()

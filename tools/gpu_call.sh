@@ -34,11 +34,8 @@ for stage in "$@"; do
       xz -T0 -c fused_ops/_C*.so | split -b 15M - "$OUT/C.so.xz."; echo "$sources" > "$OUT/C.so.sources"
     fi ;;
   sanitize)
-    # (racecheck skips cuDNN's kernels, which bench/sanitize.py reaches through the ops' fallbacks: its xmma
-    # dgrad kernels' own shared-memory protocol reads as hazards to it, session 26; ours are all checked)
     for tool in memcheck racecheck; do
-      filter=(); [ $tool = racecheck ] && filter=(--kernel-name-exclude kns=cudnn)
-      timeout $(( $(left) - 5 )) compute-sanitizer --tool $tool "${filter[@]}" --error-exitcode 1 python3 bench/sanitize.py \
+      timeout $(( $(left) - 5 )) compute-sanitizer --tool $tool --error-exitcode 1 python3 bench/sanitize.py \
         > /tmp/sanitize.log 2>&1
       echo "$tool rc=$? $(tail -1 /tmp/sanitize.log)"; cat /tmp/sanitize.log >> "$OUT/sanitize.log"
     done ;;

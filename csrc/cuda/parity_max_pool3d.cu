@@ -47,10 +47,8 @@ inline ChannelTile channel_tile(int64_t channels) {
   return {cpb, kThreads / cpb, (channels + cpb - 1) / cpb};
 }
 
-// The stage-1 picks of `count` (1 <= count <= kBatch) windows of Q = vecs * VEC
-// elements at window[j]: every window's vector v loaded before any compare;
-// picks j >= count are of window count - 1 again (loads without a branch: the
-// predicated ones spilled registers in some instantiations), for the caller to drop.
+// The stage-1 picks of `count` (<= kBatch) windows of Q = vecs * VEC
+// elements at window[j]: every window's vector v loaded before any compare.
 template <typename acc_t, typename scalar_t, int VEC>
 __device__ __forceinline__ void parity_picks(const scalar_t* const (&window)[kBatch], int count, int vecs,
                                              WindowPick<acc_t> (&pick)[kBatch]) {
@@ -60,7 +58,7 @@ __device__ __forceinline__ void parity_picks(const scalar_t* const (&window)[kBa
     Vector<scalar_t, VEC> in[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      in[j] = load_vector<scalar_t, VEC>(window[j < count ? j : count - 1] + v * VEC);
+      if (j < count) in[j] = load_vector<scalar_t, VEC>(window[j] + v * VEC);
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
