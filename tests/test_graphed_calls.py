@@ -18,7 +18,7 @@ from test_formulations import CONFIGS, IDS, pair, shared
 
 def settle_graphed(monkeypatch, formulation=None, module_budget=False):
     """Each key settles at its first call on `formulation` (the rule's first where None or not
-    its module's), replayed from a graph from its first call on (its timing otherwise decides); a
+    its module's), replayed from a graph from its first call on (no verdict timed: each call replayed); a
     graph kept whatever it holds up to MEMORY_LIMIT (the tests' convolution outputs, a module's own
     budget, take kilobytes), or within the module's budget where module_budget."""
     init = autotune._Tuning.__init__
@@ -27,6 +27,7 @@ def settle_graphed(monkeypatch, formulation=None, module_budget=False):
         init(self, key, order)
         self.choice = (formulation if formulation in order else order[0], True)
     monkeypatch.setattr(autotune._Tuning, "__init__", settled)
+    monkeypatch.setattr(autotune._Tuning, "replay_timing", lambda self, module, signature, x: None)  # (no verdict)
     monkeypatch.setattr(autotune, "HOT_CALLS", 1)
     if not module_budget:
         monkeypatch.setattr(_Formulations, "_graph_budget", lambda self, x: _graphed.MEMORY_LIMIT)
