@@ -1,9 +1,10 @@
 """What the register spills that ptxas reports for kernels of ours cost (tools/check_cuda_compile.py's
 KNOWN_SPILLS): each spilling instantiation of a speed path (16-bit and float32) timed beside a sibling that
-does not spill, at the same sizes: the same kernel in another dtype, its time and its bandwidth. Run under
-Nsight Compute (--reps 1, as bench/run_spills.sh does) for each kernel's local-memory instructions against
-all it executes. float64's spills (depth_stack_kernel, avg_pool2d_sigmoid_sum's backward, max_pool3d_cascade_sum's
-tiled kernels) are not timed: float64 is a reference path.
+does not spill, at the same sizes: the same kernel in another dtype, its time and its bandwidth; and
+parity_max_pool3d_mean's three dtypes, whose 16-bit instantiations spilled until session 26 (bfloat16 then
+0.115 ms against float16's 0.094 on the same bytes). Run under Nsight Compute (--reps 1) for each kernel's
+local-memory instructions against all it executes (docs/contributing.md). float64's spills (depth_stack_kernel,
+avg_pool2d_sigmoid_sum's backward, max_pool3d_cascade_sum's tiled kernels) are not timed: a reference dtype.
 
     python bench/spills.py [--reps 50] [--out bench/results]
 """

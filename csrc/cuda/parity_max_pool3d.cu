@@ -47,10 +47,12 @@ inline ChannelTile channel_tile(int64_t channels) {
   return {cpb, kThreads / cpb, (channels + cpb - 1) / cpb};
 }
 
-// The stage-1 picks of `count` (<= kBatch) windows of Q = vecs * VEC
-// elements at window[j]: every window's vector v loaded before any compare.
+// The stage-1 picks of kBatch windows of Q = vecs * VEC elements at window[j]:
+// every window's vector v loaded before any compare. Every window[j] is read
+// (a caller with fewer windows repeats its first: loads without a branch, as
+// the predicated ones spilled registers in some instantiations).
 template <typename acc_t, typename scalar_t, int VEC>
-__device__ __forceinline__ void parity_picks(const scalar_t* const (&window)[kBatch], int count, int vecs,
+__device__ __forceinline__ void parity_picks(const scalar_t* const (&window)[kBatch], int vecs,
                                              WindowPick<acc_t> (&pick)[kBatch]) {
 #pragma unroll
   for (int j = 0; j < kBatch; ++j) pick[j] = WindowPick<acc_t>();
@@ -58,7 +60,7 @@ __device__ __forceinline__ void parity_picks(const scalar_t* const (&window)[kBa
     Vector<scalar_t, VEC> in[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      if (j < count) in[j] = load_vector<scalar_t, VEC>(window[j] + v * VEC);
+      in[j] = load_vector<scalar_t, VEC>(window[j] + v * VEC);
     }
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -91,11 +93,11 @@ __global__ void __launch_bounds__(kThreads) parity_mean_kernel(
       const int count = static_cast<int>(std::min<int64_t>(kBatch, (end - m + tile.rows - 1) / tile.rows));
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        index[j] = (n * M + m + j * tile.rows) * C + c;
+        index[j] = (n * M + m + (j < count ? j : 0) * tile.rows) * C + c;
         window[j] = y + index[j] * Q;
       }
       WindowPick<acc_t> pick[kBatch];
-      parity_picks<acc_t, scalar_t, VEC>(window, count, vecs, pick);
+      parity_picks<acc_t, scalar_t, VEC>(window, vecs, pick);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         if (j < count) {
@@ -146,14 +148,15 @@ __global__ void __launch_bounds__(kThreads) parity_cascade_kernel(
       const scalar_t* at_off[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        at_off[j] = y + ((origin + (a * l.stage1[1] + b) * l.stage1[2] + e) * l.channels + c) * Q;
+        at_off[j] = off + j < volume ? y + ((origin + (a * l.stage1[1] + b) * l.stage1[2] + e) * l.channels + c) * Q
+                                     : at_off[0];
         if (++e == s.kernel[2]) {
           e = 0;
           if (++b == s.kernel[1]) b = 0, ++a;
         }
       }
       WindowPick<acc_t> first[kBatch];
-      parity_picks<acc_t, scalar_t, VEC>(at_off, volume - off < kBatch ? volume - off : kBatch, vecs, first);
+      parity_picks<acc_t, scalar_t, VEC>(at_off, vecs, first);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         stage2.update(first[j].value, (off + j) * Q + first[j].offset, off + j < volume);
