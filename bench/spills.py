@@ -101,7 +101,7 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"spills-{device_slug(device_name(device))}.json")
     with open(path, "w") as f:
-        json.dump(dict(device=device_name(device), **provenance(), rows=rows), f, indent=1)
+        json.dump(dict(device=device_name(device), torch=torch.__version__, **provenance(), rows=rows), f, indent=1)
     print(f"{'kernel':<33}{'variant':<25}{'spills':<42}{'ms':>8}{'GB/s':>7}")
     for r in rows:
         print(f"{r['kernel']:<33}{r['variant']:<25}{r['spills'] or '-':<42}{r['ms']:>8.3f}{r['gbs']:>7.0f}")

@@ -7,8 +7,9 @@
 
 KIND is `main_job` (`python -m fused_ops` and bench/models.py results: per model and step, each
 peer's time, the fused module's, its speed-up over the best peer, peak memory), `first_calls`
-(bench/first_calls.py: seconds per sequence, each variant, the fused module's ratio to eager) or
-`first_calls_ratios` (the same JSONs: the fused module's ratio to eager alone, a sequence a row);
+(bench/first_calls.py: seconds per sequence, each variant, the fused module's ratio to eager),
+`first_calls_ratios` (the same JSONs: the fused module's ratio to eager alone, a sequence a row) or
+`spills` (bench/spills.py: the kernels whose instantiations spill registers beside siblings that do not);
 each PATH is relative to the repository's root. Every table is stamped with its JSON's device,
 date, torch version and commit (`fused_ops._timing.provenance`).
 
@@ -143,7 +144,18 @@ def main_job_chart(paths: list[str], out_dir: str = os.path.join(ROOT, "docs", "
     return out
 
 
-KINDS = {"main_job": main_job, "first_calls": first_calls, "first_calls_ratios": first_calls_ratios}
+def spills(paths: list[str]) -> str:
+    """bench/spills.py: one row per kernel and variant, what of it spills (ptxas), ms and GB/s."""
+    lines = ["| kernel | variant | spills (ptxas) | ms | GB/s |", "| --- | --- | --- | ---: | ---: |"]
+    results = [load(path) for path in paths]
+    for result in results:
+        lines += [f"| {r['kernel']} | {r['variant']} | {'`' + r['spills'] + '`' if r['spills'] else '-'} | "
+                  f"{r['ms']:.3f} | {r['gbs']:.0f} |"
+                  for r in result["rows"]]
+    return "\n".join(lines + [""] + [f"<sub>{stamp(r, p)}</sub>  " for r, p in zip(results, paths)]) + "\n"
+
+
+KINDS = {"main_job": main_job, "first_calls": first_calls, "first_calls_ratios": first_calls_ratios, "spills": spills}
 
 
 def render(text: str, where: str) -> str:
