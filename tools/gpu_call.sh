@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (docs/contributing.md), its stages in order, within LIMIT seconds (default 585):
-#   build     the extension in place (setup.py build_ext --inplace; skipped where fused_ops/_C*.so is there: a
+#   build     the extension in place with CUTLASS (carry third_party/cutlass; refused without it unless NO_CUTLASS=1)
+#             (setup.py build_ext --inplace; skipped where fused_ops/_C*.so is there: a
 #             machine kept warm between chained calls keeps it), its .so also into $OUT as C.so.xz.* pieces with
-#             C.so.sources (a hash of setup.py and csrc/): copied into .gpu_so/ and carried, a later machine unpacks
-#             them instead of building while the sources hash the same
+#             C.so.sources (a hash of setup.py and csrc/, and "cutlass"): copied into .gpu_so/ and carried, a later
+#             machine unpacks them instead of building while the sources hash the same
 #   sanitize  bench/sanitize.py under compute-sanitizer memcheck, then racecheck
 #   tests     the CUDA cases (-k "not cpu") of $TESTS (default: every test file), 8 processes, at most $TCAP s
 #   grid32    bench/configs.py float32, resumed from .gpu_so/grid/ (carry it back between calls), JSON into $OUT
@@ -24,10 +25,17 @@ for stage in "$@"; do
   echo "=== $stage at $(( $(date +%s) - T0 )) s"
   case $stage in
   build)
-    sources=$(cat setup.py $(find csrc -type f | LC_ALL=C sort) | sha1sum | cut -c1-16)
+    # (a build's record: its sources' hash and whether it had CUTLASS's headers; without them B's and D's
+    # convolutions take cuDNN's paths, whose timings and sanitizer runs are not the library's: session 26 lost
+    # its GPU timings of B and D so)
+    with=$([ -z "$NO_CUTLASS" ] && echo cutlass || echo no-cutlass)
+    sources="$(cat setup.py $(find csrc -type f | LC_ALL=C sort) | sha1sum | cut -c1-16) $with"
     if ls fused_ops/_C*.so >/dev/null 2>&1; then echo "already built"
     elif [ "$(cat .gpu_so/C.so.sources 2>/dev/null)" = "$sources" ]; then
-      cat .gpu_so/C.so.xz.* | xz -d > fused_ops/_C.so && echo "unpacked .gpu_so's build of these sources"; else
+      cat .gpu_so/C.so.xz.* | xz -d > fused_ops/_C.so && echo "unpacked .gpu_so's build of these sources ($with)"
+    elif [ "$with" = cutlass ] && [ ! -d third_party/cutlass/include/cutlass ]; then
+      echo "build: third_party/cutlass is missing: carry it (make cutlass here first), or NO_CUTLASS=1"; exit 1
+    else
       MAX_JOBS=$(nproc) TORCH_CUDA_ARCH_LIST=9.0 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
         || { tail -30 "$OUT/build.log"; exit 1; }
       echo "lines with 'warning': $(grep -ci warning "$OUT/build.log")"
