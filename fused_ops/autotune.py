@@ -300,8 +300,9 @@ HOST_BOUND_SHARE = 0.5
 # beside a call of the choice without the graph (the two in turn); where the replays' median is not below those
 # calls' by PREFERRED_MARGIN, the graph is released and the key's calls with that signature are graphed no more:
 # a replay copies the input in and the result out, and its host time is not always less than the call's (D's
-# eval at SPEC's size on an H200: 81 us a call replayed against 56 without the graph, session 26). (Not the
-# choice's timings as a candidate: a formulation's first calls, tried first, took 0.28, 0.23 and 0.15 ms there.)
+# float32 eval at SPEC's size on an H200, one process, interleaved: 87.5 us a call replayed back to back against
+# 96.7 without, 133.5 against 123.8 a call alone; session 26). (Not the choice's timings as a candidate: a
+# formulation's first calls, tried first, took 0.28, 0.23 and 0.15 ms there, and kept every graph.)
 # A graph's replay first copies the call's input into the graph's own (fused_ops._graphed): 2 x.nbytes of
 # memory traffic at no more than GRAPH_COPY_BANDWIDTH bytes a second (above any GPU's today: an H200's 4.8
 # TB/s, a B200's 8). Where that copy would take over GRAPH_COPY_SHARE of the call (the larger of the
