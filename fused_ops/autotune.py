@@ -264,7 +264,8 @@ def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", 
         timed = tuning.replay_timing(module, signature, x)
         if timed is None or timed[1]:
             out = _replay(module, signature, graph_stamp, run, name, x)
-            timed = timed if out is not None else None
+            if out is None:
+                timed = None  # (not replayed after all: the call below is not the timed kind)
     if out is None:
         out = _run_benchmarked(run, name, x) if searched else run(name, x)
     if out is not None:

@@ -385,14 +385,17 @@ def test_memory_of_one_module(graphs_win):
         assert with_graphs == pytest.approx(outside + held["bytes"] / 2**20, rel=1e-12)
 
 
-class _ReadTiming:
-    """A replay's timing already read: `ms` a call."""
+class _FakeTiming:
+    """A call's timing: read as `ms` a call, or not yet passed (ms None)."""
 
-    def __init__(self, ms):
+    def __init__(self, ms=None):
         self.ms = ms
 
+    def mark(self):
+        pass
+
     def read(self):
-        return self.ms, self.ms, 0.0
+        return None if self.ms is None else (self.ms, self.ms, 0.0)
 
     def close(self):
         pass
@@ -410,8 +413,8 @@ def test_graph_kept_where_its_replays_are_faster(replay_ms, kept):
     tuning.timings["fused"] = [(100.0, 100.0, 0.8)] * autotune.SAMPLES  # (first calls: set-up, not compared)
     _graphed._GRAPHS[module] = {signature: (object(), 1)}  # (a graph captured)
     try:
-        tuning.replay_pending = ([(0, signature, _ReadTiming(replay_ms), True)] * autotune.SAMPLES +
-                                 [(0, signature, _ReadTiming(1.0), False)] * autotune.SAMPLES)
+        tuning.replay_pending = ([(0, signature, _FakeTiming(replay_ms), True)] * autotune.SAMPLES +
+                                 [(0, signature, _FakeTiming(1.0), False)] * autotune.SAMPLES)
         assert tuning.replay_timing(module, signature, torch.zeros(1)) is None  # (the verdict, no more timing)
         assert tuning.replays_won[signature] is kept and tuning.replays[signature] == [replay_ms] * 3
         assert tuning.unreplayed[signature] == [1.0] * 3
@@ -427,7 +430,7 @@ def test_replays_and_calls_timed_in_turn(monkeypatch):
     module, signature = torch.nn.Linear(1, 1), ("signature",)
     tuning = autotune._Tuning((object, (), ((1, 3), "contiguous", torch.float32), ()), ["fused", "original"])
     tuning.choice = ("fused", True)
-    monkeypatch.setattr(autotune, "_Timing", lambda x: _MarkedTiming())
+    monkeypatch.setattr(autotune, "_Timing", lambda x: _FakeTiming())
     _graphed._GRAPHS[module] = {signature: (object(), 1)}
     try:
         replays = []
@@ -440,19 +443,6 @@ def test_replays_and_calls_timed_in_turn(monkeypatch):
         assert signature not in tuning.replays_won and tuning.replays_pay(module, signature)
     finally:
         _graphed.drop(module)
-
-
-class _MarkedTiming:
-    """A timing not yet passed."""
-
-    def mark(self):
-        pass
-
-    def read(self):
-        return None
-
-    def close(self):
-        pass
 
 
 @requires_cuda

@@ -1,9 +1,9 @@
 // CUDA kernels of conv_transpose3d_batch_norm_eval_mean (the math: ../conv_transpose3d_batch_norm_eval_mean.h),
 // two launches a call: chunk_and_tap_sums_kernel, in blocks of its own first (a warp per row of taps), each
 // (input, output channel)'s tap sum (float64) and shared sign, then x's (n, i) planes in chunks of kChunk
-// elements (a block each, in an order fixed by the shape); then a block per output channel o, a warp per batch element: the dot product of
-// the finite spatial sums (each its chunks' sum) with the tap sums (a warp sum), the non-finite ones' signs
-// (warp votes), the bias, the scale and the batch norm. x not contiguous (or more chunks than a grid holds):
+// elements (a block each, in an order fixed by the shape); then a block per output channel o, a warp per batch
+// element: the dot product of the finite spatial sums (each its chunks' sum) with the tap sums (a warp sum), the
+// non-finite ones' signs (warp votes), the bias, the scale and the batch norm. x not contiguous (or more chunks than a grid holds):
 // its spatial sums by ATen's reduction first, as one chunk each. No host-side arithmetic on the weights or
 // statistics.
 #include <ATen/ATen.h>
