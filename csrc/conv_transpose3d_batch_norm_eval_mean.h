@@ -72,24 +72,35 @@ inline BatchNormEvalMean batch_norm_eval_mean_setup(
           result_dtype(what, x.scalar_type(), dtype), param_dtype};
 }
 
-// The taps w[i, o, 0 .. T) as the map takes them: their sum, and the sign they all share (1, -1; 0 where
-// they differ, or one is zero or NaN).
+// The sign that taps share, met one value at a time: 1 where every one is positive, -1 where every one is
+// negative, 0 where they differ or one is zero or NaN (the CUDA kernel meets a row's taps lane by lane and
+// joins the lanes' flags by warp votes).
+struct TapSign {
+  bool positive = true, negative = true;
+
+  C10_HOST_DEVICE void meet(double v) {
+    positive = positive && v > 0;
+    negative = negative && v < 0;
+  }
+  C10_HOST_DEVICE int sign() const { return positive ? 1 : (negative ? -1 : 0); }
+};
+
+// The taps w[i, o, 0 .. T) as the map takes them: their sum and their shared sign (TapSign).
 struct TapSum {
   double sum;
   int sign;
 };
 
 template <typename T>
-C10_HOST_DEVICE TapSum tap_sum(const T* w, int64_t taps) {
+TapSum tap_sum(const T* w, int64_t taps) {
   double sum = 0;
-  bool positive = true, negative = true;
+  TapSign sign;
   for (int64_t t = 0; t < taps; ++t) {
     const double v = static_cast<double>(w[t]);
     sum += v;
-    positive = positive && v > 0;
-    negative = negative && v < 0;
+    sign.meet(v);
   }
-  return {sum, positive ? 1 : (negative ? -1 : 0)};
+  return {sum, sign.sign()};
 }
 
 // A batch element's non-finite spatial sums met channel by channel (module comment): the signs of the

@@ -28,10 +28,9 @@ constexpr int kThreads = 256;
 // x elements a block of chunk_and_tap_sums_kernel sums: SPEC's D's planes (16 x 32 x 32) in one chunk each.
 constexpr int64_t kChunk = 16384;
 
-// Blocks [0, tap_blocks): taps[o, i] = the sum of w[i, o, :] in float64 and its sign as a double (1 where
-// every tap is positive, -1 where every one is negative, else 0; tap_sum's, summed in lane order), a warp per
-// row of kTapRows consecutive e = o * I + i, its lanes on consecutive taps (a row's loads coalesced), weight
-// (I, O, T) contiguous; first in the grid, so that they run beside the chunks, not after them. Blocks from
+// Blocks [0, tap_blocks): taps[o, i] = the sum of w[i, o, :] in float64 and its TapSign as a double (tap_sum's,
+// summed in lane order), a warp per row of kTapRows consecutive e = o * I + i, its lanes on consecutive taps
+// (a row's loads coalesced), weight (I, O, T) contiguous; first in the grid, so that they run beside the chunks, not after them. Blocks from
 // tap_blocks on (b = block - tap_blocks): partial[b] = the sum of chunk b % chunks of x's plane b / chunks
 // (x (N I, plane) contiguous, in x's accumulation type), each thread adding a group of kGroup consecutive
 // elements (16 bytes) in turn, the block's threads on consecutive groups (a warp's loads whole 512-byte spans);
@@ -56,18 +55,16 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t pairs = g.in_channels * g.out_channels;
     const int64_t first = blockIdx.x * kTapRowsPerBlock + threadIdx.x / 32 * kTapRows;
     double sum[kTapRows] = {};
-    bool positive[kTapRows], negative[kTapRows];
+    TapSign sign[kTapRows];
 #pragma unroll
     for (int r = 0; r < kTapRows; ++r) {
-      positive[r] = negative[r] = true;
       const int64_t e = first + r;  // o * I + i
       if (e >= pairs) continue;  // (uniform across the warp)
       const scalar_t* const row = weight + (e % g.in_channels * g.out_channels + e / g.in_channels) * g.taps;
       for (int64_t t = lane; t < g.taps; t += 32) {
         const double v = static_cast<double>(row[t]);
         sum[r] += v;
-        positive[r] = positive[r] && v > 0;
-        negative[r] = negative[r] && v < 0;
+        sign[r].meet(v);
       }
     }
 #pragma unroll
@@ -75,11 +72,12 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t e = first + r;
       if (e >= pairs) break;  // (uniform across the warp)
       const double total = warp_sum(sum[r]);
-      const bool all_positive = __all_sync(0xffffffffu, positive[r]);
-      const bool all_negative = __all_sync(0xffffffffu, negative[r]);
+      TapSign row;  // the lanes' signs joined
+      row.positive = __all_sync(0xffffffffu, sign[r].positive);
+      row.negative = __all_sync(0xffffffffu, sign[r].negative);
       if (lane == 0) {
         sums[e] = total;
-        signs[e] = all_positive ? 1.0 : (all_negative ? -1.0 : 0.0);
+        signs[e] = row.sign();
       }
     }
     return;
@@ -174,8 +172,16 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
   const int64_t tap_blocks = (pairs + kTapRowsPerBlock - 1) / kTapRowsPerBlock;
   const bool chunked = x.is_contiguous() && g.batch * g.in_channels * chunks + tap_blocks <= INT_MAX;
   const int64_t chunk_blocks = chunked ? g.batch * g.in_channels * chunks : 0;
-  const at::Tensor partial = chunked ? at::empty({chunk_blocks}, x.options().dtype(at::toOpMathType(x.scalar_type())))
-                                     : spatial_sums(x).contiguous();
+  // one allocation for the (O, I) tap sums and signs (float64) and the chunks' sums after them
+  const at::ScalarType acc = at::toOpMathType(x.scalar_type());
+  const int64_t tap_bytes = 2 * pairs * static_cast<int64_t>(sizeof(double));
+  const at::Tensor scratch =
+      at::empty({tap_bytes + chunk_blocks * static_cast<int64_t>(at::elementSize(acc))}, x.options().dtype(at::kByte));
+  double* const tap_sums = reinterpret_cast<double*>(scratch.mutable_data_ptr<uint8_t>());
+  double* const tap_signs = tap_sums + pairs;
+  const at::Tensor sums = chunked ? at::Tensor() : spatial_sums(x).contiguous();
+  void* const partial = chunked ? static_cast<void*>(scratch.mutable_data_ptr<uint8_t>() + tap_bytes)
+                                : sums.mutable_data_ptr();
   const at::Tensor w = weight.contiguous();
   const auto per_channel = [](const std::optional<at::Tensor>& t) {
     return is_given(t) ? std::optional<at::Tensor>(t->contiguous()) : std::nullopt;
@@ -183,9 +189,6 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
   const auto gamma = per_channel(bn_weight), beta = per_channel(bn_bias);
   const auto conv_bias = per_channel(bias);
   const at::Tensor mean = running_mean.contiguous(), var = running_var.contiguous();
-  const at::Tensor taps = at::empty({2 * pairs}, x.options().dtype(at::kDouble));  // (O, I) sums, then signs
-  double* const tap_sums = taps.mutable_data_ptr<double>();
-  double* const tap_signs = tap_sums + pairs;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "conv_transpose3d_batch_norm_eval_mean_cuda", [&] {
     using x_t = scalar_t;
@@ -195,7 +198,7 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
         chunk_and_tap_sums_kernel<x_t, decltype(width)::value>
             <<<static_cast<unsigned>(chunk_blocks + tap_blocks), kThreads, 0, stream>>>(
                 x.const_data_ptr<x_t>(), plane, chunks, tap_blocks, w.const_data_ptr<x_t>(), g,
-                partial.mutable_data_ptr<at::opmath_type<x_t>>(), tap_sums, tap_signs);
+                static_cast<at::opmath_type<x_t>*>(partial), tap_sums, tap_signs);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     }
@@ -205,7 +208,7 @@ at::Tensor conv_transpose3d_batch_norm_eval_mean_cuda(
         using out_t = std::remove_pointer_t<decltype(out_type)>;
         batch_norm_eval_mean_kernel<x_t, param_t, out_t><<<static_cast<unsigned>(g.out_channels), kThreads, 0,
                                                             stream>>>(
-            partial.const_data_ptr<at::opmath_type<x_t>>(), chunked ? chunks : 1, tap_sums, tap_signs,
+            static_cast<const at::opmath_type<x_t>*>(partial), chunked ? chunks : 1, tap_sums, tap_signs,
             data_or_null<x_t>(conv_bias), data_or_null<param_t>(gamma), data_or_null<param_t>(beta),
             mean.const_data_ptr<param_t>(), var.const_data_ptr<param_t>(), g, scale, eps, out.mutable_data_ptr<out_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
