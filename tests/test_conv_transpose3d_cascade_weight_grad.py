@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DEVICES, DTYPES, assert_close_to_reference, misaligned, requires_cuda
+from conftest import DEVICES, DTYPES, assert_close_to_reference, matmul_precision, misaligned, requires_cuda
 from fused_ops import autotune, conv_transpose3d_cascade_weight_grad, reference, rewrites
 from fused_ops import nn as fnn
 
@@ -317,11 +317,13 @@ def test_b_rewrite_takes_the_picked_weight_gradient(args, shape):
 
 
 @requires_cuda
-@pytest.mark.parametrize("in_channels,picked", [(8, True), (6, False)])
-def test_b_rewrite_on_a_gpu_takes_the_picked_weight_gradient_where_quick(in_channels, picked):
-    """On a GPU of compute capability 9 the rule takes the op where its window kernel does (input
-    channels a multiple of 4 here), else the dense gradient; either way the original's gradients,
-    bit for bit on integer values (float32, every sum exact; ties picked as PyTorch picks them)."""
+@pytest.mark.parametrize("in_channels,precision", [(8, "high"), (6, "high"), (6, "highest")])
+def test_b_rewrite_on_a_gpu_takes_the_picked_weight_gradient_where_quick(in_channels, precision):
+    """On a GPU the rule takes the op in full float32 (matmul precision "highest", PyTorch's default:
+    the dense gradient would round to TF32), and where TF32 is asked for, where its window kernel
+    takes the call (compute capability 9, input channels a multiple of 4 here), else the dense
+    gradient; either way the original's gradients, bit for bit on integer values (float32, every sum
+    exact, in TF32 too; ties picked as PyTorch picks them)."""
     torch.manual_seed(0)
     original = reference.ConvTranspose3dMaxPoolMaxPoolSum(in_channels, 12, 5, 2, 2).cuda()
     with torch.no_grad():
@@ -330,11 +332,13 @@ def test_b_rewrite_on_a_gpu_takes_the_picked_weight_gradient_where_quick(in_chan
     fused = fnn.ConvTranspose3dMaxPoolMaxPoolSum.from_module(original)
     x = torch.randint(-2, 3, (2, in_channels, 8, 7, 9), device="cuda").float()
     grad = torch.randint(-2, 3, original(x).shape, device="cuda").float()
-    expected = torch.autograd.grad(original(x), list(original.parameters()), grad)
-    with autotune.force("rewrite"), torch.profiler.profile() as profile:
-        actual = torch.autograd.grad(fused(x), list(fused.parameters()), grad)
+    picked = precision == "highest" or (in_channels % 4 == 0 and torch.cuda.get_device_capability()[0] >= 9)
+    with matmul_precision(precision):
+        expected = torch.autograd.grad(original(x), list(original.parameters()), grad)
+        with autotune.force("rewrite"), torch.profiler.profile() as profile:
+            actual = torch.autograd.grad(fused(x), list(fused.parameters()), grad)
     ran = "fused_ops::conv_transpose3d_cascade_weight_grad" in {e.name for e in profile.events()}
-    assert ran == (picked and torch.cuda.get_device_capability()[0] >= 9)
+    assert ran == picked
     for a, e in zip(actual, expected, strict=True):
         assert torch.equal(a, e)
 
