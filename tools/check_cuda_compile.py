@@ -11,7 +11,9 @@ failure. Two passes:
            this pass fails without them;
   cutlass  every bench/cutlass/*.cu (the CUTLASS baselines the benchmarks build on their own, no
            torch headers: the benchmark's flags) for sm_90a, with CUTLASS's headers where the
-           csrc pass finds them (this pass fails without them), each on its own (no link).
+           csrc pass finds them (this pass fails without them), each on its own (no link); and every
+           bench/extensions/*.cu (torch extensions a benchmark builds, on csrc/cuda's headers) with the
+           csrc pass's flags, each on its own.
 
 A kernel whose wgmma ptxas serializes (warning C7510: a function call in the kernel, such as a
 live assert) fails either pass, and so does any other warning of ours (naming csrc/, bench/cutlass/ or
@@ -20,7 +22,7 @@ one stands out.
 
     python tools/check_cuda_compile.py [--nvcc PATH] [FILE.cu ...]   (default: every one)
 
-Named files go to the pass of their directory (bench/cutlass/ to the cutlass pass).
+Named files go to the pass of their directory (bench/cutlass/ and bench/extensions/ to the cutlass pass).
 """
 import argparse
 import collections
@@ -37,6 +39,7 @@ from torch.utils.cpp_extension import COMMON_NVCC_FLAGS, include_paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CUTLASS_DIR = os.path.join(ROOT, "bench", "cutlass")
+EXTENSIONS_DIR = os.path.join(ROOT, "bench", "extensions")
 sys.path.insert(0, CUTLASS_DIR)
 sys.path.insert(0, ROOT)
 import cutlass_build  # noqa: E402  (how bench/cutlass/ builds its libraries; nvcc found)
@@ -103,10 +106,12 @@ def main() -> None:
     if args.sources:
         named = [os.path.abspath(p) for p in args.sources]
         cutlass_sources = [p for p in named if os.path.dirname(p) == CUTLASS_DIR]
-        sources = [p for p in named if p not in cutlass_sources]
+        extension_sources = [p for p in named if os.path.dirname(p) == EXTENSIONS_DIR]
+        sources = [p for p in named if p not in cutlass_sources and p not in extension_sources]
     else:
         sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
         cutlass_sources = sorted(glob.glob(os.path.join(CUTLASS_DIR, "*.cu")))
+        extension_sources = sorted(glob.glob(os.path.join(EXTENSIONS_DIR, "*.cu")))
     cutlass_includes = [f"-I{p}" for p in cutlass_build.include_dirs()] if cutlass_sources else []
     warned = collections.Counter()  # (each file's new warnings of ours: the check fails at its end on any)
     with tempfile.TemporaryDirectory() as stub:
@@ -119,7 +124,7 @@ def main() -> None:
 
         objects = []
         torch_flags = ["-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS, *includes]
-        arch, cutlass = csrc_flags() if sources else ([], [])
+        arch, cutlass = csrc_flags() if sources or extension_sources else ([], [])
         for src in sources:
             objects.append(os.path.join(stub, f"{len(objects)}.o"))
             warned[src] += compile_object(nvcc, src, objects[-1], [*arch, *cutlass, *torch_flags])
@@ -142,6 +147,12 @@ def main() -> None:
                                           [*cutlass_build.NVCC_FLAGS, *cutlass_includes])
         if cutlass_sources:
             print(f"check_cuda_compile: {len(cutlass_sources)} CUTLASS file(s) compiled for sm_90a")
+        for i, src in enumerate(extension_sources):
+            # (as the benchmark builds it: csrc's flags, csrc/cuda's headers)
+            warned[src] += compile_object(nvcc, src, os.path.join(stub, f"extension{i}.o"),
+                                          [*arch, *cutlass, *torch_flags, f"-I{os.path.join(ROOT, 'csrc', 'cuda')}"])
+        if extension_sources:
+            print(f"check_cuda_compile: {len(extension_sources)} benchmark extension(s) compiled for sm_90a")
     if any(warned.values()):
         counts = ", ".join(f"{os.path.relpath(src, ROOT)}: {n}" for src, n in warned.items() if n)
         sys.exit(f"check_cuda_compile: new warnings of ours (above): {counts}")

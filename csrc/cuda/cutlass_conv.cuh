@@ -40,19 +40,20 @@ using cutlass::conv::Operator;
 
 // One convolution: operator Op over Rank spatial dimensions, Element operands (float: TF32 MMA;
 // bfloat16), float32 accumulation, ElementD output D (no C), a kTileM x kTileN x kTileK tile per
-// CTA (cluster 1x1x1); with kBias, D = acc + bias[output channel] (a null bias adds 0). Wgrad's N
+// CTA, kClusterM CTAs along M a cluster (their B tiles, the same where N is one tile, loaded once
+// by TMA multicast); with kBias, D = acc + bias[output channel] (a null bias adds 0). Wgrad's N
 // mode is (C, S, R, T): its tile wraps N in a Shape; every K does.
 template <Operator Op, int Rank, class Element_, class ElementD_, int kTileM_, int kTileN_, int kTileK_,
-          bool kBias = false>
+          bool kBias = false, int kClusterM_ = 1>
 struct CutlassConv {
   using Element = Element_;
   using ElementD = ElementD_;
-  static constexpr int kTileM = kTileM_, kTileN = kTileN_, kTileK = kTileK_;
+  static constexpr int kTileM = kTileM_, kTileN = kTileN_, kTileK = kTileK_, kClusterM = kClusterM_;
   static constexpr int kAlignment = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte TMA rows
   static constexpr int kAlignmentD = 128 / cutlass::sizeof_bits<ElementD>::value;
   using TileN = cute::conditional_t<Op == Operator::kWgrad, cute::Shape<cute::Int<kTileN>>, cute::Int<kTileN>>;
   using TileShape = cute::Shape<cute::Int<kTileM>, TileN, cute::Shape<cute::Int<kTileK>>>;
-  using ClusterShape = cute::Shape<cute::_1, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::_1, cute::_1>;
   // activations NDHWC / NHWC; the output: wgrad's a filter (KTRSC), fprop's activations
   using LayoutAB = cute::conditional_t<Rank == 3, cutlass::layout::TensorNDHWC, cutlass::layout::TensorNHWC>;
   using LayoutD = cute::conditional_t<Op == Operator::kWgrad, cutlass::layout::TensorKCSRT, LayoutAB>;

@@ -1,0 +1,89 @@
+"""conv_transpose3d_stride1_channels_last's CUTLASS fprop (D's forward convolution) against variants of
+its kernel: the op's tiles with clusters of 2 and 4 CTAs along M, which load the filter's tile once a
+cluster by TMA multicast (bench/extensions/conv_transpose3d_stride1_variants.cu, built here as a torch
+extension of its own: about a minute of nvcc on the GPU machine). SPEC's D reads 26 GB of operand tiles
+from L2 in TF32 (8 MB a 128 x 128 tile), half of them the filter's, and ran at 196 TFLOP/s in TF32 and
+387 in bf16 (H200, session 27's profile): both about 9.5 TB/s of tiles, as if L2 bound them. Each row
+checked against the float64 transposed convolution (normwise: max|got - ref| / max|ref|), timed by CUDA
+events (median of --reps calls queued back to back, in --rounds interleaved rounds, the rounds' median),
+float32 (TF32) and bfloat16; TFLOP/s and the time over the op's of the same dtype.
+
+    cd bench && python3 bench_conv_transpose3d_stride1_variants.py [--size spec] [--batch N] [--rounds 5]
+"""
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.cpp_extension import load
+
+from fused_ops import conv_transpose3d_stride1_channels_last
+from fused_ops._timing import median_ms
+from fused_ops.ops import conv_transpose3d_stride1_channels_last_path
+from timing import convolution_arguments
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import setup  # noqa: E402  (the extension's flags: sm_90a, CUTLASS's headers)
+
+
+def build_variants():
+    """The variants' extension, built for sm_90a with CUTLASS's headers as setup.py finds them."""
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    arch, sm90a = setup.cuda_arch_flags()
+    cutlass = setup.cutlass_root()
+    if not sm90a or cutlass is None:
+        sys.exit("bench_conv_transpose3d_stride1_variants: needs an sm_90a build with CUTLASS's headers")
+    began = time.perf_counter()
+    module = load("conv_transpose3d_stride1_variants",
+                  [os.path.join(ROOT, "bench", "extensions", "conv_transpose3d_stride1_variants.cu")],
+                  extra_include_paths=[os.path.join(ROOT, "csrc", "cuda")],
+                  extra_cuda_cflags=["-O3", *arch, *setup.cutlass_nvcc_flags(cutlass)])
+    print(f"built the variants in {time.perf_counter() - began:.0f} s")
+    return module
+
+
+def main():
+    args, device, shape = convolution_arguments(__doc__.splitlines()[0], "D")
+    if device.type != "cuda":
+        sys.exit("bench_conv_transpose3d_stride1_variants: a CUTLASS kernel: --device cuda")
+    variants = build_variants()
+    n, c_in, *size = shape
+    torch.manual_seed(0)
+    x = torch.rand(shape, device=device)
+    conv = torch.nn.ConvTranspose3d(c_in, 128, 5).to(device)
+    weight, bias = conv.weight.detach(), conv.bias.detach()
+    with torch.no_grad():
+        expected = F.conv_transpose3d(x.double(), weight.double(), bias.double())
+    flop = 2 * n * c_in * weight.shape[1] * size[0] * size[1] * size[2] * 125
+    rows = {}  # name -> (call, dtype's name)
+    for dtype, tag in ((torch.float32, "tf32"), (torch.bfloat16, "bf16")):
+        xs, ws, bs = x.to(dtype), weight.to(dtype), bias.to(dtype)
+        path = conv_transpose3d_stride1_channels_last_path(xs, ws, bs)
+        rows[f"op ({path})"] = (lambda xs=xs, ws=ws, bs=bs: conv_transpose3d_stride1_channels_last(xs, ws, bs), tag)
+        for v, name in enumerate(variants.names()):
+            if variants.run(v, xs, ws, bs, [0, 0, 0]) is not None:
+                rows[name] = (lambda v=v, xs=xs, ws=ws, bs=bs: variants.run(v, xs, ws, bs, [0, 0, 0]), tag)
+    errors = {}
+    for name, (call, _) in rows.items():
+        got = call()
+        errors[name] = ((got.double() - expected).abs().max() / expected.abs().max()).item()
+        del got
+    times = {name: [] for name in rows}
+    for _ in range(args.rounds):
+        for name, (call, _) in rows.items():
+            times[name].append(median_ms(call, device, reps=args.reps or 20))
+    print(f"{torch.cuda.get_device_name(device)}, x {tuple(x.shape)}, y {tuple(expected.shape)}, kernel 5, "
+          f"{args.rounds} rounds")
+    print(f"{'kernel':<48}{'ms':>9}{'TFLOP/s':>9}{'/ op':>7}{'error':>10}")
+    op_ms = {}
+    for name, (_, tag) in rows.items():
+        ms = statistics.median(times[name])
+        op_ms.setdefault(tag, ms)  # (the op's row comes first in its dtype)
+        print(f"{name:<48}{ms:>9.3f}{flop / ms / 1e9:>9.0f}{ms / op_ms[tag]:>7.2f}{errors[name]:>10.1e}")
+
+
+if __name__ == "__main__":
+    main()
