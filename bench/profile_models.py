@@ -4,11 +4,15 @@ cudnn.benchmark), eval forward and training step, under an optional autocast, ti
 and profiled as fused_ops.cli times them (cli.timed_call); prints each variant's
 CUDA-event median, the GPU's busy time and its top CUDA kernels.
 
-    python bench/profile_models.py [--models A,B] [--autocast bfloat16] [--top 8]
+    python bench/profile_models.py [--models A,B] [--autocast bfloat16] [--top 8] [--host]
+
+--host also lists the host's side of the profiled call: its wall time, and the ops and CUDA runtime
+calls by self CPU time (where a call whose GPU is idle part of the time spends its host's time).
 """
 import argparse
 import contextlib
 import copy
+import time
 
 import torch
 
@@ -22,6 +26,7 @@ def main():
     parser.add_argument("--models", default="A,B,C,D")
     parser.add_argument("--autocast", choices=cli.AUTOCAST_DTYPES)
     parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--host", action="store_true", help="the host's ops and runtime calls too")
     args = parser.parse_args()
     device = torch.device("cuda")
     autocast_dtype = cli.AUTOCAST_DTYPES.get(args.autocast)
@@ -41,8 +46,14 @@ def main():
                 setting = cli.cudnn_benchmark if name == "tuned" else contextlib.nullcontext
                 with torch.set_grad_enabled(train), setting():
                     ms = median_ms(call, device, reps=20)
-                    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    activities = [torch.profiler.ProfilerActivity.CUDA]
+                    if args.host:
+                        activities.append(torch.profiler.ProfilerActivity.CPU)
+                    torch.cuda.synchronize()
+                    with torch.profiler.profile(activities=activities) as prof:
+                        began = time.perf_counter()
                         call()
+                        queued = time.perf_counter() - began
                         torch.cuda.synchronize()
                 print(f"\n== {arch.letter} {name} {'train' if train else 'eval'} {args.autocast or 'float32'}: "
                       f"{ms:.3f} ms")
@@ -51,6 +62,13 @@ def main():
                 print(f"   GPU busy {sum([e.device_time_total for e in events]) / 1e3:.3f} ms")
                 for e in events[:args.top]:
                     print(f"{e.device_time_total:10.1f} us {e.count:3d}x  {e.key[:110]}")
+                if args.host:
+                    host = sorted([e for e in prof.key_averages() if e.self_cpu_time_total > 0],
+                                  key=lambda e: -e.self_cpu_time_total)
+                    print(f"   host: the call queued in {queued * 1e3:.3f} ms (profiled), "
+                          f"{sum([e.self_cpu_time_total for e in host]) / 1e3:.3f} ms in ops and runtime calls")
+                    for e in host[:args.top]:
+                        print(f"{e.self_cpu_time_total:10.1f} us {e.count:3d}x  {e.key[:110]}")
 
 
 if __name__ == "__main__":

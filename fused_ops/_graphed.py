@@ -272,16 +272,23 @@ _ACTIVE = [0]
 _CALLS_LOCK = threading.Lock()
 
 
-@contextlib.contextmanager
-def call_in_flight():
-    """Counts the block as a drop-in call in flight (for a capture: _CALLS_LOCK)."""
-    with _CALLS_LOCK:
-        _ACTIVE[0] += 1
-    try:
-        yield
-    finally:
+class _CallInFlight:
+    """`with call_in_flight:` counts the block as a drop-in call in flight (for a capture: _CALLS_LOCK). (A
+    class's __enter__ and __exit__: a generator's context manager took 1.1 us a call on a 2-core CPU, this
+    0.4, on every call of a drop-in on a GPU.)"""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        with _CALLS_LOCK:
+            _ACTIVE[0] += 1
+
+    def __exit__(self, *exc) -> None:
         with _CALLS_LOCK:
             _ACTIVE[0] -= 1
+
+
+call_in_flight = _CallInFlight()
 
 
 def graphed_call(module: nn.Module, signature: Hashable, stamp: Hashable, run: Run, name: str,

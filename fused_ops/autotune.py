@@ -203,7 +203,7 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
         return run_first(run, formulations(x), x)
     if not x.is_cuda:
         return _choose(module, config, formulations, run, x, graph_stamp)
-    with _graphed.call_in_flight():
+    with _graphed.call_in_flight:
         return _choose(module, config, formulations, run, x, graph_stamp)
 
 

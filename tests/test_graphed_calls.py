@@ -538,3 +538,17 @@ def test_not_graphed_where_the_input_copy_costs():
     forward_ms = copy_ms / autotune.GRAPH_COPY_SHARE * 1.01  # (the copy's share just met, host-bound)
     assert settled_choice("cuda", forward_ms, forward_ms, spec_c) == ("fused", autotune._GRAPHS_ENABLED)
     assert settled_choice("cuda", 0.01, 0.05, (1, 8, 384, 384)) == ("fused", autotune._GRAPHS_ENABLED)  # (batch 1)
+
+
+def test_calls_in_flight_counted_through_errors():
+    """A drop-in call on a GPU counts itself in flight for its block (a capture waits for the others'),
+    nested calls each, and uncounts itself where the call raises."""
+    before = _graphed._ACTIVE[0]
+    with _graphed.call_in_flight:
+        assert _graphed._ACTIVE[0] == before + 1
+        with _graphed.call_in_flight:
+            assert _graphed._ACTIVE[0] == before + 2
+    with pytest.raises(ValueError, match="the call's"):
+        with _graphed.call_in_flight:
+            raise ValueError("the call's")
+    assert _graphed._ACTIVE[0] == before
