@@ -1,9 +1,11 @@
 """conv_transpose3d_stride1_channels_last's CUTLASS fprop (D's forward convolution) against variants of
 its kernel: the op's tiles with clusters of 2 and 4 CTAs along M, which load the filter's tile once a
 cluster by TMA multicast (bench/extensions/conv_transpose3d_stride1_variants.cu, built here as a torch
-extension of its own: about a minute of nvcc on the GPU machine). SPEC's D reads 26 GB of operand tiles
-from L2 in TF32 (8 MB a 128 x 128 tile), half of them the filter's, and ran at 196 TFLOP/s in TF32 and
-387 in bf16 (H200, session 27's profile): both about 9.5 TB/s of tiles, as if L2 bound them. Each row
+extension of its own: about a minute of nvcc on the GPU machine). SPEC's D ran at 196 TFLOP/s in TF32 and
+387 in bf16 (H200, session 27's profile), reading 26 GB of operand tiles from L2 in TF32 (8 MB a 128 x 128
+tile, half of it the filter's) and 13 GB in bf16: about 9.5 TB/s in both. (Not L2 alone: CUTLASS's bf16 wgrad
+of the same convolution reads more bytes per MAC and runs at 733 TFLOP/s; clusters of 2 slowed session 12's
+wgrad and fprop2d variants, bench/results/d_weight_grad_cutlass-nvidia-h200.log. Measured here.) Each row
 checked against the float64 transposed convolution (normwise: max|got - ref| / max|ref|), timed by CUDA
 events (median of --reps calls queued back to back, in --rounds interleaved rounds, the rounds' median),
 float32 (TF32) and bfloat16; TFLOP/s and the time over the op's of the same dtype.

@@ -2,9 +2,10 @@
 // conv_transpose3d_stride1_fprop.cuh) for bench/bench_conv_transpose3d_stride1_variants.py, which builds
 // this file as a torch extension of its own (not part of fused_ops): the op's tiles, each with clusters of
 // 1, 2 and 4 CTAs along M (the filter's tile, the same for every CTA where the output channels are one
-// tile, loaded once a cluster by TMA multicast), and clusters of 2 with tile K doubled; TF32 and bf16. SPEC's D: GEMM M = 414,720 output positions,
-// N = 128 channels (one tile), K = 125 taps x 64 channels; each CTA reads its whole K of both operands from
-// L2, 8 MB (TF32) a tile, 26 GB in all: the filter's half is what a cluster shares.
+// tile, loaded once a cluster by TMA multicast), and clusters of 2 with tile K doubled; TF32 and bf16.
+// SPEC's D: GEMM M = 414,720 output positions, N = 128 channels (one tile), K = 125 taps x 64 channels;
+// each CTA reads its whole K of both operands from L2 (8 MB a tile in TF32, 26 GB in all), the filter's
+// half of it what a cluster shares.
 #ifndef NDEBUG
 #define NDEBUG  // before any header (csrc/cuda/cutlass_conv.cuh says why)
 #endif
