@@ -5,7 +5,9 @@ extension of its own: about a minute of nvcc on the GPU machine). SPEC's D ran a
 387 in bf16 (H200, session 27's profile), reading 26 GB of operand tiles from L2 in TF32 (8 MB a 128 x 128
 tile, half of it the filter's) and 13 GB in bf16: about 9.5 TB/s in both. (Not L2 alone: CUTLASS's bf16 wgrad
 of the same convolution reads more bytes per MAC and runs at 733 TFLOP/s; clusters of 2 slowed session 12's
-wgrad and fprop2d variants, bench/results/d_weight_grad_cutlass-nvidia-h200.log. Measured here.) Each row
+wgrad and fprop2d variants, bench/results/d_weight_grad_cutlass-nvidia-h200.log. Measured here.) Beside
+them, in TF32, the row-shifted prototype of the same extension: our own wgmma kernel over plain 2-D boxes
+of a zero-padded NDHWC x (its padding and rounding copies timed with it). Each row
 checked against the float64 transposed convolution (normwise: max|got - ref| / max|ref|), timed by CUDA
 events (median of --reps calls queued back to back, in --rounds interleaved rounds, the rounds' median),
 float32 (TF32) and bfloat16; TFLOP/s and the time over the op's of the same dtype.
@@ -68,6 +70,9 @@ def main():
         for v, name in enumerate(variants.names()):
             if variants.run(v, xs, ws, bs, [0, 0, 0]) is not None:
                 rows[name] = (lambda v=v, xs=xs, ws=ws, bs=bs: variants.run(v, xs, ws, bs, [0, 0, 0]), tag)
+        if variants.run_row_shifted(xs, ws, bs, [0, 0, 0]) is not None:
+            rows[f"row-shifted prototype {tag}"] = (
+                lambda xs=xs, ws=ws, bs=bs: variants.run_row_shifted(xs, ws, bs, [0, 0, 0]), tag)
     errors = {}
     for name, (call, _) in rows.items():
         got = call()

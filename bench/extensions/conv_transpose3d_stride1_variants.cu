@@ -6,6 +6,16 @@
 // SPEC's D: GEMM M = 414,720 output positions, N = 128 channels (one tile), K = 125 taps x 64 channels;
 // each CTA reads its whole K of both operands from L2 (8 MB a tile in TF32, 26 GB in all), the filter's
 // half of it what a cluster shares.
+//
+// And a prototype of the fprop as a kernel of our own ("row-shifted", TF32; issue 46's D forward, before it
+// takes the batch norm's sums in its epilogue): x zero-padded by k - 1 - p into (N, Dp, Hp, L, I) with rows
+// of L >= Wp columns (L such that H' L is a multiple of 32), rounded to TF32 to nearest; the output's rows
+// m = (n, z, p, q') with q' over all L columns (those past W' computed, not stored). Tap (t, r, s)'s operand
+// for a run of rows within a plane is then x_pad's rows at a constant offset, (z + t) Hp L + r L + s from
+// the run's (n, z) plane start plus its offset p L + q' in the plane: plain 2-D TMA boxes (32 channels x 32
+// rows, 128-byte swizzled), no im2col. A CTA: 128 rows x 128 output channels; the K loop over (tap, 32
+// channels); one producer warp group (a thread issues 4 boxes of x and one of the flipped filter w' a stage),
+// two consumer warp groups of 64 rows (wgmma m64 n128 k8); y (N, D', H', W', O) written with the bias.
 #ifndef NDEBUG
 #define NDEBUG  // before any header (csrc/cuda/cutlass_conv.cuh says why)
 #endif
@@ -16,7 +26,11 @@
 #include <tuple>
 #include <vector>
 
+#include "bulk_copy.cuh"
 #include "conv_transpose3d_stride1_fprop.cuh"
+#include "cutlass/arch/reg_reconfig.h"
+#include "mma.cuh"
+#include "wgmma_ss.cuh"
 
 namespace fused_ops {
 namespace {
@@ -65,10 +79,189 @@ std::optional<at::Tensor> run(int64_t variant, const at::Tensor& x, const at::Te
   return y;
 }
 
+// The row-shifted prototype (file comment).
+struct RowShifted {
+  int64_t rows;          // the output's rows N D' H' L
+  int plane_rows;        // H' L, a multiple of kBoxRows
+  int depth_out;         // D'
+  int x_plane_rows;      // Hp L: x_pad's rows per (n, depth)
+  int depth_pad;         // Dp
+  int row;               // L
+  int width_out;         // W'
+  int kr, ks, taps;      // kr, ks, kt kr ks
+  int in_blocks;         // I / 32
+  int out_channels;      // O (128)
+};
+
+constexpr int kRowThreads = 384;                       // the producer warp group, two consumers
+constexpr int kTileRows = 128, kTileK = 32, kBoxRows = 32;
+constexpr int kABytes = kTileRows * kTileK * 4, kBBytes = 128 * kTileK * 4;
+constexpr int kRowStageBytes = kABytes + kBBytes;
+constexpr int kRowStages = 6;
+constexpr int kRowSmemBytes = kRowStages * kRowStageBytes + 2 * kRowStages * 8 + 1024;
+
+// x_map: x_pad as (I, rows, 1, 1) innermost first, boxes (32, 32, 1, 1); w_map: w' as (I, V, O, 1), boxes
+// (32, 1, 128, 1); both 128-byte swizzled. y (rows of N D' H' W', O channels).
+__global__ void __launch_bounds__(kRowThreads, 1)
+    row_shifted_fprop_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                             const float* __restrict__ bias, float* __restrict__ y, const RowShifted p) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(smem + kRowStages * kRowStageBytes);
+  uint64_t* const empty = full + kRowStages;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
+  const int k_steps = p.taps * p.in_blocks;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kRowStages; ++s) {
+      barrier_init(&full[s]);
+      barrier_init(&empty[s], 2 * 128);  // every consumer thread
+    }
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // the producer
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      // each box's first x_pad row for tap 0: its (n, z) plane's first row, plus its rows' offset in the plane
+      int base[kTileRows / kBoxRows];
+#pragma unroll
+      for (int b = 0; b < kTileRows / kBoxRows; ++b) {
+        const int64_t m = m0 + b * kBoxRows;
+        const int64_t plane = m / p.plane_rows;  // n D' + z
+        const int64_t n = plane / p.depth_out, z = plane % p.depth_out;
+        base[b] = static_cast<int>((n * p.depth_pad + z) * p.x_plane_rows + m % p.plane_rows);
+      }
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int k = 0; k < k_steps; ++k) {
+        const int tap = k / p.in_blocks, channel = k % p.in_blocks * kTileK;
+        const int t = tap / (p.kr * p.ks), r = tap / p.ks % p.kr, s = tap % p.ks;
+        const int offset = t * p.x_plane_rows + r * p.row + s;
+        barrier_wait(&empty[stage], phase ^ 1);
+        unsigned char* const tiles = smem + stage * kRowStageBytes;
+        barrier_arrive_expect(&full[stage], kRowStageBytes);
+#pragma unroll
+        for (int b = 0; b < kTileRows / kBoxRows; ++b) {
+          tensor_load_4d(tiles + b * kBoxRows * 128, x_map, channel, base[b] + offset, 0, 0, &full[stage]);
+        }
+        tensor_load_4d(tiles + kABytes, w_map, channel, tap, 0, 0, &full[stage]);
+        if (++stage == kRowStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  const int consumer = threadIdx.x / 128 - 1;  // its 64 of the CTA's 128 rows
+  float acc[64];
+#pragma unroll
+  for (int j = 0; j < 64; ++j) acc[j] = 0.f;
+  int stage = 0, previous = -1;
+  uint32_t phase = 0;
+  for (int k = 0; k < k_steps; ++k) {
+    barrier_wait(&full[stage], phase);
+    const unsigned char* const tiles = smem + stage * kRowStageBytes;
+    const uint64_t a = swizzled_tile_descriptor(tiles + consumer * (kABytes / 2));
+    const uint64_t b = swizzled_tile_descriptor(tiles + kABytes);
+#pragma unroll
+    for (int j = 0; j < 64; ++j) cute::warpgroup_fence_operand(acc[j]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int step = 0; step < kTileK / 8; ++step) {
+      wgmma_ss<float, 128>(a + 2 * step, b + 2 * step, acc, std::make_index_sequence<64>{});
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();  // the previous stage's instructions are done: it is free
+#pragma unroll
+    for (int j = 0; j < 64; ++j) cute::warpgroup_fence_operand(acc[j]);
+    if (previous >= 0) barrier_arrive(&empty[previous]);
+    previous = stage;
+    if (++stage == kRowStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 64; ++j) cute::warpgroup_fence_operand(acc[j]);
+
+  // accumulator j: row 16 warp + lane / 4 (+ 8 for j % 4 >= 2) of the consumer's 64, column (output
+  // channel) 8 (j / 4) + 2 (lane % 4) + j % 2: pairs of adjacent channels stored together
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int64_t m = m0 + consumer * 64 + 16 * warp + lane / 4 + 8 * half;
+    const int64_t plane = m / p.plane_rows;
+    const int within = static_cast<int>(m % p.plane_rows), h = within / p.row, q = within % p.row;
+    if (m >= p.rows || q >= p.width_out) continue;
+    float* const out = y + ((plane * (p.plane_rows / p.row) + h) * p.width_out + q) * p.out_channels;
+#pragma unroll
+    for (int j = 2 * half; j < 64; j += 4) {
+      const int o = 8 * (j / 4) + 2 * (lane % 4);
+      *reinterpret_cast<float2*>(out + o) = make_float2(acc[j] + bias[o], acc[j + 1] + bias[o + 1]);
+    }
+  }
+}
+
+// t's float32 values rounded to TF32 to nearest (ties away from zero: cvt.rna's), as integers.
+at::Tensor rounded_to_tf32(const at::Tensor& t) {
+  return t.view(at::kInt).add(0x1000).bitwise_and(static_cast<int32_t>(0xffffe000u)).view(at::kFloat);
+}
+
+// y (N, O, D', H', W') channels_last_3d by the row-shifted prototype, or None where it does not take the
+// call (float32 with TF32, an sm_90 GPU, input channels a multiple of 32, 128 output channels, a bias).
+std::optional<at::Tensor> run_row_shifted(const at::Tensor& x, const at::Tensor& weight,
+                                          const std::optional<at::Tensor>& bias, std::vector<int64_t> padding) {
+  const TransposedConvStride1 g = transposed_conv_stride1_setup(x, weight, bias, padding);
+  if (!tf32_convolution(x) || !runs_sm90a(x.get_device()) || g.in_channels % kTileK || g.out_channels != 128 ||
+      !bias) {
+    return std::nullopt;
+  }
+  int64_t pad[3], padded[3];
+  for (int d = 0; d < 3; ++d) {
+    pad[d] = g.kernel[d] - 1 - g.padding[d];
+    padded[d] = g.in[d] + 2 * pad[d];
+  }
+  int64_t row = padded[2];
+  while (g.out(1) * row % kBoxRows) ++row;
+  at::Tensor x_pad = at::zeros({g.batch, padded[0], padded[1], row, g.in_channels}, x.options());
+  x_pad.slice(1, pad[0], pad[0] + g.in[0]).slice(2, pad[1], pad[1] + g.in[1]).slice(3, pad[2], pad[2] + g.in[2])
+      .copy_(x.permute({0, 2, 3, 4, 1}));
+  x_pad = rounded_to_tf32(x_pad);
+  const at::Tensor w = rounded_to_tf32(flipped_filter(weight));  // (O, kt, kr, ks, I)
+  const int64_t taps = g.kernel[0] * g.kernel[1] * g.kernel[2];
+  const RowShifted p{g.batch * g.out(0) * g.out(1) * row, static_cast<int>(g.out(1) * row),
+                     static_cast<int>(g.out(0)), static_cast<int>(padded[1] * row), static_cast<int>(padded[0]),
+                     static_cast<int>(row), static_cast<int>(g.out(2)), static_cast<int>(g.kernel[1]),
+                     static_cast<int>(g.kernel[2]), static_cast<int>(taps),
+                     static_cast<int>(g.in_channels / kTileK), static_cast<int>(g.out_channels)};
+  TORCH_CHECK(x_pad.numel() / g.in_channels < (int64_t{1} << 31), "row_shifted: x_pad's rows past int32");
+  const CUtensorMap x_map = contiguous_tensor_map(x_pad.view({1, 1, -1, g.in_channels}), {kTileK, kBoxRows, 1, 1},
+                                                  CU_TENSOR_MAP_SWIZZLE_128B);
+  const CUtensorMap w_map = contiguous_tensor_map(w.view({1, g.out_channels, taps, g.in_channels}),
+                                                  {kTileK, 1, 128, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
+  at::Tensor y = transposed_conv_stride1_output(x, g);  // (memory (N, D', H', W', O))
+  const at::Tensor bias_values = bias->contiguous();
+  C10_CUDA_CHECK(cudaFuncSetAttribute(row_shifted_fprop_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      kRowSmemBytes));
+  const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
+  row_shifted_fprop_kernel<<<static_cast<unsigned>(blocks), kRowThreads, kRowSmemBytes,
+                             c10::cuda::getCurrentCUDAStream()>>>(x_map, w_map, bias_values.const_data_ptr<float>(),
+                                                                  y.data_ptr<float>(), p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return y;
+}
+
 }  // namespace
 }  // namespace fused_ops
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("names", &fused_ops::names, "the variants' names, in order");
   m.def("run", &fused_ops::run, "y by a variant (None where it does not take the call)");
+  m.def("run_row_shifted", &fused_ops::run_row_shifted,
+        "y by the row-shifted prototype (None where it does not take the call)");
 }
