@@ -6,7 +6,7 @@ extension of its own: about a minute of nvcc on the GPU machine). SPEC's D ran a
 tile, half of it the filter's) and 13 GB in bf16: about 9.5 TB/s in both. (Not L2 alone: CUTLASS's bf16 wgrad
 of the same convolution reads more bytes per MAC and runs at 733 TFLOP/s; clusters of 2 slowed session 12's
 wgrad and fprop2d variants, bench/results/d_weight_grad_cutlass-nvidia-h200.log. Measured here.) Beside
-them, in TF32, the row-shifted prototype of the same extension: our own wgmma kernel over plain 2-D boxes
+them, in both dtypes, the row-shifted prototype of the same extension: our own wgmma kernel over plain 2-D boxes
 of a zero-padded NDHWC x (its padding and rounding copies timed with it). Each row
 checked against the float64 transposed convolution (normwise: max|got - ref| / max|ref|), timed by CUDA
 events (median of --reps calls queued back to back, in --rounds interleaved rounds, the rounds' median),

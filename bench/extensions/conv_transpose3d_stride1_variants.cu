@@ -7,15 +7,16 @@
 // each CTA reads its whole K of both operands from L2 (8 MB a tile in TF32, 26 GB in all), the filter's
 // half of it what a cluster shares.
 //
-// And a prototype of the fprop as a kernel of our own ("row-shifted", TF32; issue 46's D forward, before it
-// takes the batch norm's sums in its epilogue): x zero-padded by k - 1 - p into (N, Dp, Hp, L, I) with rows
-// of L >= Wp columns (L such that H' L is a multiple of 32), rounded to TF32 to nearest; the output's rows
+// And a prototype of the fprop as a kernel of our own ("row-shifted", TF32 and bf16; issue 46's D forward,
+// before it takes the batch norm's sums in its epilogue): x zero-padded by k - 1 - p into (N, Dp, Hp, L, I)
+// with rows of L >= Wp columns (L such that H' L is a multiple of 32), TF32's rounded to nearest; the output's rows
 // m = (n, z, p, q') with q' over all L columns (those past W' computed, not stored). Tap (t, r, s)'s operand
 // for a run of rows within a plane is then x_pad's rows at a constant offset, (z + t) Hp L + r L + s from
-// the run's (n, z) plane start plus its offset p L + q' in the plane: plain 2-D TMA boxes (32 channels x 32
-// rows, 128-byte swizzled), no im2col. A CTA: 128 rows x 128 output channels; the K loop over (tap, 32
-// channels); one producer warp group (a thread issues 4 boxes of x and one of the flipped filter w' a stage),
-// two consumer warp groups of 64 rows (wgmma m64 n128 k8); y (N, D', H', W', O) written with the bias.
+// the run's (n, z) plane start plus its offset p L + q' in the plane: plain 2-D TMA boxes (128 bytes of
+// channels x 32 rows, 128-byte swizzled), no im2col. A CTA: 128 rows x 128 output channels; the K loop over
+// (tap, 128 bytes of channels); one producer warp group (a thread issues 4 boxes of x and one of the flipped
+// filter w' a stage), two consumer warp groups of 64 rows (wgmma m64 n128, k8 TF32 or k16 bf16); y
+// (N, D', H', W', O) written in x's dtype with the bias.
 #ifndef NDEBUG
 #define NDEBUG  // before any header (csrc/cuda/cutlass_conv.cuh says why)
 #endif
@@ -93,18 +94,35 @@ struct RowShifted {
   int out_channels;      // O (128)
 };
 
-constexpr int kRowThreads = 384;                       // the producer warp group, two consumers
-constexpr int kTileRows = 128, kTileK = 32, kBoxRows = 32;
-constexpr int kABytes = kTileRows * kTileK * 4, kBBytes = 128 * kTileK * 4;
+constexpr int kRowThreads = 384;  // the producer warp group, two consumers
+constexpr int kTileRows = 128, kBoxRows = 32;
+constexpr int kABytes = kTileRows * 128, kBBytes = 128 * 128;  // rows of 128 bytes of channels
 constexpr int kRowStageBytes = kABytes + kBBytes;
 constexpr int kRowStages = 6;
 constexpr int kRowSmemBytes = kRowStages * kRowStageBytes + 2 * kRowStages * 8 + 1024;
+template <typename T>
+constexpr int kTileK = 128 / sizeof(T);  // channels a K step: 32 TF32, 64 bf16
 
-// x_map: x_pad as (I, rows, 1, 1) innermost first, boxes (32, 32, 1, 1); w_map: w' as (I, V, O, 1), boxes
-// (32, 1, 128, 1); both 128-byte swizzled. y (rows of N D' H' W', O channels).
+// (torch's extensions build without bfloat16's implicit conversions)
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return __float2bfloat16_rn(v);
+  }
+}
+
+// x_map: x_pad as (I, rows, 1, 1) innermost first, boxes (kTileK, 32, 1, 1); w_map: w' as (I, V, O, 1),
+// boxes (kTileK, 1, 128, 1); both 128-byte swizzled. y (rows of N D' H' W', O channels). T: float (TF32) or
+// __nv_bfloat16.
+template <typename T>
 __global__ void __launch_bounds__(kRowThreads, 1)
     row_shifted_fprop_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
-                             const float* __restrict__ bias, float* __restrict__ y, const RowShifted p) {
+                             const T* __restrict__ bias, T* __restrict__ y, const RowShifted p) {
+  constexpr int kK = kTileK<T>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
   uint64_t* const full = reinterpret_cast<uint64_t*>(smem + kRowStages * kRowStageBytes);
@@ -135,7 +153,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
       int stage = 0;
       uint32_t phase = 0;
       for (int k = 0; k < k_steps; ++k) {
-        const int tap = k / p.in_blocks, channel = k % p.in_blocks * kTileK;
+        const int tap = k / p.in_blocks, channel = k % p.in_blocks * kK;
         const int t = tap / (p.kr * p.ks), r = tap / p.ks % p.kr, s = tap % p.ks;
         const int offset = t * p.x_plane_rows + r * p.row + s;
         barrier_wait(&empty[stage], phase ^ 1);
@@ -171,8 +189,8 @@ __global__ void __launch_bounds__(kRowThreads, 1)
     for (int j = 0; j < 64; ++j) cute::warpgroup_fence_operand(acc[j]);
     cute::warpgroup_arrive();
 #pragma unroll
-    for (int step = 0; step < kTileK / 8; ++step) {
-      wgmma_ss<float, 128>(a + 2 * step, b + 2 * step, acc, std::make_index_sequence<64>{});
+    for (int step = 0; step < 4; ++step) {  // (32 bytes of K an instruction)
+      wgmma_ss<T, 128>(a + 2 * step, b + 2 * step, acc, std::make_index_sequence<64>{});
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();  // the previous stage's instructions are done: it is free
@@ -198,11 +216,12 @@ __global__ void __launch_bounds__(kRowThreads, 1)
     const int64_t plane = m / p.plane_rows;
     const int within = static_cast<int>(m % p.plane_rows), h = within / p.row, q = within % p.row;
     if (m >= p.rows || q >= p.width_out) continue;
-    float* const out = y + ((plane * (p.plane_rows / p.row) + h) * p.width_out + q) * p.out_channels;
+    T* const out = y + ((plane * (p.plane_rows / p.row) + h) * p.width_out + q) * p.out_channels;
 #pragma unroll
     for (int j = 2 * half; j < 64; j += 4) {
       const int o = 8 * (j / 4) + 2 * (lane % 4);
-      *reinterpret_cast<float2*>(out + o) = make_float2(acc[j] + bias[o], acc[j + 1] + bias[o + 1]);
+      out[o] = from_float<T>(acc[j] + to_float(bias[o]));
+      out[o + 1] = from_float<T>(acc[j + 1] + to_float(bias[o + 1]));
     }
   }
 }
@@ -212,15 +231,29 @@ at::Tensor rounded_to_tf32(const at::Tensor& t) {
   return t.view(at::kInt).add(0x1000).bitwise_and(static_cast<int32_t>(0xffffe000u)).view(at::kFloat);
 }
 
+template <typename T>
+at::Tensor row_shifted(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                       const TransposedConvStride1& g);
+
 // y (N, O, D', H', W') channels_last_3d by the row-shifted prototype, or None where it does not take the
-// call (float32 with TF32, an sm_90 GPU, input channels a multiple of 32, 128 output channels, a bias).
+// call (float32 with TF32 or bfloat16, an sm_90 GPU, input channels a multiple of 128 bytes, 128 output
+// channels, a bias).
 std::optional<at::Tensor> run_row_shifted(const at::Tensor& x, const at::Tensor& weight,
                                           const std::optional<at::Tensor>& bias, std::vector<int64_t> padding) {
   const TransposedConvStride1 g = transposed_conv_stride1_setup(x, weight, bias, padding);
-  if (!tf32_convolution(x) || !runs_sm90a(x.get_device()) || g.in_channels % kTileK || g.out_channels != 128 ||
-      !bias) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (!(tf32_convolution(x) || bf16) || !runs_sm90a(x.get_device()) || g.in_channels * x.element_size() % 128 ||
+      g.out_channels != 128 || !bias) {
     return std::nullopt;
   }
+  return bf16 ? row_shifted<__nv_bfloat16>(x, weight, *bias, g) : row_shifted<float>(x, weight, *bias, g);
+}
+
+template <typename T>
+at::Tensor row_shifted(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                       const TransposedConvStride1& g) {
+  constexpr bool kTf32 = std::is_same_v<T, float>;
+  constexpr int kK = kTileK<T>;
   int64_t pad[3], padded[3];
   for (int d = 0; d < 3; ++d) {
     pad[d] = g.kernel[d] - 1 - g.padding[d];
@@ -231,27 +264,27 @@ std::optional<at::Tensor> run_row_shifted(const at::Tensor& x, const at::Tensor&
   at::Tensor x_pad = at::zeros({g.batch, padded[0], padded[1], row, g.in_channels}, x.options());
   x_pad.slice(1, pad[0], pad[0] + g.in[0]).slice(2, pad[1], pad[1] + g.in[1]).slice(3, pad[2], pad[2] + g.in[2])
       .copy_(x.permute({0, 2, 3, 4, 1}));
-  x_pad = rounded_to_tf32(x_pad);
-  const at::Tensor w = rounded_to_tf32(flipped_filter(weight));  // (O, kt, kr, ks, I)
+  if (kTf32) x_pad = rounded_to_tf32(x_pad);
+  const at::Tensor w = kTf32 ? rounded_to_tf32(flipped_filter(weight)) : flipped_filter(weight);  // (O, kt, kr, ks, I)
   const int64_t taps = g.kernel[0] * g.kernel[1] * g.kernel[2];
   const RowShifted p{g.batch * g.out(0) * g.out(1) * row, static_cast<int>(g.out(1) * row),
                      static_cast<int>(g.out(0)), static_cast<int>(padded[1] * row), static_cast<int>(padded[0]),
                      static_cast<int>(row), static_cast<int>(g.out(2)), static_cast<int>(g.kernel[1]),
                      static_cast<int>(g.kernel[2]), static_cast<int>(taps),
-                     static_cast<int>(g.in_channels / kTileK), static_cast<int>(g.out_channels)};
+                     static_cast<int>(g.in_channels / kK), static_cast<int>(g.out_channels)};
   TORCH_CHECK(x_pad.numel() / g.in_channels < (int64_t{1} << 31), "row_shifted: x_pad's rows past int32");
-  const CUtensorMap x_map = contiguous_tensor_map(x_pad.view({1, 1, -1, g.in_channels}), {kTileK, kBoxRows, 1, 1},
+  const CUtensorMap x_map = contiguous_tensor_map(x_pad.view({1, 1, -1, g.in_channels}), {kK, kBoxRows, 1, 1},
                                                   CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap w_map = contiguous_tensor_map(w.view({1, g.out_channels, taps, g.in_channels}),
-                                                  {kTileK, 1, 128, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
+                                                  {kK, 1, 128, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
   at::Tensor y = transposed_conv_stride1_output(x, g);  // (memory (N, D', H', W', O))
-  const at::Tensor bias_values = bias->contiguous();
-  C10_CUDA_CHECK(cudaFuncSetAttribute(row_shifted_fprop_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  const at::Tensor bias_values = bias.contiguous();
+  C10_CUDA_CHECK(cudaFuncSetAttribute(row_shifted_fprop_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                       kRowSmemBytes));
   const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
-  row_shifted_fprop_kernel<<<static_cast<unsigned>(blocks), kRowThreads, kRowSmemBytes,
-                             c10::cuda::getCurrentCUDAStream()>>>(x_map, w_map, bias_values.const_data_ptr<float>(),
-                                                                  y.data_ptr<float>(), p);
+  row_shifted_fprop_kernel<T><<<static_cast<unsigned>(blocks), kRowThreads, kRowSmemBytes,
+                                c10::cuda::getCurrentCUDAStream()>>>(
+      x_map, w_map, static_cast<const T*>(bias_values.const_data_ptr()), static_cast<T*>(y.data_ptr()), p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return y;
 }

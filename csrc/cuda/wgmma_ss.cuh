@@ -39,6 +39,9 @@ struct Bf16Wgmma;
 template <>
 struct Bf16Wgmma<96>
     : cute::SM90::GMMA::MMA_64x96x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K> {};
+template <>
+struct Bf16Wgmma<128>
+    : cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K> {};
 
 // acc += A B^T by one wgmma of element type T (float: TF32, k8; bfloat16: k16): the descriptors'
 // tiles, acc the instruction's N / 2 accumulators.
