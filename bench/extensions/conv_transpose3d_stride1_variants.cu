@@ -130,13 +130,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   const int64_t m0 = static_cast<int64_t>(blockIdx.x) * kTileRows;
   const int k_steps = p.taps * p.in_blocks;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kRowStages; ++s) {
-      barrier_init(&full[s]);
-      barrier_init(&empty[s], 2 * 128);  // every consumer thread
-    }
-  }
-  __syncthreads();
+  init_stage_barriers(full, empty, kRowStages, 2 * 128);  // (released by every consumer thread)
 
   if (threadIdx.x < 128) {  // the producer
     cutlass::arch::warpgroup_reg_dealloc<40>();

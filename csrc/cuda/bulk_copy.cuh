@@ -160,6 +160,19 @@ __device__ __forceinline__ void tensor_load_5d(void* dst, const CUtensorMap& map
 #endif
 }
 
+// Thread 0 initializes `stages` pairs of a ring's barriers: full[s] completes on one arrival (the thread that
+// announces the stage's bytes) and those bytes, empty[s] on `releasers` arrivals; then the block synchronizes
+// (no block barrier is needed after it).
+__device__ __forceinline__ void init_stage_barriers(uint64_t* full, uint64_t* empty, int stages, uint32_t releasers) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      barrier_init(&full[s]);
+      barrier_init(&empty[s], releasers);
+    }
+  }
+  __syncthreads();
+}
+
 // A ring of `stages` shared-memory stages that thread 0 fills by the copy
 // engine, item after item (item i in stage i mod stages), each stage with a
 // full barrier (its bytes landed) and an empty one (each of the block's
@@ -177,13 +190,7 @@ struct StageRing {
   // after this) and issues the first stages' items.
   template <typename Load>
   __device__ void start(int threads, Load&& load) {
-    if (threadIdx.x == 0) {
-      for (int s = 0; s < stages; ++s) {
-        barrier_init(&full[s]);
-        barrier_init(&empty[s], threads);
-      }
-    }
-    __syncthreads();
+    init_stage_barriers(full, empty, stages, threads);
     if (threadIdx.x == 0) {
       for (int s = 0; s < stages && s < items; ++s) load(int64_t{s}, s);
     }

@@ -90,13 +90,7 @@ __global__ void __launch_bounds__(ShiftedRowsConfig<KS>::kThreads, 1)
   const int split = static_cast<int>(block / p.out_blocks);
   const int64_t k_begin = p.k_tiles * split / p.splits, k_end = p.k_tiles * (split + 1) / p.splits;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < C::kStages; ++s) {
-      barrier_init(&full[s]);
-      barrier_init(&empty[s], 2 * 128);  // every consumer thread
-    }
-  }
-  __syncthreads();
+  init_stage_barriers(full, empty, C::kStages, 2 * 128);  // (released by every consumer thread)
 
   if (threadIdx.x < 128) {  // the producer
     cutlass::arch::warpgroup_reg_dealloc<40>();
