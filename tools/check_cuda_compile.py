@@ -16,9 +16,9 @@ failure. Two passes:
            csrc pass's flags, each on its own.
 
 A kernel whose wgmma ptxas serializes (warning C7510: a function call in the kernel, such as a
-live assert) fails either pass, and so does any other warning of ours (naming csrc/, bench/cutlass/ or
-a fused_ops function) but the known register spills (KNOWN_SPILLS: counted, not printed), so that a new
-one stands out.
+live assert) fails either pass, and so does any other warning of ours (naming csrc/, bench/cutlass/,
+bench/extensions/ or a fused_ops function) but the known register spills (KNOWN_SPILLS: counted, not
+printed), so that a new one stands out.
 
     python tools/check_cuda_compile.py [--nvcc PATH] [FILE.cu ...]   (default: every one)
 
@@ -57,7 +57,8 @@ KNOWN_SPILLS = re.compile(r"Registers are spilled to local memory in function '\
                           r"|avg_pool2d_sigmoid_sum_cu_\w*backward(_aligned_runs)?_kernel"
                           r"|max_pool3d_cascade_sum_cu_\w*(aligned_tiled_gather|tiled_pick)_kernel)I")
 # A warning line of ours: in our sources, or about a function of our namespace (ptxas names them mangled).
-OURS = re.compile("|".join([re.escape(os.path.join(ROOT, "csrc")), re.escape(CUTLASS_DIR), "_ZN9fused_ops"]))
+OURS = re.compile("|".join([re.escape(os.path.join(ROOT, "csrc")), re.escape(CUTLASS_DIR), re.escape(EXTENSIONS_DIR),
+                            "_ZN9fused_ops"]))
 
 
 def new_warnings(output: str) -> tuple[list[str], int]:

@@ -3,9 +3,9 @@
 // (input, output channel)'s tap sum (float64) and shared sign, then x's (n, i) planes in chunks of kChunk
 // elements (a block each, in an order fixed by the shape); then a block per output channel o, a warp per batch
 // element: the dot product of the finite spatial sums (each its chunks' sum) with the tap sums (a warp sum), the
-// non-finite ones' signs (warp votes), the bias, the scale and the batch norm. x not contiguous (or more chunks than a grid holds):
-// its spatial sums by ATen's reduction first, as one chunk each. No host-side arithmetic on the weights or
-// statistics.
+// non-finite ones' signs (warp votes), the bias, the scale and the batch norm. x not contiguous (or more chunks
+// than a grid holds): its spatial sums by ATen's reduction first, as one chunk each. No host-side arithmetic on
+// the weights or statistics.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
@@ -30,11 +30,12 @@ constexpr int64_t kChunk = 16384;
 
 // Blocks [0, tap_blocks): taps[o, i] = the sum of w[i, o, :] in float64 and its TapSign as a double (tap_sum's,
 // summed in lane order), a warp per row of kTapRows consecutive e = o * I + i, its lanes on consecutive taps
-// (a row's loads coalesced), weight (I, O, T) contiguous; first in the grid, so that they run beside the chunks, not after them. Blocks from
-// tap_blocks on (b = block - tap_blocks): partial[b] = the sum of chunk b % chunks of x's plane b / chunks
-// (x (N I, plane) contiguous, in x's accumulation type), each thread adding a group of kGroup consecutive
-// elements (16 bytes) in turn, the block's threads on consecutive groups (a warp's loads whole 512-byte spans);
-// a group read as one aligned vector where x allows, else as VEC-element pieces (the same order either way).
+// (a row's loads coalesced), weight (I, O, T) contiguous; first in the grid, so that they run beside the
+// chunks, not after them. Blocks from tap_blocks on (b = block - tap_blocks): partial[b] = the sum of chunk
+// b % chunks of x's plane b / chunks (x (N I, plane) contiguous, in x's accumulation type), each thread adding
+// a group of kGroup consecutive elements (16 bytes) in turn, the block's threads on consecutive groups (a warp's
+// loads whole 512-byte spans); a group read as one aligned vector where x allows, else as VEC-element pieces
+// (the same order either way).
 template <typename scalar_t>
 constexpr int kGroup = 16 / sizeof(scalar_t);
 constexpr int kTapRows = 4;  // rows of taps a warp sums: their loads in flight together

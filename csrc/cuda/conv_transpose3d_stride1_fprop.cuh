@@ -86,7 +86,7 @@ inline at::Tensor flipped_filter(const at::Tensor& weight) {
   const int in_channels = static_cast<int>(w.size(0)), out_channels = static_cast<int>(w.size(1));
   const int volume = static_cast<int>(w.size(2) * w.size(3) * w.size(4));
   at::Tensor out = at::empty({w.size(1), w.size(2), w.size(3), w.size(4), w.size(0)}, w.options());
-  const int64_t count = out.numel();  // (under 2^31: with_cutlass_kernel's extents)
+  const int64_t count = out.numel();  // (under 2^31 where fprop_takes held)
   const unsigned blocks = static_cast<unsigned>((count + 255) / 256);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (w.element_size() == 2) {
