@@ -231,7 +231,7 @@ def cutlass():
         pytest.skip("this build has no CUTLASS kernels")
 
 
-TF32_PATH, BF16_PATH = "cutlass tf32 fprop3d 128x128x32", "cutlass bf16 fprop3d 128x128x64"
+TF32_PATH, BF16_PATH = "cutlass tf32 fprop3d 128x128x32 cluster 4", "cutlass bf16 fprop3d 128x128x64"
 # (geometry, dtype): partial tiles of positions and channels, paddings, one tap, a 1-position x
 CUTLASS_CASES = [
     (SPEC_LIKE, torch.float32), (PADDED, torch.float32), (SPEC_LIKE, torch.bfloat16), (PADDED, torch.bfloat16),

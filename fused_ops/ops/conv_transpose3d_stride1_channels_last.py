@@ -29,7 +29,7 @@ def conv_transpose3d_stride1_channels_last(x: Tensor, weight: Tensor, bias: Tens
 def conv_transpose3d_stride1_channels_last_path(x: Tensor, weight: Tensor, bias: Tensor | None = None,
                                                 padding=0) -> str:
     """Which implementation conv_transpose3d_stride1_channels_last takes for these arguments (under
-    the current TF32 setting): a CUTLASS kernel's name ("cutlass tf32 fprop3d 128x128x32"), or
+    the current TF32 setting): a CUTLASS kernel's name ("cutlass tf32 fprop3d 128x128x32 cluster 4"), or
     "aten.conv_transpose3d" (on a GPU, with " (built without CUTLASS)" where the build has no
     CUTLASS kernels)."""
     return _ops.conv_transpose3d_stride1_channels_last_path(x, weight, bias, _expand(padding, 3, "padding"))
