@@ -13,6 +13,7 @@ events (median of --reps calls queued back to back, in --rounds interleaved roun
 float32 (TF32) and bfloat16; TFLOP/s and the time over the op's of the same dtype.
 
     cd bench && python3 bench_conv_transpose3d_stride1_variants.py [--size spec] [--batch N] [--rounds 5]
+        [--prototype-only]
 """
 import os
 import statistics
@@ -33,8 +34,9 @@ sys.path.insert(0, ROOT)
 import setup  # noqa: E402  (the extension's flags: sm_90a, CUTLASS's headers)
 
 
-def build_variants():
-    """The variants' extension, built for sm_90a with CUTLASS's headers as setup.py finds them."""
+def build_variants(prototype_only: bool):
+    """The variants' extension, built for sm_90a with CUTLASS's headers as setup.py finds them (without
+    CUTLASS's variants where prototype_only: a shorter build)."""
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     arch, sm90a = setup.cuda_arch_flags()
     cutlass = setup.cutlass_root()
@@ -44,16 +46,18 @@ def build_variants():
     module = load("conv_transpose3d_stride1_variants",
                   [os.path.join(ROOT, "bench", "extensions", "conv_transpose3d_stride1_variants.cu")],
                   extra_include_paths=[os.path.join(ROOT, "csrc", "cuda")],
-                  extra_cuda_cflags=["-O3", *arch, *setup.cutlass_nvcc_flags(cutlass)])
+                  extra_cuda_cflags=["-O3", *arch, *setup.cutlass_nvcc_flags(cutlass),
+                                     *(["-DFUSED_OPS_PROTOTYPE_ONLY"] if prototype_only else [])])
     print(f"built the variants in {time.perf_counter() - began:.0f} s")
     return module
 
 
 def main():
-    args, device, shape = convolution_arguments(__doc__.splitlines()[0], "D")
+    args, device, shape = convolution_arguments(
+        __doc__.splitlines()[0], "D", {"--prototype-only": "the op and the prototype alone (a shorter build)"})
     if device.type != "cuda":
         sys.exit("bench_conv_transpose3d_stride1_variants: a CUTLASS kernel: --device cuda")
-    variants = build_variants()
+    variants = build_variants(args.prototype_only)
     n, c_in, *size = shape
     torch.manual_seed(0)
     x = torch.rand(shape, device=device)

@@ -159,10 +159,11 @@ def run_against_cudnn(rows: dict, expected, args, device, settings: Callable, op
     print_against_cudnn(rows, ms, errors, flop)
 
 
-def convolution_arguments(description: str, letter: str) -> tuple:
+def convolution_arguments(description: str, letter: str, switches: dict | None = None) -> tuple:
     """The command line of the benchmarks of an architecture's convolutions (--device, --size,
-    --batch, --rounds, --reps), parsed: (args, device, the input shape of architecture `letter`:
-    spec on a GPU, reduced on a CPU by default); TF32 convolutions allowed (PyTorch's default)."""
+    --batch, --rounds, --reps, and a benchmark's own `switches`: {flag: help}), parsed: (args, device, the
+    input shape of architecture `letter`: spec on a GPU, reduced on a CPU by default); TF32 convolutions
+    allowed (PyTorch's default)."""
     import argparse
 
     from fused_ops import architectures
@@ -174,6 +175,8 @@ def convolution_arguments(description: str, letter: str) -> tuple:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=None, help="timed calls per row and round (20 GPU, 3 CPU)")
+    for flag, text in (switches or {}).items():
+        parser.add_argument(flag, action="store_true", help=text)
     args = parser.parse_args()
     device = torch.device(args.device)
     architecture = next(a for a in architectures.ARCHITECTURES if a.letter == letter)
