@@ -436,3 +436,21 @@ def test_weight_grad_kernel_exact_on_integer_data(tf32):
     assert weight_grad_kernel_ran(lambda: BACKWARD(grad_mean, indices, x, w, *args))
     _, ref_w, ref_b = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x.double().cpu(), w.double().cpu(), *args)
     assert torch.equal(grad_w.double().cpu(), ref_w) and torch.equal(grad_b.double().cpu(), ref_b)
+
+
+@requires_cuda
+def test_weight_grad_kernel_scratch_under_x(tf32):
+    """The weight-gradient kernel's scratch at a batch of one (SPEC's A): the backward allocates less than
+    x's bytes beyond what it returns (one block's sums each: a sum per warp took 12 MB, x being 2 MB, and
+    took A's training step over the original's peak at a batch of one)."""
+    x, w, b = make_convolution_case((1, 8, 16, 64, 64), (16, 8, 3, 3, 3), True, torch.float32, "cuda")
+    _, indices = OP(x, w, b, [0, 0, 0], [2, 2, 2], 2.0, True)
+    grad_mean = torch.rand(1, 16, device="cuda")
+    args = (grad_mean, indices, x, w, [0, 0, 0], [2, 2, 2], 2.0, [False, True, True])
+    assert weight_grad_kernel_ran(lambda: BACKWARD(*args))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    BACKWARD(*args)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < x.numel() * x.element_size()
