@@ -7,7 +7,8 @@ tile, half of it the filter's) and 13 GB in bf16: about 9.5 TB/s in both. (Not L
 of the same convolution reads more bytes per MAC and runs at 733 TFLOP/s; clusters of 2 slowed session 12's
 wgrad and fprop2d variants, bench/results/d_weight_grad_cutlass-nvidia-h200.log. Measured here.) Beside
 them, in both dtypes, the row-shifted prototype of the same extension: our own wgmma kernel over plain 2-D boxes
-of a zero-padded NDHWC x (its padding and rounding copies timed with it). Each row
+of a zero-padded NDHWC x, skipping each tile's taps that read only zeros (timed with its padding and rounding
+copies, and its kernel alone on operands made once). Each row
 checked against the float64 transposed convolution (normwise: max|got - ref| / max|ref|), timed by CUDA
 events (median of --reps calls queued back to back, in --rounds interleaved rounds, the rounds' median),
 float32 (TF32) and bfloat16; TFLOP/s and the time over the op's of the same dtype.
@@ -77,6 +78,8 @@ def main():
         if variants.run_row_shifted(xs, ws, bs, [0, 0, 0]) is not None:
             rows[f"row-shifted prototype {tag}"] = (
                 lambda xs=xs, ws=ws, bs=bs: variants.run_row_shifted(xs, ws, bs, [0, 0, 0]), tag)
+            rows[f"row-shifted kernel alone {tag} (operands once)"] = (
+                variants.row_shifted_kernel(xs, ws, bs, [0, 0, 0]), tag)
     errors = {}
     for name, (call, _) in rows.items():
         got = call()

@@ -24,9 +24,12 @@
 
 #include <torch/extension.h>
 
+#include <functional>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include <pybind11/functional.h>
 
 #include "bulk_copy.cuh"
 #include "conv_transpose3d_stride1_fprop.cuh"
@@ -257,15 +260,17 @@ at::Tensor rounded_to_tf32(const at::Tensor& t) {
   return t.view(at::kInt).add(0x1000).bitwise_and(static_cast<int32_t>(0xffffe000u)).view(at::kFloat);
 }
 
-template <typename T>
-at::Tensor row_shifted(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                       const TransposedConvStride1& g);
+using Launcher = std::function<at::Tensor()>;
 
-// y (N, O, D', H', W') channels_last_3d by the row-shifted prototype, or None where it does not take the
-// call (float32 with TF32 or bfloat16, an sm_90 GPU, input channels a multiple of 128 bytes, 128 output
-// channels, a bias).
-std::optional<at::Tensor> run_row_shifted(const at::Tensor& x, const at::Tensor& weight,
-                                          const std::optional<at::Tensor>& bias, std::vector<int64_t> padding) {
+template <typename T>
+Launcher row_shifted(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                     const TransposedConvStride1& g);
+
+// The row-shifted prototype's kernel on operands made now (x_pad, the flipped filter): a callable giving y
+// (N, O, D', H', W') channels_last_3d each call, or None where the prototype does not take the call (float32
+// with TF32 or bfloat16, an sm_90 GPU, input channels a multiple of 128 bytes, 128 output channels, a bias).
+std::optional<Launcher> row_shifted_kernel(const at::Tensor& x, const at::Tensor& weight,
+                                           const std::optional<at::Tensor>& bias, std::vector<int64_t> padding) {
   const TransposedConvStride1 g = transposed_conv_stride1_setup(x, weight, bias, padding);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (!(tf32_convolution(x) || bf16) || !runs_sm90a(x.get_device()) || g.in_channels * x.element_size() % 128 ||
@@ -275,9 +280,16 @@ std::optional<at::Tensor> run_row_shifted(const at::Tensor& x, const at::Tensor&
   return bf16 ? row_shifted<__nv_bfloat16>(x, weight, *bias, g) : row_shifted<float>(x, weight, *bias, g);
 }
 
+// y by the row-shifted prototype, its operands made in the call, or None where it does not take the call.
+std::optional<at::Tensor> run_row_shifted(const at::Tensor& x, const at::Tensor& weight,
+                                          const std::optional<at::Tensor>& bias, std::vector<int64_t> padding) {
+  const std::optional<Launcher> launch = row_shifted_kernel(x, weight, bias, std::move(padding));
+  return launch ? std::optional<at::Tensor>((*launch)()) : std::nullopt;
+}
+
 template <typename T>
-at::Tensor row_shifted(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                       const TransposedConvStride1& g) {
+Launcher row_shifted(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                     const TransposedConvStride1& g) {
   constexpr bool kTf32 = std::is_same_v<T, float>;
   constexpr int kK = kTileK<T>;
   int64_t pad[3], padded[3];
@@ -304,16 +316,19 @@ at::Tensor row_shifted(const at::Tensor& x, const at::Tensor& weight, const at::
                                                   CU_TENSOR_MAP_SWIZZLE_128B);
   const CUtensorMap w_map = contiguous_tensor_map(w.view({1, g.out_channels, taps, g.in_channels}),
                                                   {kK, 1, 128, 1}, CU_TENSOR_MAP_SWIZZLE_128B);
-  at::Tensor y = transposed_conv_stride1_output(x, g);  // (memory (N, D', H', W', O))
   const at::Tensor bias_values = bias.contiguous();
-  C10_CUDA_CHECK(cudaFuncSetAttribute(row_shifted_fprop_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kRowSmemBytes));
-  const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
-  row_shifted_fprop_kernel<T><<<static_cast<unsigned>(blocks), kRowThreads, kRowSmemBytes,
-                                c10::cuda::getCurrentCUDAStream()>>>(
-      x_map, w_map, static_cast<const T*>(bias_values.const_data_ptr()), static_cast<T*>(y.data_ptr()), p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return y;
+  // (the maps point into x_pad and w, which the callable holds)
+  return [x, g, p, x_pad, w, bias_values, x_map, w_map]() {
+    at::Tensor y = transposed_conv_stride1_output(x, g);  // (memory (N, D', H', W', O))
+    C10_CUDA_CHECK(cudaFuncSetAttribute(row_shifted_fprop_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kRowSmemBytes));
+    const int64_t blocks = (p.rows + kTileRows - 1) / kTileRows;
+    row_shifted_fprop_kernel<T><<<static_cast<unsigned>(blocks), kRowThreads, kRowSmemBytes,
+                                  c10::cuda::getCurrentCUDAStream()>>>(
+        x_map, w_map, static_cast<const T*>(bias_values.const_data_ptr()), static_cast<T*>(y.data_ptr()), p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return y;
+  };
 }
 
 }  // namespace
@@ -324,4 +339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("run", &fused_ops::run, "y by a variant (None where it does not take the call)");
   m.def("run_row_shifted", &fused_ops::run_row_shifted,
         "y by the row-shifted prototype (None where it does not take the call)");
+  m.def("row_shifted_kernel", &fused_ops::row_shifted_kernel,
+        "the row-shifted prototype's kernel alone on operands made now: a callable giving y (None where it does "
+        "not take the call)");
 }
