@@ -50,7 +50,7 @@ __device__ __forceinline__ void wgmma_ss(uint64_t a, uint64_t b, float* acc, std
   std::conditional_t<std::is_same_v<T, float>, Tf32Wgmma<N>, Bf16Wgmma<N>>::fma(a, b, acc[I]...);
 }
 
-// The descriptor of a K-major tile in shared memory at `tile`: rows of kRowBytes (128 or 64),
+// The descriptor of a K-major tile in shared memory at `tile`: rows of kRowBytes (128, 64 or 32),
 // swizzled across them (as a TMA box of such rows writes it into memory aligned to 8 rows), 8-row
 // groups 8 kRowBytes apart. The tile may start at any row of such a box, its base offset left 0:
 // wgmma swizzles by the address, as TMA does (an H200 gave exact products at row offsets 0 to 8 so
@@ -58,13 +58,13 @@ __device__ __forceinline__ void wgmma_ss(uint64_t a, uint64_t b, float* acc, std
 // taps rely on it). Adding b / 16 moves it b bytes along K (32 per instruction) or along the rows.
 template <int kRowBytes = 128>
 __device__ __forceinline__ uint64_t swizzled_tile_descriptor(const void* tile) {
-  static_assert(kRowBytes == 128 || kRowBytes == 64);
+  static_assert(kRowBytes == 128 || kRowBytes == 64 || kRowBytes == 32);
   cute::GmmaDescriptor d;
   d.bitfield.start_address_ = static_cast<uint16_t>(shared_address(tile) >> 4);
   d.bitfield.leading_byte_offset_ = 1;  // (unused by swizzled K-major layouts)
   d.bitfield.stride_byte_offset_ = (8 * kRowBytes) >> 4;
   d.bitfield.base_offset_ = 0;
-  d.bitfield.layout_type_ = kRowBytes == 128 ? 1 : 2;  // SWIZZLE_128B, SWIZZLE_64B
+  d.bitfield.layout_type_ = kRowBytes == 128 ? 1 : kRowBytes == 64 ? 2 : 3;  // SWIZZLE_128B, _64B, _32B
   return d.desc_;
 }
 
