@@ -14,7 +14,8 @@
 // for a run of rows within a plane is then x_pad's rows at a constant offset, (z + t) Hp L + r L + s from
 // the run's (n, z) plane start plus its offset p L + q' in the plane: plain 2-D TMA boxes (128 bytes of
 // channels x 32 rows, 128-byte swizzled), no im2col. A CTA: 128 rows x 128 output channels; the K loop over
-// (tap, 128 bytes of channels), the taps whose x_pad planes or rows are zeros for all its rows skipped
+// (tap, 128 bytes of channels), the taps whose x_pad planes or rows are zeros for all its rows skipped; x_pad made
+// in one pass by padded_rows_kernel
 // (TapRanges: 21 % of SPEC's D's taps, whose zero padding makes 37 % of an implicit GEMM's products); one producer warp group (a thread issues 4 boxes of x and one of the flipped
 // filter w' a stage), two consumer warp groups of 64 rows (wgmma m64 n128, k8 TF32 or k16 bf16); y
 // (N, D', H', W', O) written in x's dtype with the bias.
@@ -255,6 +256,43 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   }
 }
 
+// x_pad's geometry (row_shifted's): x (N, I, D, H, W) of any strides into (N, Dp, Hp, L, I).
+struct PaddedRows {
+  int64_t stride[5];                          // x's
+  int channels, depth, height, width;         // I, D, H, W
+  int depth_pad, height_pad, row;             // Dp, Hp, L
+  int pad_d, pad_h, pad_w;                    // the leading zeros along D, H, W
+};
+
+// x_pad in one pass (a block a row (n, dp, hp): x's channel rows into shared memory, then the row's L x I
+// elements written in order, zeros outside x), TF32's rounded to nearest (as rounded_to_tf32).
+template <typename T>
+__global__ void padded_rows_kernel(const T* __restrict__ x, T* __restrict__ out, const PaddedRows r) {
+  extern __shared__ unsigned char tile_raw[];
+  T* const tile = reinterpret_cast<T*>(tile_raw);  // (I, W + 1)
+  const int64_t row = blockIdx.x;
+  const int hp = static_cast<int>(row % r.height_pad), dp = static_cast<int>(row / r.height_pad % r.depth_pad);
+  const int64_t n = row / r.height_pad / r.depth_pad;
+  const int d = dp - r.pad_d, h = hp - r.pad_h;
+  const bool data = d >= 0 && d < r.depth && h >= 0 && h < r.height;
+  if (data) {
+    for (int k = threadIdx.x; k < r.channels * r.width; k += blockDim.x) {
+      const int i = k / r.width, w = k % r.width;
+      tile[i * (r.width + 1) + w] =
+          x[n * r.stride[0] + i * r.stride[1] + d * r.stride[2] + h * r.stride[3] + w * r.stride[4]];
+    }
+  }
+  __syncthreads();
+  T* const o = out + row * r.row * r.channels;
+  for (int k = threadIdx.x; k < r.row * r.channels; k += blockDim.x) {
+    const int i = k % r.channels, w = k / r.channels - r.pad_w;
+    T v{};
+    if (data && w >= 0 && w < r.width) v = tile[i * (r.width + 1) + w];
+    if constexpr (std::is_same_v<T, float>) v = __int_as_float((__float_as_int(v) + 0x1000) & 0xffffe000);
+    o[k] = v;
+  }
+}
+
 // t's float32 values rounded to TF32 to nearest (ties away from zero: cvt.rna's), as integers.
 at::Tensor rounded_to_tf32(const at::Tensor& t) {
   return t.view(at::kInt).add(0x1000).bitwise_and(static_cast<int32_t>(0xffffe000u)).view(at::kFloat);
@@ -299,10 +337,25 @@ Launcher row_shifted(const at::Tensor& x, const at::Tensor& weight, const at::Te
   }
   int64_t row = padded[2];
   while (g.out(1) * row % kBoxRows) ++row;
-  at::Tensor x_pad = at::zeros({g.batch, padded[0], padded[1], row, g.in_channels}, x.options());
-  x_pad.slice(1, pad[0], pad[0] + g.in[0]).slice(2, pad[1], pad[1] + g.in[1]).slice(3, pad[2], pad[2] + g.in[2])
-      .copy_(x.permute({0, 2, 3, 4, 1}));
-  if (kTf32) x_pad = rounded_to_tf32(x_pad);
+  const at::Tensor x_pad = at::empty({g.batch, padded[0], padded[1], row, g.in_channels}, x.options());
+  PaddedRows rows{};
+  for (int d = 0; d < 5; ++d) rows.stride[d] = x.stride(d);
+  rows.channels = static_cast<int>(g.in_channels);
+  rows.depth = static_cast<int>(g.in[0]);
+  rows.height = static_cast<int>(g.in[1]);
+  rows.width = static_cast<int>(g.in[2]);
+  rows.depth_pad = static_cast<int>(padded[0]);
+  rows.height_pad = static_cast<int>(padded[1]);
+  rows.row = static_cast<int>(row);
+  rows.pad_d = static_cast<int>(pad[0]);
+  rows.pad_h = static_cast<int>(pad[1]);
+  rows.pad_w = static_cast<int>(pad[2]);
+  const int64_t tile_bytes = g.in_channels * (g.in[2] + 1) * static_cast<int64_t>(sizeof(T));
+  TORCH_CHECK(tile_bytes <= 48 * 1024, "row_shifted: x's channel rows past 48 KB of shared memory");
+  padded_rows_kernel<T><<<static_cast<unsigned>(g.batch * padded[0] * padded[1]), 256, tile_bytes,
+                          c10::cuda::getCurrentCUDAStream()>>>(static_cast<const T*>(x.const_data_ptr()),
+                                                                static_cast<T*>(x_pad.data_ptr()), rows);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const at::Tensor w = kTf32 ? rounded_to_tf32(flipped_filter(weight)) : flipped_filter(weight);  // (O, kt, kr, ks, I)
   const int64_t taps = g.kernel[0] * g.kernel[1] * g.kernel[2];
   const RowShifted p{g.batch * g.out(0) * g.out(1) * row, static_cast<int>(g.out(1) * row),
