@@ -1,12 +1,14 @@
 """A's convolution by a wgmma prototype (bench/extensions/conv3d_wgmma_prototype.cu, built here as a
 torch extension of its own: about a minute of nvcc) against cuDNN's, float32 with TF32, SPEC's A
-(x (128, 8, 16, 64, 64), 8 -> 16 channels, kernel 3): the prototype writing y = conv3d(x, w) + bias, and
-with its pool epilogue (conv3d_max_pool3d_mean's result: y / 2, 2 x 2 x 2 max-pool picks, their mean per
-(n, o)), each from a channels-last x and from a contiguous one (its channels-last copy timed with it).
-Beside them the fused op conv3d_max_pool3d_mean (A's convolution and its whole tail in one kernel: 0.427
-ms on an H200 in session 27), the time to beat. Each result's error against the float64 one (normwise:
-max|got - ref| / max|ref|), the share of the prototype's picks equal to the fused op's, CUDA-event medians
-of --reps calls queued back to back in --rounds interleaved rounds, TFLOP/s of the 47.6 GFLOP.
+(x (128, 8, 16, 64, 64), 8 -> 16 channels, kernel 3), in each of its operand layouts (TF32 swizzled rows,
+TF32 channel planes, bf16 tap pairs): the prototype writing y = conv3d(x, w) + bias, and with its pool
+epilogue (conv3d_max_pool3d_mean's result: y / 2, 2 x 2 x 2 max-pool picks, their mean per (n, o)) from a
+channels-last x and from a contiguous one (its channels-last copy timed with it). Beside them cuDNN's
+convolution and the fused op conv3d_max_pool3d_mean (A's convolution and its whole tail in one kernel:
+0.427 ms on an H200 in session 27, 0.316 with bf16 weights), the times to beat. Each result's error against
+the float64 one (normwise: max|got - ref| / max|ref|), the share of the prototype's picks equal to the
+fused op's, CUDA-event medians of --reps calls queued back to back in --rounds interleaved rounds, TFLOP/s
+of the 47.6 GFLOP.
 
     cd bench && python3 bench_conv3d_wgmma_prototype.py [--batch N] [--rounds 5]
 """
@@ -43,6 +45,9 @@ def build_prototype():
     return module
 
 
+LAYOUTS = {"tf32 swizzled": 0, "tf32 planes": 1, "bf16 pairs": 2}  # (conv3d_wgmma's layouts)
+
+
 def main():
     args, device, shape = convolution_arguments(__doc__.splitlines()[0], "A")
     if device.type != "cuda":
@@ -50,39 +55,51 @@ def main():
     prototype = build_prototype()
     torch.manual_seed(0)
     x = torch.rand(shape, device=device)
-    x_last = x.contiguous(memory_format=torch.channels_last_3d)
     conv = torch.nn.Conv3d(shape[1], 16, 3).to(device)
-    weight, bias = conv.weight.detach(), conv.bias.detach()
-    with torch.no_grad():
-        expected = F.conv3d(x.double(), weight.double(), bias.double())
-        expected_mean = F.max_pool3d(expected / 2.0, 2).mean((2, 3, 4))
     fused_op = torch.ops.fused_ops.conv3d_max_pool3d_mean.default
     n, _, d, h, w = shape
     flop = 2 * n * 16 * (d - 2) * (h - 2) * (w - 2) * shape[1] * 27
-    if prototype.conv3d_wgmma(x, weight, bias) is None:
-        sys.exit(f"bench_conv3d_wgmma_prototype: the prototype does not take x {tuple(shape)}")
-    rows = {"cuDNN conv3d (x contiguous)": lambda: F.conv3d(x, weight, bias),
-            "cuDNN conv3d (x channels-last)": lambda: F.conv3d(x_last, weight, bias),
-            "prototype y (x channels-last)": lambda: prototype.conv3d_wgmma(x_last, weight, bias),
-            "prototype y (x contiguous: its copy)": lambda: prototype.conv3d_wgmma(x, weight, bias),
-            "prototype + pool (x channels-last)": lambda: prototype.conv3d_wgmma_pool(x_last, weight, bias, 2.0),
-            "prototype + pool (x contiguous)": lambda: prototype.conv3d_wgmma_pool(x, weight, bias, 2.0),
-            "fused op: convolution and tail": lambda: fused_op(x, weight, bias, [0] * 3, [2] * 3, 2.0, True)}
+    rows, expected, picks = {}, {}, {}  # name -> (call, what it computes: y or the pool's mean, in a precision)
+    for dtype in (torch.float32, torch.bfloat16):
+        tag = "tf32" if dtype == torch.float32 else "bf16"
+        xs, ws, bs = x.to(dtype), conv.weight.detach().to(dtype), conv.bias.detach().to(dtype)
+        xs_last = xs.contiguous(memory_format=torch.channels_last_3d)
+        with torch.no_grad():
+            y64 = F.conv3d(xs.double(), ws.double(), bs.double())
+            expected[tag, "y"] = y64
+            expected[tag, "mean"] = F.max_pool3d(y64 / 2.0, 2).mean((2, 3, 4))
+        rows[f"cuDNN conv3d {tag} (x channels-last)"] = (lambda a=xs_last, b=ws, c=bs: F.conv3d(a, b, c), (tag, "y"))
+        # (the fused op's bf16 path: a float32 x with bf16 weights, x rounded as read)
+        rows[f"fused op {tag}: convolution and tail"] = (
+            lambda b=ws, c=bs: fused_op(x, b, c, [0] * 3, [2] * 3, 2.0, True), (tag, "mean"))
+        for layout, number in LAYOUTS.items():
+            if not layout.startswith(tag) or prototype.conv3d_wgmma(xs, ws, bs, number) is None:
+                continue
+            rows[f"{layout} y (x channels-last)"] = (
+                lambda a=xs_last, b=ws, c=bs, k=number: prototype.conv3d_wgmma(a, b, c, k), (tag, "y"))
+            rows[f"{layout} + pool (x channels-last)"] = (
+                lambda a=xs_last, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k), (tag, "mean"))
+            rows[f"{layout} + pool (x contiguous)"] = (
+                lambda a=xs, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k), (tag, "mean"))
     errors = {}
-    for name, call in rows.items():
+    for name, (call, what) in rows.items():
         got = call()
-        got, want = (got[0], expected_mean) if isinstance(got, tuple) else (got, expected)
+        if isinstance(got, tuple):
+            got, picks[name] = got
+        want = expected[what]
         errors[name] = ((got.double() - want).abs().max() / want.abs().max()).item()
         del got
-    _, fused_picks = rows["fused op: convolution and tail"]()
-    _, picks = rows["prototype + pool (x contiguous)"]()
-    print(f"the prototype's picks equal to the fused op's: {(picks == fused_picks).double().mean().item():.6f}")
+    for name in picks:
+        if "+ pool" in name:
+            tag = name.split()[0]
+            same = (picks[name] == picks[f"fused op {tag}: convolution and tail"]).double().mean().item()
+            print(f"{name}: picks equal to the fused op's {same:.6f}")
     times = {name: [] for name in rows}
     for _ in range(args.rounds):
-        for name, call in rows.items():
+        for name, (call, _) in rows.items():
             times[name].append(median_ms(call, device, reps=args.reps or 20))
-    print(f"{torch.cuda.get_device_name(device)}, x {tuple(shape)}, y {tuple(expected.shape)}, kernel 3, TF32, "
-          f"{args.rounds} rounds")
+    print(f"{torch.cuda.get_device_name(device)}, x {tuple(shape)}, kernel 3, {args.rounds} rounds; errors against "
+          "float64 on the same inputs (bf16: x and w rounded)")
     print(f"{'kernel':<40}{'ms':>9}{'TFLOP/s':>9}{'error':>10}")
     for name in rows:
         ms = statistics.median(times[name])

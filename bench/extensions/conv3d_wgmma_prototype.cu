@@ -1,23 +1,29 @@
 // A prototype of A's convolution on wgmma (issue 46 item 1), for bench/bench_conv3d_wgmma_prototype.py,
 // which builds this file as a torch extension of its own (not part of fused_ops): y = conv3d(x, w) + bias,
-// x (N, 8, D, H, 64) read channels-last (NDHWC), w (16, 8, 3, 3, 3), float32 by TF32 wgmma, sums in float32;
-// either y (N, 16, D', H', W') channels_last_3d, or (kPool) conv3d_max_pool3d_mean's result: y / divisor
-// (PyTorch's division by a number), 2 x 2 x 2 max-pool windows picked by PyTorch's rule (WindowPick), their
-// mean per (n, o) and each window's pick (one byte, its scan-order offset).
+// x (N, 8, D, H, 64) read channels-last (NDHWC), w (16, 8, 3, 3, 3), sums in float32: float32 by TF32 wgmma
+// (two operand layouts, below) or bfloat16; either y (N, 16, D', H', W') float32 channels_last_3d, or (kPool)
+// conv3d_max_pool3d_mean's result: y / divisor (PyTorch's division by a number, rounded to x's type), 2 x 2 x 2
+// max-pool windows picked by PyTorch's rule (WindowPick), their mean per (n, o) and each window's pick (one
+// byte, its scan-order offset).
 //
 // GEMM rows are x's positions in its own row layout (W = 64: an output row's 64 positions, 62 kept, are one
 // m64 tile), N = the 16 output channels, K = 27 taps x 8 channels. Tap (t, r, s)'s A operand for output row
-// h of plane z is x plane z + t's rows from (h + r) * 64 + s: a staged box of x rows (8 channels = 32 bytes a
-// row, 32-byte swizzled) serves all 9 taps (r, s) of its plane through descriptor offsets of (r * 64 + s)
-// rows, no copies (wgmma swizzles by the shared address, as TMA writes: wgmma_ss.cuh's note, shown there for
-// 128-byte rows; this prototype's error column shows it for 32-byte ones). B = the tap's 16 x 8 weights.
+// h of plane z is x plane z + t's rows from (h + r) * 64 + s: a staged box of x rows serves all 9 taps (r, s)
+// of its plane through descriptor offsets of (r * 64 + s) rows, no copies. The operand layouts (Layouts):
+// - Tf32Swizzled: rows of 8 channels (32 bytes), 32-byte swizzled; a descriptor at any row (wgmma swizzles by
+//   the shared address, as TMA writes: wgmma_ss.cuh's note, shown there for 128-byte rows), k8 a tap;
+// - Tf32Planes: two planes of 4 channels (rows of 16 bytes, no swizzle: K-major core matrices of 8 rows x 16
+//   bytes at any 16-byte offset), the K chunks a plane apart, k8 a tap;
+// - Bf16Pairs: rows of 8 bfloat16 channels (16 bytes, no swizzle), k16 = two taps a step, their K chunks rows
+//   apart: (r, s), (r, s + 1) one row, (0, 2), (1, 2) 64 rows; (2, 2) with a zero chunk: 5 steps a plane.
+// B = the step's weights, (16 output channels) x K, K-major in the same layout.
 //
 // A CTA (persistent over tiles): a tile is 2 output planes (z0, z0 + 1) x 4 output rows (h0 .. h0 + 3) of one
-// n; its 4 stages are x planes z0 .. z0 + 3, rows h0 .. h0 + 5 (one TMA box each, zeros past x's end); stage j
-// adds tap t = j - zo to output plane z0 + zo. One producer warp group (a thread issues the boxes), two
-// consumer warp groups of 2 output rows each (4 m64 n16 accumulators of 8 floats: 2 planes x 2 rows).
-// Shared memory reads bound it: 2.5 KB an m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192 MACs. With kPool
-// a consumer's two rows are one row of pool windows over both planes: a lane holds 4 of a window's elements
+// n; its 4 stages are x planes z0 .. z0 + 3, rows h0 .. h0 + 5 (TMA boxes, zeros past x's end); stage j adds
+// tap t = j - zo to output plane z0 + zo. One producer warp group (a thread issues the boxes), two consumer
+// warp groups of 2 output rows each (4 m64 n16 accumulators of 8 floats: 2 planes x 2 rows). Shared memory
+// reads bound it: 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192 MACs. With kPool a
+// consumer's two rows are one row of pool windows over both planes: a lane holds 4 of a window's elements
 // (column w), lane ^ 4 the other 4 (column w ^ 1); their picks merge by a shuffle.
 #ifndef NDEBUG
 #define NDEBUG  // before any header (csrc/cuda/cutlass_conv.cuh says why)
@@ -31,6 +37,8 @@
 #include <cstdint>
 #include <limits>
 #include <optional>
+#include <tuple>
+#include <vector>
 
 // (bulk_copy.cuh before CUTLASS's headers, which include cudaTypedefs.h inside their namespace)
 #include "bulk_copy.cuh"
@@ -38,6 +46,7 @@
 #include "cutlass_conv.cuh"  // (runs_sm90a, tf32_convolution)
 #include "../dispatch.h"    // (ReciprocalMultiply)
 #include "../max_pool3d.h"  // (WindowPick)
+#include "mma.cuh"          // (rounded_to)
 #include "wgmma_ss.cuh"
 
 namespace fused_ops {
@@ -46,16 +55,87 @@ namespace {
 constexpr int kChannelsIn = 8, kChannelsOut = 16, kRow = 64;  // I, O, x's row (W)
 constexpr int kTileRows = 4, kTilePlanes = 2;                   // output rows and planes a tile
 constexpr int kBoxRows = kTileRows + 2, kStagesPerTile = kTilePlanes + 2;
-constexpr int kRowBytes = kChannelsIn * 4;                        // 32: one swizzled row
-constexpr int kBoxBytes = kBoxRows * kRow * kRowBytes;            // 12 KB
-constexpr int kStageStride = kBoxBytes + 1024;  // (the last rows' shifts read up to 2 rows past the box: outputs
-                                                // w >= 62, not stored; 1024-byte aligned stages)
 constexpr int kStages = 6;
-constexpr int kTaps = 27;
-constexpr int kWeightBytes = kTaps * kChannelsOut * kRowBytes;  // (tap, o) rows of 8 channels
-constexpr int kWeightStride = (kWeightBytes + 1023) / 1024 * 1024;
 constexpr int kThreads = 384;  // the producer warp group, two consumers
-constexpr int kSmemBytes = kStages * kStageStride + kWeightStride + 2 * kStages * 8 + 8 + 1024;
+constexpr int kPad = 1024;     // past each box: a tap's rows read up to 3 rows beyond it (kept zero)
+
+// A K-major tile without swizzling at `tile`: core matrices of 8 rows x 16 bytes (rows 16 bytes apart), the
+// 8-row groups `sbo` bytes apart, the K chunks `lbo` bytes apart.
+__device__ __forceinline__ uint64_t interleaved_tile_descriptor(const void* tile, uint32_t lbo, uint32_t sbo) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>(shared_address(tile) >> 4);
+  d.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo >> 4);
+  d.bitfield.stride_byte_offset_ = static_cast<uint16_t>(sbo >> 4);
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = 0;  // INTERLEAVE: no swizzle
+  return d.desc_;
+}
+
+struct Tf32Swizzled {
+  using T = float;
+  static constexpr int kBoxes = 1, kBoxBytes = kBoxRows * kRow * 32, kBoxStride = kBoxBytes + kPad;
+  static constexpr int kSteps = 9;                        // a plane's wgmma: the (r, s) taps
+  static constexpr int kWeightBytes = 27 * 16 * 32;       // (tap, o) rows of 8 channels
+  static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_32B;
+  static constexpr int kBoxChannels = 8;
+  // A for output row `row` of the tile (0 .. 3) at step `step` of a plane; B for tap t's step
+  static __device__ uint64_t a(const unsigned char* box, int row, int step) {
+    return swizzled_tile_descriptor<32>(box + ((row + step / 3) * kRow + step % 3) * 32);
+  }
+  static __device__ uint64_t b(const unsigned char* weights, int t, int step) {
+    return swizzled_tile_descriptor<32>(weights + (t * kSteps + step) * 16 * 32);
+  }
+  static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
+    cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_SS_TN<>::fma(a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  }
+};
+
+struct Tf32Planes {
+  using T = float;
+  static constexpr int kBoxes = 2, kBoxBytes = kBoxRows * kRow * 16, kBoxStride = kBoxBytes + kPad;
+  static constexpr int kSteps = 9;
+  static constexpr int kWeightBytes = 27 * 2 * 16 * 16;  // (tap, chunk, o) rows of 4 channels
+  static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
+  static constexpr int kBoxChannels = 4;
+  static __device__ uint64_t a(const unsigned char* box, int row, int step) {
+    return interleaved_tile_descriptor(box + ((row + step / 3) * kRow + step % 3) * 16, kBoxStride, 128);
+  }
+  static __device__ uint64_t b(const unsigned char* weights, int t, int step) {
+    return interleaved_tile_descriptor(weights + (t * kSteps + step) * 512, 256, 128);
+  }
+  static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
+    cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_SS_TN<>::fma(a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  }
+};
+
+struct Bf16Pairs {
+  using T = __nv_bfloat16;
+  static constexpr int kBoxes = 1, kBoxBytes = kBoxRows * kRow * 16, kBoxStride = kBoxBytes + kPad;
+  static constexpr int kSteps = 5;                        // tap pairs a plane (pair_first_tap)
+  static constexpr int kWeightBytes = 3 * 5 * 2 * 16 * 16;  // (t, step, chunk, o) rows of 8 channels
+  static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
+  static constexpr int kBoxChannels = 8;
+  // step -> its first tap (r, s) and the rows to its second: (0, 0)(0, 1), (1, 0)(1, 1), (2, 0)(2, 1), (0, 2)(1, 2),
+  // (2, 2)(zero weights: its chunk reads the next row, inside the box or its zeroed pad)
+  static __device__ uint64_t a(const unsigned char* box, int row, int step) {
+    const int r = step < 3 ? step : 2 * (step - 3), s = step < 3 ? 0 : 2;
+    return interleaved_tile_descriptor(box + ((row + r) * kRow + s) * 16, step == 3 ? kRow * 16 : 16, 128);
+  }
+  static __device__ uint64_t b(const unsigned char* weights, int t, int step) {
+    return interleaved_tile_descriptor(weights + (t * kSteps + step) * 512, 256, 128);
+  }
+  static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
+    cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
+        a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  }
+};
+
+template <class L>
+struct Smem {
+  static constexpr int kStageStride = L::kBoxes * L::kBoxStride;  // (multiples of 1024 bytes)
+  static constexpr int kWeightStride = (L::kWeightBytes + 1023) / 1024 * 1024;
+  static constexpr int kBytes = kStages * kStageStride + kWeightStride + 2 * kStages * 8 + 8 + 1024;
+};
 
 struct Conv3dTiles {
   int depth_out, height_out, width_out;  // D', H', W' (W' = 62)
@@ -97,8 +177,10 @@ __device__ __forceinline__ void conv_epilogue(const float (&acc)[kTilePlanes][2]
 }
 
 // The pool's epilogue of a consumer's accumulators (planes 2 pd + zo, rows 2 ph + jj): each window's pick of
-// y = (acc + bias) / divisor, written where the window lies inside the pooled output, and this warp's sum of
-// its windows' values per output channel into p.partial.
+// y = (acc + bias) / divisor rounded as PyTorch rounds the convolution's output and the quotient (to T),
+// written where the window lies inside the pooled output, and this warp's sum of its windows' values per
+// output channel into p.partial.
+template <typename T>
 __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2][8], const float* __restrict__ bias,
                                               const Conv3dTiles& p, int tile, int n, int pd, int ph, int consumer,
                                               int warp, int lane) {
@@ -115,7 +197,8 @@ __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2]
       for (int zo = 0; zo < kTilePlanes; ++zo)
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
-          pick.update(__fmul_rn(acc[zo][jj][e] + bias[o], p.reciprocal), (zo * 2 + jj) * 2 + w % 2);
+          pick.update(rounded_to<T>(__fmul_rn(rounded_to<T>(acc[zo][jj][e] + bias[o]), p.reciprocal)),
+                      (zo * 2 + jj) * 2 + w % 2);
         }
       // (every lane shuffles: the partner's elements of the window)
       const float other_value = __shfl_xor_sync(0xffffffffu, pick.value, 4);
@@ -141,27 +224,33 @@ __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2]
   }
 }
 
-// x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (8, 64, 6, 1, 1); w_map: (tap, o, 8 channels) as
-// (8, 16, 27, 1), one box; both 32-byte swizzled. y (N, D', H', W', 16), unused with kPool.
-template <bool kPool>
+// x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); w_map: the layout's
+// weights (L::kWeightBytes, one box); y (N, D', H', W', 16) float32, unused with kPool. bias float32.
+template <class L, bool kPool>
 __global__ void __launch_bounds__(kThreads, 1)
     conv3d_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                         const float* __restrict__ bias, float* __restrict__ y, const Conv3dTiles p) {
+  using S = Smem<L>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
-  unsigned char* const weights = smem + kStages * kStageStride;
-  uint64_t* const full = reinterpret_cast<uint64_t*>(weights + kWeightStride);
+  unsigned char* const weights = smem + kStages * S::kStageStride;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(weights + S::kWeightStride);
   uint64_t* const empty = full + kStages;
   uint64_t* const weights_landed = empty + kStages;
 
-  init_stage_barriers(full, empty, kStages, 2 * 128);  // (released by every consumer thread)
+  // the stages zeroed once: their pads (past each box, which TMA never writes) stay zero
+  for (int i = threadIdx.x; i < kStages * S::kStageStride / 16; i += kThreads) {
+    reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (before the copy engine writes there)
+  init_stage_barriers(full, empty, kStages, 2 * 128);          // (released by every consumer thread)
   if (threadIdx.x == 0) barrier_init(weights_landed);
   __syncthreads();
 
   if (threadIdx.x < 128) {  // the producer
     cutlass::arch::warpgroup_reg_dealloc<40>();
     if (threadIdx.x == 0) {
-      barrier_arrive_expect(weights_landed, kWeightBytes);
+      barrier_arrive_expect(weights_landed, L::kWeightBytes);
       tensor_load_4d(weights, w_map, 0, 0, 0, 0, weights_landed);
       int stage = 0;
       uint32_t phase = 0;
@@ -170,9 +259,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int n = tile / p.row_blocks / p.plane_pairs;
         for (int j = 0; j < kStagesPerTile; ++j) {
           barrier_wait(&empty[stage], phase ^ 1);
-          barrier_arrive_expect(&full[stage], kBoxBytes);
-          tensor_load_5d(smem + stage * kStageStride, x_map, 0, 0, kTileRows * rb, kTilePlanes * pp + j, n,
-                         &full[stage]);
+          barrier_arrive_expect(&full[stage], L::kBoxes * L::kBoxBytes);
+          for (int box = 0; box < L::kBoxes; ++box) {
+            tensor_load_5d(smem + stage * S::kStageStride + box * L::kBoxStride, x_map, box * L::kBoxChannels, 0,
+                           kTileRows * rb, kTilePlanes * pp + j, n, &full[stage]);
+          }
           if (++stage == kStages) {
             stage = 0;
             phase ^= 1;
@@ -201,7 +292,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kStagesPerTile; ++j) {
       barrier_wait(&full[stage], phase);
-      const unsigned char* const box = smem + stage * kStageStride;
+      const unsigned char* const box = smem + stage * S::kStageStride;
 #pragma unroll
       for (int zo = 0; zo < kTilePlanes; ++zo)
 #pragma unroll
@@ -214,18 +305,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int t = j - zo;  // (compile-time: j and zo unrolled)
         if (t < 0 || t > 2) continue;
 #pragma unroll
-        for (int r = 0; r < 3; ++r) {
+        for (int step = 0; step < L::kSteps; ++step) {
+          const uint64_t b = L::b(weights, t, step);
 #pragma unroll
-          for (int s = 0; s < 3; ++s) {
-            const uint64_t b = swizzled_tile_descriptor<kRowBytes>(weights + ((t * 3 + r) * 3 + s) * kChannelsOut * kRowBytes);
-#pragma unroll
-            for (int jj = 0; jj < 2; ++jj) {
-              const uint64_t a = swizzled_tile_descriptor<kRowBytes>(box + ((2 * consumer + jj + r) * kRow + s) * kRowBytes);
-              cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_SS_TN<>::fma(
-                  a, b, acc[zo][jj][0], acc[zo][jj][1], acc[zo][jj][2], acc[zo][jj][3], acc[zo][jj][4],
-                  acc[zo][jj][5], acc[zo][jj][6], acc[zo][jj][7]);
-            }
-          }
+          for (int jj = 0; jj < 2; ++jj) L::mma(L::a(box, 2 * consumer + jj, step), b, acc[zo][jj]);
         }
       }
       cute::warpgroup_commit_batch();
@@ -255,38 +338,81 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
     const int n = tile / p.row_blocks / p.plane_pairs;
     if constexpr (kPool) {
-      pool_epilogue(acc, bias, p, tile, n, pp, 2 * rb + consumer, consumer, warp, lane);
+      pool_epilogue<typename L::T>(acc, bias, p, tile, n, pp, 2 * rb + consumer, consumer, warp, lane);
     } else {
       conv_epilogue(acc, bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * consumer, warp, lane);
     }
   }
 }
 
-// Whether the prototype takes the call: float32 with TF32 convolutions allowed, an sm_90 GPU, x (N, 8, D, H, 64)
-// with D, H >= 3, weight (16, 8, 3, 3, 3), a bias of 16 (float32 each).
-bool takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  return x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat &&
-         x.is_cuda() && x.dim() == 5 && x.size(1) == kChannelsIn && x.size(4) == kRow && x.size(2) >= 3 &&
-         x.size(3) >= 3 && tf32_convolution(x) && runs_sm90a(x.get_device()) &&
-         weight.sizes() == at::IntArrayRef({kChannelsOut, kChannelsIn, 3, 3, 3}) && bias.numel() == kChannelsOut;
+enum Layout : int64_t { kTf32Swizzled = 0, kTf32Planes = 1, kBf16Pairs = 2 };
+
+template <class F>
+void with_layout(int64_t layout, F&& f) {
+  if (layout == kTf32Swizzled) {
+    f(Tf32Swizzled{});
+  } else if (layout == kTf32Planes) {
+    f(Tf32Planes{});
+  } else {
+    TORCH_CHECK_VALUE(layout == kBf16Pairs, "conv3d_wgmma: layout ", layout, " out of range");
+    f(Bf16Pairs{});
+  }
+}
+
+// Whether the prototype takes the call in `layout`: an sm_90 GPU, x (N, 8, D, H, 64) with D, H >= 3 float32 with
+// TF32 convolutions allowed (Tf32*) or bfloat16 (Bf16Pairs), weight (16, 8, 3, 3, 3) of x's dtype, a bias of 16.
+bool takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t layout) {
+  const bool bf16 = layout == kBf16Pairs;
+  const bool dtype = bf16 ? x.scalar_type() == at::kBFloat16 : x.scalar_type() == at::kFloat && tf32_convolution(x);
+  return dtype && weight.scalar_type() == x.scalar_type() && x.is_cuda() && x.dim() == 5 &&
+         x.size(1) == kChannelsIn && x.size(4) == kRow && x.size(2) >= 3 && x.size(3) >= 3 &&
+         runs_sm90a(x.get_device()) && weight.sizes() == at::IntArrayRef({kChannelsOut, kChannelsIn, 3, 3, 3}) &&
+         bias.numel() == kChannelsOut;
+}
+
+// w (16, 8, 3, 3, 3) as layout L's B operands, K-major rows (the TMA box's order), TF32's rounded to nearest
+// (as cuDNN's TF32 rounds).
+template <class L>
+at::Tensor weights_for(const at::Tensor& weight) {
+  at::Tensor w = weight.permute({2, 3, 4, 0, 1}).contiguous();  // (t, r, s, o, c)
+  if constexpr (std::is_same_v<L, Bf16Pairs>) {
+    // (t, step, chunk, o, c): step 0..2 = (r = step, s = 0 | 1); 3 = ((0, 2) | (1, 2)); 4 = ((2, 2) | zeros)
+    at::Tensor pairs = at::zeros({3, 5, 2, kChannelsOut, kChannelsIn}, w.options());
+    for (int r = 0; r < 3; ++r) {
+      pairs.select(1, r).select(1, 0).copy_(w.select(1, r).select(1, 0));
+      pairs.select(1, r).select(1, 1).copy_(w.select(1, r).select(1, 1));
+    }
+    pairs.select(1, 3).select(1, 0).copy_(w.select(1, 0).select(1, 2));
+    pairs.select(1, 3).select(1, 1).copy_(w.select(1, 1).select(1, 2));
+    pairs.select(1, 4).select(1, 0).copy_(w.select(1, 2).select(1, 2));
+    return pairs.view({1, 15, 2 * kChannelsOut, kChannelsIn});
+  } else {
+    w = w.view(at::kInt).add(0x1000).bitwise_and(static_cast<int32_t>(0xffffe000u)).view(at::kFloat);
+    if constexpr (std::is_same_v<L, Tf32Planes>) {  // (tap, chunk, o, 4 channels)
+      return w.view({27, kChannelsOut, 2, 4}).transpose(1, 2).contiguous().view({1, 27, 2 * kChannelsOut, 4});
+    } else {
+      return w.view({1, 27, kChannelsOut, kChannelsIn});  // (boxes of at most 256 along each dimension)
+    }
+  }
 }
 
 // The kernel's launch on x (read channels-last: a copy unless x is channels_last_3d) with p's pool fields set
 // where kPool; y defined unless kPool.
-template <bool kPool>
+template <class L, bool kPool>
 void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Conv3dTiles& p, at::Tensor& y) {
   const at::Tensor x_ndhwc = x.contiguous(at::MemoryFormat::ChannelsLast3d).permute({0, 2, 3, 4, 1});
-  // (tap, o, c): w[o, c, t, r, s] rounded to TF32 to nearest, as cuDNN's TF32 rounds
-  const at::Tensor w = weight.permute({2, 3, 4, 0, 1}).contiguous().view(at::kInt).add(0x1000)
-                           .bitwise_and(static_cast<int32_t>(0xffffe000u)).view(at::kFloat).view({1, kTaps, kChannelsOut, kChannelsIn});
-  const CUtensorMap x_map = contiguous_tensor_map(x_ndhwc, {kChannelsIn, kRow, kBoxRows, 1, 1}, CU_TENSOR_MAP_SWIZZLE_32B);
-  const CUtensorMap w_map = contiguous_tensor_map(w, {kChannelsIn, kChannelsOut, kTaps, 1}, CU_TENSOR_MAP_SWIZZLE_32B);
-  const at::Tensor bias_values = bias.contiguous();
-  C10_CUDA_CHECK(cudaFuncSetAttribute(conv3d_wgmma_kernel<kPool>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      kSmemBytes));
+  const at::Tensor w = weights_for<L>(weight);
+  TORCH_INTERNAL_ASSERT(w.numel() * w.element_size() == L::kWeightBytes);
+  const CUtensorMap x_map = contiguous_tensor_map(x_ndhwc, {L::kBoxChannels, kRow, kBoxRows, 1, 1}, L::kSwizzle);
+  std::vector<cuuint32_t> w_box;
+  for (int d = w.dim() - 1; d >= 0; --d) w_box.push_back(static_cast<cuuint32_t>(w.size(d)));
+  const CUtensorMap w_map = contiguous_tensor_map(w, w_box, L::kSwizzle);
+  const at::Tensor bias_values = bias.to(at::kFloat).contiguous();
+  const auto kernel = conv3d_wgmma_kernel<L, kPool>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<L>::kBytes));
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
   const int blocks = std::min(p.tiles, sms);
-  conv3d_wgmma_kernel<kPool><<<blocks, kThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<blocks, kThreads, Smem<L>::kBytes, c10::cuda::getCurrentCUDAStream()>>>(
       x_map, w_map, bias_values.const_data_ptr<float>(), kPool ? nullptr : y.mutable_data_ptr<float>(), p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -305,21 +431,24 @@ Conv3dTiles tiles_of(const at::Tensor& x) {
   return p;
 }
 
-// y = conv3d(x, weight, bias) by the prototype, or None where it does not take the call (takes).
-std::optional<at::Tensor> conv3d_wgmma(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
-  if (!takes(x, weight, bias)) return std::nullopt;
+// y = conv3d(x, weight, bias) (float32) by the prototype in `layout`, or None where it does not take the call.
+std::optional<at::Tensor> conv3d_wgmma(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                                       int64_t layout) {
+  if (!takes(x, weight, bias, layout)) return std::nullopt;
   Conv3dTiles p = tiles_of(x);
   at::Tensor y = at::empty({x.size(0), kChannelsOut, p.depth_out, p.height_out, p.width_out},
-                           x.options().memory_format(at::MemoryFormat::ChannelsLast3d));
-  launch<false>(x, weight, bias, p, y);
+                           x.options().dtype(at::kFloat).memory_format(at::MemoryFormat::ChannelsLast3d));
+  with_layout(layout, [&](auto l) { launch<decltype(l), false>(x, weight, bias, p, y); });
   return y;
 }
 
-// conv3d_max_pool3d_mean(x, weight, bias, 0, 2, divisor, save_indices=True) by the prototype: (mean (N, 16),
-// picks (N, 16, PD, PH, PW) uint8), or None where it does not take the call (takes, D' and H' at least 2).
+// conv3d_max_pool3d_mean(x, weight, bias, 0, 2, divisor, save_indices=True) by the prototype in `layout`:
+// (mean (N, 16) float32, picks (N, 16, PD, PH, PW) uint8), or None where it does not take the call (takes, D'
+// and H' at least 2).
 std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Tensor& x, const at::Tensor& weight,
-                                                                    const at::Tensor& bias, double divisor) {
-  if (!takes(x, weight, bias) || x.size(2) < 4 || x.size(3) < 4) return std::nullopt;
+                                                                    const at::Tensor& bias, double divisor,
+                                                                    int64_t layout) {
+  if (!takes(x, weight, bias, layout) || x.size(2) < 4 || x.size(3) < 4) return std::nullopt;
   Conv3dTiles p = tiles_of(x);
   p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
   p.pooled[0] = p.depth_out / 2;
@@ -327,11 +456,12 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
   p.pooled[2] = p.width_out / 2;
   at::Tensor picks = at::empty({x.size(0), kChannelsOut, p.pooled[0], p.pooled[1], p.pooled[2]},
                                x.options().dtype(at::kByte));
-  at::Tensor partial = at::empty({x.size(0), int64_t{p.tiles} / x.size(0) * 8, kChannelsOut}, x.options());
+  at::Tensor partial = at::empty({x.size(0), int64_t{p.tiles} / x.size(0) * 8, kChannelsOut},
+                                 x.options().dtype(at::kFloat));
   p.picks = picks.mutable_data_ptr<uint8_t>();
   p.partial = partial.mutable_data_ptr<float>();
   at::Tensor unused;
-  launch<true>(x, weight, bias, p, unused);
+  with_layout(layout, [&](auto l) { launch<decltype(l), true>(x, weight, bias, p, unused); });
   const double windows = static_cast<double>(p.pooled[0]) * p.pooled[1] * p.pooled[2];
   return std::make_tuple(partial.sum(1).div_(windows), picks);
 }
@@ -341,8 +471,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv3d_wgmma", &fused_ops::conv3d_wgmma,
-        "y = conv3d(x, weight, bias) by the wgmma prototype (None where it does not take the call)");
+        "y = conv3d(x, weight, bias) by the wgmma prototype in a layout (0: TF32 swizzled, 1: TF32 planes, 2: bf16 "
+        "pairs; None where it does not take the call)");
   m.def("conv3d_wgmma_pool", &fused_ops::conv3d_wgmma_pool,
         "(mean, picks) of conv3d_max_pool3d_mean(x, weight, bias, 0, 2, divisor) by the wgmma prototype with its "
-        "pool epilogue (None where it does not take the call)");
+        "pool epilogue, in a layout (as conv3d_wgmma's)");
 }
