@@ -12,38 +12,14 @@ of the 47.6 GFLOP.
 
     cd bench && python3 bench_conv3d_wgmma_prototype.py [--batch N] [--rounds 5]
 """
-import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.cpp_extension import load
 
 from fused_ops._timing import median_ms
-from timing import convolution_arguments
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import setup  # noqa: E402  (the extension's flags: sm_90a, CUTLASS's headers)
-
-
-def build_prototype():
-    """The prototype's extension, built for sm_90a with CUTLASS's headers (CuTe's wgmma) as setup.py
-    finds them."""
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    arch, sm90a = setup.cuda_arch_flags()
-    cutlass = setup.cutlass_root()
-    if not sm90a or cutlass is None:
-        sys.exit("bench_conv3d_wgmma_prototype: needs an sm_90a build with CUTLASS's headers")
-    began = time.perf_counter()
-    module = load("conv3d_wgmma_prototype", [os.path.join(ROOT, "bench", "extensions", "conv3d_wgmma_prototype.cu")],
-                  extra_include_paths=[os.path.join(ROOT, "csrc", "cuda")],
-                  extra_cuda_cflags=["-O3", *arch, *setup.cutlass_nvcc_flags(cutlass)])
-    print(f"built the prototype in {time.perf_counter() - began:.0f} s")
-    return module
-
+from timing import build_extension, convolution_arguments
 
 LAYOUTS = {"tf32 swizzled": 0, "tf32 planes": 1, "bf16 pairs": 2}  # (conv3d_wgmma's layouts)
 
@@ -52,7 +28,7 @@ def main():
     args, device, shape = convolution_arguments(__doc__.splitlines()[0], "A")
     if device.type != "cuda":
         sys.exit("bench_conv3d_wgmma_prototype: a wgmma kernel: --device cuda")
-    prototype = build_prototype()
+    prototype = build_extension("conv3d_wgmma_prototype", "conv3d_wgmma_prototype.cu")
     torch.manual_seed(0)
     x = torch.rand(shape, device=device)
     conv = torch.nn.Conv3d(shape[1], 16, 3).to(device)

@@ -16,41 +16,16 @@ float32 (TF32) and bfloat16; TFLOP/s and the time over the op's of the same dtyp
     cd bench && python3 bench_conv_transpose3d_stride1_variants.py [--size spec] [--batch N] [--rounds 5]
         [--prototype-only]
 """
-import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.cpp_extension import load
 
 from fused_ops import conv_transpose3d_stride1_channels_last
 from fused_ops._timing import median_ms
 from fused_ops.ops import conv_transpose3d_stride1_channels_last_path
-from timing import convolution_arguments
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import setup  # noqa: E402  (the extension's flags: sm_90a, CUTLASS's headers)
-
-
-def build_variants(prototype_only: bool):
-    """The variants' extension, built for sm_90a with CUTLASS's headers as setup.py finds them (without
-    CUTLASS's variants where prototype_only: a shorter build)."""
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    arch, sm90a = setup.cuda_arch_flags()
-    cutlass = setup.cutlass_root()
-    if not sm90a or cutlass is None:
-        sys.exit("bench_conv_transpose3d_stride1_variants: needs an sm_90a build with CUTLASS's headers")
-    began = time.perf_counter()
-    module = load("conv_transpose3d_stride1_variants",
-                  [os.path.join(ROOT, "bench", "extensions", "conv_transpose3d_stride1_variants.cu")],
-                  extra_include_paths=[os.path.join(ROOT, "csrc", "cuda")],
-                  extra_cuda_cflags=["-O3", *arch, *setup.cutlass_nvcc_flags(cutlass),
-                                     *(["-DFUSED_OPS_PROTOTYPE_ONLY"] if prototype_only else [])])
-    print(f"built the variants in {time.perf_counter() - began:.0f} s")
-    return module
+from timing import build_extension, convolution_arguments
 
 
 def main():
@@ -58,7 +33,9 @@ def main():
         __doc__.splitlines()[0], "D", {"--prototype-only": "the op and the prototype alone (a shorter build)"})
     if device.type != "cuda":
         sys.exit("bench_conv_transpose3d_stride1_variants: a CUTLASS kernel: --device cuda")
-    variants = build_variants(args.prototype_only)
+    # (--prototype-only: without CUTLASS's variants, a shorter build)
+    variants = build_extension("conv_transpose3d_stride1_variants", "conv_transpose3d_stride1_variants.cu",
+                               ["-DFUSED_OPS_PROTOTYPE_ONLY"] if args.prototype_only else [])
     n, c_in, *size = shape
     torch.manual_seed(0)
     x = torch.rand(shape, device=device)

@@ -183,3 +183,30 @@ def convolution_arguments(description: str, letter: str, switches: dict | None =
     torch.backends.cudnn.allow_tf32 = True
     size = args.size or ("spec" if device.type == "cuda" else "reduced")
     return args, device, architecture.input_shape(size, args.batch)
+
+
+def build_extension(name: str, source: str, extra_cuda_cflags=()):
+    """The torch extension `name` from bench/extensions/`source`, built for sm_90a with CUTLASS's headers
+    (CuTe's wgmma, CUTLASS's kernels) and csrc/cuda's as setup.py finds them; exits where the machine has
+    neither."""
+    import os
+    import sys
+    import time
+
+    from torch.utils.cpp_extension import load
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    import setup  # (the extension's flags: sm_90a, CUTLASS's headers)
+
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    arch, sm90a = setup.cuda_arch_flags()
+    cutlass = setup.cutlass_root()
+    if not sm90a or cutlass is None:
+        sys.exit(f"{name}: needs an sm_90a build with CUTLASS's headers")
+    began = time.perf_counter()
+    module = load(name, [os.path.join(root, "bench", "extensions", source)],
+                  extra_include_paths=[os.path.join(root, "csrc", "cuda")],
+                  extra_cuda_cflags=["-O3", *arch, *setup.cutlass_nvcc_flags(cutlass), *extra_cuda_cflags])
+    print(f"built {name} in {time.perf_counter() - began:.0f} s")
+    return module

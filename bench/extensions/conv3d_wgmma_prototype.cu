@@ -224,6 +224,16 @@ __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2]
   }
 }
 
+// The accumulators fenced against the wgmma instructions in flight (their registers not moved across).
+__device__ __forceinline__ void fence_accumulators(float (&acc)[kTilePlanes][2][8]) {
+#pragma unroll
+  for (int zo = 0; zo < kTilePlanes; ++zo)
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) cute::warpgroup_fence_operand(acc[zo][jj][e]);
+}
+
 // x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); w_map: the layout's
 // weights (L::kWeightBytes, one box); y (N, D', H', W', 16) float32, unused with kPool. bias float32.
 template <class L, bool kPool>
@@ -293,12 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < kStagesPerTile; ++j) {
       barrier_wait(&full[stage], phase);
       const unsigned char* const box = smem + stage * S::kStageStride;
-#pragma unroll
-      for (int zo = 0; zo < kTilePlanes; ++zo)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) cute::warpgroup_fence_operand(acc[zo][jj][e]);
+      fence_accumulators(acc);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int zo = 0; zo < kTilePlanes; ++zo) {
@@ -313,12 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<1>();  // the previous stage's instructions are done: it is free
-#pragma unroll
-      for (int zo = 0; zo < kTilePlanes; ++zo)
-#pragma unroll
-        for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) cute::warpgroup_fence_operand(acc[zo][jj][e]);
+      fence_accumulators(acc);
       if (previous >= 0) barrier_arrive(&empty[previous]);
       previous = stage;
       if (++stage == kStages) {
@@ -327,12 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     cute::warpgroup_wait<0>();
-#pragma unroll
-    for (int zo = 0; zo < kTilePlanes; ++zo)
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) cute::warpgroup_fence_operand(acc[zo][jj][e]);
+    fence_accumulators(acc);
     barrier_arrive(&empty[previous]);
 
     const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
