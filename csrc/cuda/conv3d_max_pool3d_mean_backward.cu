@@ -18,8 +18,9 @@
 // block the block adds its warps' sums in warp order in shared memory and writes
 // them (one block's sums in global memory, not each warp's: 1.5 MB where each
 // warp's took 12 at a batch of one, above the original's 10 MiB peak); the
-// blocks' sums are added in a fixed order after (deterministic). A k step's lanes t read elements (dd, hh) = (t / 2, t % 2)
-// (b0: column 0, b1: column 1): with channels kOperandStride = 1 mod 32 words
+// blocks' sums are added in a fixed order after (deterministic). A k step's
+// lanes t read elements (dd, hh) = (t / 2, t % 2) (b0: column 0, b1: column
+// 1): with channels kOperandStride = 1 mod 32 words
 // apart, planes 16 and rows 8 mod 32, its 32 lanes hit distinct banks. x is
 // rounded to the weight's type (a 16-bit value is exact in TF32), g to TF32.
 #include <ATen/ATen.h>
