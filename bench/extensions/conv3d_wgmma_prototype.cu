@@ -47,6 +47,7 @@
 #include "../dispatch.h"    // (ReciprocalMultiply)
 #include "../max_pool3d.h"  // (WindowPick)
 #include "mma.cuh"          // (rounded_to)
+#include "tf32_rounding.cuh"
 #include "wgmma_ss.cuh"
 
 namespace fused_ops {
@@ -382,7 +383,7 @@ at::Tensor weights_for(const at::Tensor& weight) {
     pairs.select(1, 4).select(1, 0).copy_(w.select(1, 2).select(1, 2));
     return pairs.view({1, 15, 2 * kChannelsOut, kChannelsIn});
   } else {
-    w = w.view(at::kInt).add(0x1000).bitwise_and(static_cast<int32_t>(0xffffe000u)).view(at::kFloat);
+    w = rounded_to_tf32(w);
     if constexpr (std::is_same_v<L, Tf32Planes>) {  // (tap, chunk, o, 4 channels)
       return w.view({27, kChannelsOut, 2, 4}).transpose(1, 2).contiguous().view({1, 27, 2 * kChannelsOut, 4});
     } else {

@@ -14,11 +14,11 @@
 // for a run of rows within a plane is then x_pad's rows at a constant offset, (z + t) Hp L + r L + s from
 // the run's (n, z) plane start plus its offset p L + q' in the plane: plain 2-D TMA boxes (128 bytes of
 // channels x 32 rows, 128-byte swizzled), no im2col. A CTA: 128 rows x 128 output channels; the K loop over
-// (tap, 128 bytes of channels), the taps whose x_pad planes or rows are zeros for all its rows skipped; x_pad made
-// in one pass by padded_rows_kernel
-// (TapRanges: 21 % of SPEC's D's taps, whose zero padding makes 37 % of an implicit GEMM's products); one producer warp group (a thread issues 4 boxes of x and one of the flipped
-// filter w' a stage), two consumer warp groups of 64 rows (wgmma m64 n128, k8 TF32 or k16 bf16); y
-// (N, D', H', W', O) written in x's dtype with the bias.
+// (tap, 128 bytes of channels), the taps whose x_pad planes or rows are zeros for all its rows skipped
+// (TapRanges: 21 % of SPEC's D's taps, whose zero padding makes 37 % of an implicit GEMM's products); one
+// producer warp group (a thread issues 4 boxes of x and one of the flipped filter w' a stage), two consumer
+// warp groups of 64 rows (wgmma m64 n128, k8 TF32 or k16 bf16); y (N, D', H', W', O) written in x's dtype with
+// the bias. x_pad is made in one pass (padded_rows_kernel).
 #ifndef NDEBUG
 #define NDEBUG  // before any header (csrc/cuda/cutlass_conv.cuh says why)
 #endif
@@ -36,6 +36,7 @@
 #include "conv_transpose3d_stride1_fprop.cuh"
 #include "cutlass/arch/reg_reconfig.h"
 #include "mma.cuh"
+#include "tf32_rounding.cuh"
 #include "wgmma_ss.cuh"
 
 namespace fused_ops {
@@ -265,7 +266,7 @@ struct PaddedRows {
 };
 
 // x_pad in one pass (a block a row (n, dp, hp): x's channel rows into shared memory, then the row's L x I
-// elements written in order, zeros outside x), TF32's rounded to nearest (as rounded_to_tf32).
+// elements written in order, zeros outside x), TF32's rounded to nearest.
 template <typename T>
 __global__ void padded_rows_kernel(const T* __restrict__ x, T* __restrict__ out, const PaddedRows r) {
   extern __shared__ unsigned char tile_raw[];
@@ -288,14 +289,9 @@ __global__ void padded_rows_kernel(const T* __restrict__ x, T* __restrict__ out,
     const int i = k % r.channels, w = k / r.channels - r.pad_w;
     T v{};
     if (data && w >= 0 && w < r.width) v = tile[i * (r.width + 1) + w];
-    if constexpr (std::is_same_v<T, float>) v = __int_as_float((__float_as_int(v) + 0x1000) & 0xffffe000);
+    if constexpr (std::is_same_v<T, float>) v = rounded_to_tf32(v);
     o[k] = v;
   }
-}
-
-// t's float32 values rounded to TF32 to nearest (ties away from zero: cvt.rna's), as integers.
-at::Tensor rounded_to_tf32(const at::Tensor& t) {
-  return t.view(at::kInt).add(0x1000).bitwise_and(static_cast<int32_t>(0xffffe000u)).view(at::kFloat);
 }
 
 using Launcher = std::function<at::Tensor()>;

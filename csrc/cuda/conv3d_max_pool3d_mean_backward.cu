@@ -20,9 +20,9 @@
 // warp's took 12 at a batch of one, above the original's 10 MiB peak); the
 // blocks' sums are added in a fixed order after (deterministic). A k step's
 // lanes t read elements (dd, hh) = (t / 2, t % 2) (b0: column 0, b1: column
-// 1): with channels kOperandStride = 1 mod 32 words
-// apart, planes 16 and rows 8 mod 32, its 32 lanes hit distinct banks. x is
-// rounded to the weight's type (a 16-bit value is exact in TF32), g to TF32.
+// 1): with channels kOperandStride = 1 mod 32 words apart, planes 16 and rows
+// 8 mod 32, its 32 lanes hit distinct banks. x is rounded to the weight's type
+// (a 16-bit value is exact in TF32), g to TF32.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAException.h>
