@@ -439,6 +439,44 @@ def test_weight_grad_kernel_exact_on_integer_data(tf32):
 
 
 @requires_cuda
+@pytest.mark.parametrize("mask", [[False, True, True], [False, False, True], [False, True, False]],
+                         ids=["weight-bias", "bias", "weight"])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_weight_grad_kernel_launches_only_the_librarys_kernels(mask, grad_dtype, tf32):
+    """Where the weight-gradient kernel runs, the backward launches the library's kernels and a copy only:
+    g = grad_mean / P / divisor and the bias's gradient by its own kernel, not PyTorch's division and
+    product (whose modules, loaded at their first launch, cost a process's first training step ~16 ms on
+    an H200). 37 batch elements (past the kernel's 16 strided lanes), 5 of the 16 output channels, the
+    masks: the gradients the float64 ones on the same picks, within g's and the sums' roundings."""
+    x, w, b = make_convolution_case((37, 8, 4, 6, 16), (5, 8, 3, 3, 3), True, torch.float32, "cuda")
+    padding, pool, divisor = [1, 0, 1], [2, 2, 2], -0.7
+    _, indices = OP(x, w, b, padding, pool, divisor, True)
+    grad_mean = (torch.rand(37, 5, device="cuda") - 0.5).to(grad_dtype)
+    args = (padding, pool, divisor, mask)
+
+    def backward():
+        return BACKWARD(grad_mean, indices, x, w, *args)
+
+    names = cuda_kernel_names(backward)
+    assert any("mean_gradient_kernel" in name for name in names)
+    assert weight_grad_kernel_ran(backward) == mask[1]
+    assert all("fused_ops" in name or "direct_copy_kernel" in name for name in names), names
+    _, grad_w, grad_b = backward()
+    _, ref_w, ref_b = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x.double().cpu(), w.double().cpu(), *args)
+    _, mag_w, mag_b = BACKWARD(grad_mean.double().abs().cpu(), indices.cpu(), x.double().abs().cpu(),
+                               w.double().cpu(), padding, pool, abs(divisor), mask)
+    terms = x.shape[0] * indices[0, 0].numel()
+    if mask[1]:
+        within(grad_w, ref_w, (2.0 ** -10 + (terms + 4) * 2.0 ** -24) * mag_w)  # (g and x to TF32)
+    else:
+        assert grad_w.numel() == 0
+    if mask[2]:
+        within(grad_b, ref_b, (x.shape[0] + 4) * 2.0 ** -24 * mag_b)
+    else:
+        assert grad_b.numel() == 0
+
+
+@requires_cuda
 def test_weight_grad_kernel_scratch_under_x(tf32):
     """The weight-gradient kernel's scratch at a batch of one (SPEC's A): the backward allocates less than
     x's bytes beyond what it returns (one block's sums each: a sum per warp took 12 MB, x being 2 MB, and

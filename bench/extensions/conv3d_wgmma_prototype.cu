@@ -21,10 +21,11 @@
 // A CTA (persistent over tiles): a tile is 2 output planes (z0, z0 + 1) x 4 output rows (h0 .. h0 + 3) of one
 // n; its 4 stages are x planes z0 .. z0 + 3, rows h0 .. h0 + 5 (TMA boxes, zeros past x's end); stage j adds
 // tap t = j - zo to output plane z0 + zo. One producer warp group (a thread issues the boxes), two consumer
-// warp groups of 2 output rows each (4 m64 n16 accumulators of 8 floats: 2 planes x 2 rows). Shared memory
-// reads bound it: 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192 MACs. With kPool a
-// consumer's two rows are one row of pool windows over both planes: a lane holds 4 of a window's elements
-// (column w), lane ^ 4 the other 4 (column w ^ 1); their picks merge by a shuffle.
+// warp groups taking alternate tiles (ping-pong: one's epilogue runs while the other's wgmma instructions do),
+// each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). Shared memory reads
+// bound it: 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192 MACs. With kPool a row pair is one
+// row of pool windows over both planes: a lane holds 4 of a window's elements (column w), lane ^ 4 the other
+// 4 (column w ^ 1); their picks merge by a shuffle.
 #ifndef NDEBUG
 #define NDEBUG  // before any header (csrc/cuda/cutlass_conv.cuh says why)
 #endif
@@ -148,7 +149,7 @@ struct Conv3dTiles {
   float* partial;                        // kPool: (tiles, 8 warps, 16): each warp's sum of its windows
 };
 
-// y's epilogue of a consumer's accumulators (planes z0 + zo, rows h0 + jj): fragment element e is row 16 warp +
+// y's epilogue of a row pair's accumulators (planes z0 + zo, rows h0 + jj): fragment element e is row 16 warp +
 // lane / 4 (+ 8 for e % 4 >= 2) of the m64 tile (the output column w), output channel 8 (e / 4) + 2 (lane % 4) +
 // e % 2; y + bias written where inside y.
 __device__ __forceinline__ void conv_epilogue(const float (&acc)[kTilePlanes][2][8], const float* __restrict__ bias,
@@ -177,13 +178,13 @@ __device__ __forceinline__ void conv_epilogue(const float (&acc)[kTilePlanes][2]
   }
 }
 
-// The pool's epilogue of a consumer's accumulators (planes 2 pd + zo, rows 2 ph + jj): each window's pick of
+// The pool's epilogue of a row pair's accumulators (planes 2 pd + zo, rows 2 ph + jj): each window's pick of
 // y = (acc + bias) / divisor rounded as PyTorch rounds the convolution's output and the quotient (to T),
 // written where the window lies inside the pooled output, and this warp's sum of its windows' values per
 // output channel into p.partial.
 template <typename T>
 __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2][8], const float* __restrict__ bias,
-                                              const Conv3dTiles& p, int tile, int n, int pd, int ph, int consumer,
+                                              const Conv3dTiles& p, int tile, int n, int pd, int ph, int pair,
                                               int warp, int lane) {
   float sum[4] = {0.f, 0.f, 0.f, 0.f};  // (fragment elements e % 2 + 2 (e / 4): channels o = 8 (e / 4) + 2 (lane % 4) + e % 2)
 #pragma unroll
@@ -219,20 +220,16 @@ __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2]
     sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 8);
     sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 16);
     if (lane < 4) {
-      p.partial[(static_cast<int64_t>(tile) * 8 + 4 * consumer + warp) * kChannelsOut + 8 * (k / 2) + 2 * lane + k % 2] =
+      p.partial[(static_cast<int64_t>(tile) * 8 + 4 * pair + warp) * kChannelsOut + 8 * (k / 2) + 2 * lane + k % 2] =
           sum[k];
     }
   }
 }
 
 // The accumulators fenced against the wgmma instructions in flight (their registers not moved across).
-__device__ __forceinline__ void fence_accumulators(float (&acc)[kTilePlanes][2][8]) {
+__device__ __forceinline__ void fence_accumulators(float (&acc)[2][kTilePlanes][2][8]) {
 #pragma unroll
-  for (int zo = 0; zo < kTilePlanes; ++zo)
-#pragma unroll
-    for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-      for (int e = 0; e < 8; ++e) cute::warpgroup_fence_operand(acc[zo][jj][e]);
+  for (int e = 0; e < 2 * kTilePlanes * 2 * 8; ++e) cute::warpgroup_fence_operand((&acc[0][0][0][0])[e]);
 }
 
 // x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); w_map: the layout's
@@ -254,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (before the copy engine writes there)
-  init_stage_barriers(full, empty, kStages, 2 * 128);          // (released by every consumer thread)
+  init_stage_barriers(full, empty, kStages, 128);              // (released by one consumer's threads)
   if (threadIdx.x == 0) barrier_init(weights_landed);
   __syncthreads();
 
@@ -286,23 +283,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   cutlass::arch::warpgroup_reg_alloc<232>();
-  const int consumer = threadIdx.x / 128 - 1;  // its output rows h0 + 2 consumer + {0, 1}
+  // ping-pong: consumer c takes the CTA's tiles k = c, c + 2, ... (tile blockIdx.x + k gridDim.x, stages 4k ..
+  // 4k + 3 of the ring), all 4 rows, so that one's epilogue runs while the other's wgmma instructions do
+  const int consumer = threadIdx.x / 128 - 1;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   barrier_wait(weights_landed, 0);
-  int stage = 0;
-  uint32_t phase = 0;
-  for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-    float acc[kTilePlanes][2][8];  // (output plane zo, row jj, the m64 n16 fragment)
+  for (int k = consumer, tile = blockIdx.x + consumer * gridDim.x; tile < p.tiles; k += 2, tile += 2 * gridDim.x) {
+    float acc[2][kTilePlanes][2][8];  // (row pair jj / 2, output plane zo, row jj % 2, the m64 n16 fragment)
 #pragma unroll
-    for (int zo = 0; zo < kTilePlanes; ++zo)
-#pragma unroll
-      for (int jj = 0; jj < 2; ++jj)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[zo][jj][e] = 0.f;
+    for (int e = 0; e < 2 * kTilePlanes * 2 * 8; ++e) (&acc[0][0][0][0])[e] = 0.f;
     int previous = -1;
 #pragma unroll
     for (int j = 0; j < kStagesPerTile; ++j) {
-      barrier_wait(&full[stage], phase);
+      const int64_t item = int64_t{k} * kStagesPerTile + j;
+      const int stage = static_cast<int>(item % kStages);
+      barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
       const unsigned char* const box = smem + stage * S::kStageStride;
       fence_accumulators(acc);
       cute::warpgroup_arrive();
@@ -314,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int step = 0; step < L::kSteps; ++step) {
           const uint64_t b = L::b(weights, t, step);
 #pragma unroll
-          for (int jj = 0; jj < 2; ++jj) L::mma(L::a(box, 2 * consumer + jj, step), b, acc[zo][jj]);
+          for (int jj = 0; jj < kTileRows; ++jj) L::mma(L::a(box, jj, step), b, acc[jj / 2][zo][jj % 2]);
         }
       }
       cute::warpgroup_commit_batch();
@@ -322,10 +317,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_accumulators(acc);
       if (previous >= 0) barrier_arrive(&empty[previous]);
       previous = stage;
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
     }
     cute::warpgroup_wait<0>();
     fence_accumulators(acc);
@@ -333,10 +324,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
     const int n = tile / p.row_blocks / p.plane_pairs;
-    if constexpr (kPool) {
-      pool_epilogue<typename L::T>(acc, bias, p, tile, n, pp, 2 * rb + consumer, consumer, warp, lane);
-    } else {
-      conv_epilogue(acc, bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * consumer, warp, lane);
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      if constexpr (kPool) {
+        pool_epilogue<typename L::T>(acc[pair], bias, p, tile, n, pp, 2 * rb + pair, pair, warp, lane);
+      } else {
+        conv_epilogue(acc[pair], bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * pair, warp, lane);
+      }
     }
   }
 }

@@ -171,7 +171,60 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-// grad_weight (O, C, 3, 3, 3) float32 by the kernel, or an undefined tensor where it does not run.
+constexpr int kBatchLanes = 16;  // mean_gradient_kernel's threads a channel
+
+// g[n, o] = grad_mean[n, o] / P * (1 / divisor) as max_pool3d_mean's backward forms it (a true division by P,
+// then the divisor's reciprocal as PyTorch multiplies by a number), rounded to the weight's type W, and 0 for
+// O <= o < kChannels (the weight-gradient kernel's m16 operand); grad_bias[o] = (sum over n of g[n, o]) * P in
+// W, the sum over n by kBatchLanes strided partial sums added in lane order. (PyTorch's own division and
+// product kernels would each load a module at a process's first training step: ~8 ms apiece on an H200.)
+template <typename grad_t, typename W>
+__global__ void __launch_bounds__(kChannels * kBatchLanes)
+    mean_gradient_kernel(const grad_t* __restrict__ grad_mean, int64_t batch, int O, float windows,
+                         float reciprocal, float* __restrict__ g, W* __restrict__ grad_bias) {
+  __shared__ float partial[kBatchLanes][kChannels];
+  const int o = threadIdx.x, lane = threadIdx.y;
+  float sum = 0.f;
+  for (int64_t n = lane; n < batch; n += kBatchLanes) {
+    float v = 0.f;
+    if (o < O) {
+      const float scaled = __fmul_rn(__fdiv_rn(static_cast<float>(grad_mean[n * O + o]), windows), reciprocal);
+      v = static_cast<float>(static_cast<W>(scaled));
+    }
+    g[n * kChannels + o] = v;
+    sum += v;
+  }
+  partial[lane][o] = sum;
+  __syncthreads();
+  if (grad_bias == nullptr || lane != 0 || o >= O) return;
+  for (int l = 1; l < kBatchLanes; ++l) sum += partial[l][o];
+  grad_bias[o] = static_cast<W>(__fmul_rn(sum, windows));
+}
+
+// {g (N, kChannels) float32, grad_bias (O) in the weight's type or undefined} by mean_gradient_kernel.
+std::tuple<at::Tensor, at::Tensor> mean_gradient(const at::Tensor& grad_mean, const at::Tensor& weight,
+                                                 const Conv3dPoolGeometry& geometry, double divisor, bool bias) {
+  const int64_t batch = grad_mean.size(0);
+  const int O = static_cast<int>(weight.size(0));
+  const float windows = static_cast<float>(geometry.pooled[0] * geometry.pooled[1] * geometry.pooled[2]);
+  const at::Tensor grad = grad_mean.contiguous();
+  at::Tensor g = at::empty({batch, kChannels}, grad.options().dtype(at::kFloat));
+  at::Tensor grad_bias = bias ? at::empty({O}, weight.options()) : at::Tensor();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  FUSED_OPS_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "conv3d_max_pool3d_mean_backward", [&] {
+    using grad_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "mean_gradient", [&] {
+      mean_gradient_kernel<grad_t, scalar_t><<<1, dim3(kChannels, kBatchLanes), 0, stream>>>(
+          grad.const_data_ptr<grad_t>(), batch, O, windows, ReciprocalMultiply<float>(divisor).reciprocal,
+          g.mutable_data_ptr<float>(), bias ? grad_bias.mutable_data_ptr<scalar_t>() : nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {g, grad_bias};
+}
+
+// grad_weight (O, C, 3, 3, 3) float32 by the kernel from g (N, kChannels), or an undefined tensor where it does
+// not run.
 at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices, const at::Tensor& x,
                                  const at::Tensor& weight, const Conv3dPoolGeometry& geometry) {
   at::Tensor grad_weight;
@@ -185,9 +238,8 @@ at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices,
     p.grid = task_grid(x, weight, geometry);
     p.O = static_cast<int>(weight.size(0));
     p.stages = layout.stages;
-    const at::Tensor g16 = at::constant_pad_nd(g, {0, kChannels - weight.size(0)}).contiguous();
     const at::Tensor picks = indices.contiguous();
-    p.g = g16.const_data_ptr<float>();
+    p.g = g.const_data_ptr<float>();
     p.picks = picks.const_data_ptr<uint8_t>();
     const int64_t blocks = std::min<int64_t>(p.grid.tasks, resident_blocks(kernel, kThreads, layout.smem));
     at::Tensor partial = at::empty({p.grid.channel_blocks, blocks, kGradWords}, x.options());
@@ -218,28 +270,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_c
   const Conv3dPoolGeometry geometry =
       check_conv3d_max_pool3d_mean_backward(grad_mean, indices, x, weight, padding, pool, divisor);
   const c10::cuda::CUDAGuard guard(x.device());
-  if (output_mask[1] || output_mask[2]) {
-    // g = grad_mean / P / divisor, as max_pool3d_mean's backward forms it (a true division by P, the
-    // divisor's as PyTorch divides by a number), in the weight's type
-    const double windows = static_cast<double>(geometry.pooled[0] * geometry.pooled[1] * geometry.pooled[2]);
-    const at::Tensor count = at::full({}, windows, grad_mean.options().dtype(at::kFloat));  // (on the GPU: no
-    // reciprocal product, as a CPU scalar's division would be)
-    const at::Tensor g = at::mul(at::div(grad_mean.to(at::kFloat), count),
-                                 static_cast<double>(ReciprocalMultiply<float>(divisor).reciprocal))
-                             .to(weight.scalar_type())
-                             .to(at::kFloat);
-    const at::Tensor xc = x.contiguous();
-    const at::Tensor grad_weight = output_mask[1] ? weight_grad_by_kernel(g, indices, xc, weight, geometry)
+  if ((output_mask[1] || output_mask[2]) && kernel_takes(x, weight, geometry)) {
+    const auto [g, grad_bias] = mean_gradient(grad_mean, weight, geometry, divisor, output_mask[2]);
+    const at::Tensor grad_weight = output_mask[1] ? weight_grad_by_kernel(g, indices, x, weight, geometry)
                                                   : at::Tensor();
     if (!output_mask[1] || grad_weight.defined()) {
-      const at::Tensor grad_bias = output_mask[2] ? at::mul(at::sum(g, {0}), windows).to(weight.scalar_type())
-                                                  : x.new_empty({0});
       const at::Tensor grad_x =
           output_mask[0] ? std::get<0>(conv3d_max_pool3d_mean_backward_composite(grad_mean, indices, x, weight,
                                                                                  geometry, divisor,
                                                                                  {true, false, false}))
                          : x.new_empty({0});
-      return {grad_x, output_mask[1] ? grad_weight.to(weight.scalar_type()) : x.new_empty({0}), grad_bias};
+      return {grad_x, output_mask[1] ? grad_weight.to(weight.scalar_type()) : x.new_empty({0}),
+              output_mask[2] ? grad_bias : x.new_empty({0})};
     }
   }
   return conv3d_max_pool3d_mean_backward_composite(grad_mean, indices, x, weight, geometry, divisor, output_mask);
