@@ -176,19 +176,22 @@ constexpr int kBatchLanes = 16;  // mean_gradient_kernel's threads a channel
 // g[n, o] = grad_mean[n, o] / P * (1 / divisor) as max_pool3d_mean's backward forms it (a true division by P,
 // then the divisor's reciprocal as PyTorch multiplies by a number), rounded to the weight's type W, and 0 for
 // O <= o < kChannels (the weight-gradient kernel's m16 operand); grad_bias[o] = (sum over n of g[n, o]) * P in
-// W, the sum over n by kBatchLanes strided partial sums added in lane order. (PyTorch's own division and
-// product kernels would each load a module at a process's first training step: ~8 ms apiece on an H200.)
+// W, the sum over n by kBatchLanes strided partial sums added in lane order. grad_mean is read through its
+// strides (autograd passes it expanded from the module's sum: a copy, PyTorch's division and its product would
+// each load a module of PyTorch's at a process's first training step, 8-14 ms apiece on an H200).
 template <typename grad_t, typename W>
 __global__ void __launch_bounds__(kChannels * kBatchLanes)
-    mean_gradient_kernel(const grad_t* __restrict__ grad_mean, int64_t batch, int O, float windows,
-                         float reciprocal, float* __restrict__ g, W* __restrict__ grad_bias) {
+    mean_gradient_kernel(const grad_t* __restrict__ grad_mean, int64_t batch, int O, int64_t batch_stride,
+                         int64_t channel_stride, float windows, float reciprocal, float* __restrict__ g,
+                         W* __restrict__ grad_bias) {
   __shared__ float partial[kBatchLanes][kChannels];
   const int o = threadIdx.x, lane = threadIdx.y;
   float sum = 0.f;
   for (int64_t n = lane; n < batch; n += kBatchLanes) {
     float v = 0.f;
     if (o < O) {
-      const float scaled = __fmul_rn(__fdiv_rn(static_cast<float>(grad_mean[n * O + o]), windows), reciprocal);
+      const float value = static_cast<float>(grad_mean[n * batch_stride + o * channel_stride]);
+      const float scaled = __fmul_rn(__fdiv_rn(value, windows), reciprocal);
       v = static_cast<float>(static_cast<W>(scaled));
     }
     g[n * kChannels + o] = v;
@@ -207,16 +210,16 @@ std::tuple<at::Tensor, at::Tensor> mean_gradient(const at::Tensor& grad_mean, co
   const int64_t batch = grad_mean.size(0);
   const int O = static_cast<int>(weight.size(0));
   const float windows = static_cast<float>(geometry.pooled[0] * geometry.pooled[1] * geometry.pooled[2]);
-  const at::Tensor grad = grad_mean.contiguous();
-  at::Tensor g = at::empty({batch, kChannels}, grad.options().dtype(at::kFloat));
+  at::Tensor g = at::empty({batch, kChannels}, grad_mean.options().dtype(at::kFloat));
   at::Tensor grad_bias = bias ? at::empty({O}, weight.options()) : at::Tensor();
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  FUSED_OPS_DISPATCH_FLOATING_TYPES(grad.scalar_type(), "conv3d_max_pool3d_mean_backward", [&] {
+  FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_mean.scalar_type(), "conv3d_max_pool3d_mean_backward", [&] {
     using grad_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "mean_gradient", [&] {
       mean_gradient_kernel<grad_t, scalar_t><<<1, dim3(kChannels, kBatchLanes), 0, stream>>>(
-          grad.const_data_ptr<grad_t>(), batch, O, windows, ReciprocalMultiply<float>(divisor).reciprocal,
-          g.mutable_data_ptr<float>(), bias ? grad_bias.mutable_data_ptr<scalar_t>() : nullptr);
+          grad_mean.const_data_ptr<grad_t>(), batch, O, grad_mean.stride(0), grad_mean.stride(1), windows,
+          ReciprocalMultiply<float>(divisor).reciprocal, g.mutable_data_ptr<float>(),
+          bias ? grad_bias.mutable_data_ptr<scalar_t>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
