@@ -4,7 +4,7 @@ cudnn.benchmark), eval forward and training step, under an optional autocast, ti
 and profiled as fused_ops.cli times them (cli.timed_call); prints each variant's
 CUDA-event median, the GPU's busy time and its top CUDA kernels.
 
-    python bench/profile_models.py [--models A,B] [--autocast bfloat16] [--top 8] [--host]
+    python bench/profile_models.py [--models A,B] [--autocast bfloat16] [--top 8] [--host] [--batch N]
 
 --host also lists the host's side of the profiled call: its wall time, and the ops and CUDA runtime
 calls by self CPU time (where a call whose GPU is idle part of the time spends its host's time).
@@ -27,13 +27,14 @@ def main():
     parser.add_argument("--autocast", choices=cli.AUTOCAST_DTYPES)
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--host", action="store_true", help="the host's ops and runtime calls too")
+    parser.add_argument("--batch", type=int, help="the input's batch (default: SPEC's)")
     args = parser.parse_args()
     device = torch.device("cuda")
     autocast_dtype = cli.AUTOCAST_DTYPES.get(args.autocast)
     for arch in ARCHITECTURES:
         if arch.letter not in args.models.split(","):
             continue
-        x = torch.rand(arch.input_shape("spec"), device=device)
+        x = torch.rand(arch.input_shape("spec", args.batch), device=device)
         original = arch.build_original().to(device)
         variants = {"eager": original, "tuned": cli.Tuned(original),
                     "fused": arch.fused_from(copy.deepcopy(original))}
