@@ -186,12 +186,13 @@ def choose(module: nn.Module, config: Callable[[], tuple], formulations: Callabl
     that one; where the tuner found it host-bound and the calls with this signature are many, it
     is replayed from a CUDA graph (``fused_ops._graphed``) while `graph_stamp()` (the module's
     configuration and tensor memory, None where its call may not be graphed) stays as at the
-    capture. The module remembers its latest call's signature and settled choice, so that a call
-    like the one before runs it without building the key or the list of formulations (host
-    time: at a batch of one a whole call on a GPU takes about 0.1 ms); where it no longer holds
-    (run gives None), the call chooses again. Under a torch.func transform (grad, vjp, jacrev,
-    vmap, ...; compiled too) the call runs the original's own ops, which functorch transforms: it
-    cannot transform the fused ops' C++ autograd, nor vmap a layout change."""
+    capture. The module remembers its latest call's signature and its key's settled choice (or, while
+    the key still chooses, its tuning), so that a call like the one before runs it without building
+    the key or the list of formulations (host time: at a batch of one a whole call on a GPU takes
+    about 0.1 ms); where a settled choice no longer holds (run gives None), the call chooses again.
+    Under a torch.func transform (grad, vjp, jacrev, vmap, ...; compiled too) the call runs the
+    original's own ops, which functorch transforms: it cannot transform the fused ops' C++
+    autograd, nor vmap a layout change."""
     if _trace.transformed():
         _LAST[0] = "original"
         return "original", run("original", x)
@@ -211,9 +212,16 @@ def _choose(module: nn.Module, config, formulations, run, x: Tensor, graph_stamp
     signature = _signature(module, x)
     memo = module.__dict__.get("_fused_ops_choice")
     if memo is not None and memo[0] == _GENERATION[0] and memo[1] == signature:
-        out = _run_settled(module, signature, memo[2], graph_stamp, run, x)
-        if out is not None:
-            return memo[2].choice[0] if memo[2] is not None else memo[3], out
+        tuning = memo[2]
+        if tuning is not None and tuning.choice is None:  # (its key still choosing: the call as below)
+            if not _capturing(x) and not _saved_tensors_hooked():
+                name, out = tuning.call(module, run, x, signature)
+                _LAST[0] = name
+                return name, out
+        else:
+            out = _run_settled(module, signature, tuning, graph_stamp, run, x)
+            if out is not None:
+                return tuning.choice[0] if tuning is not None else memo[3], out
     order = formulations(x)
     capturing = _capturing(x)
     tuning = None
@@ -227,6 +235,7 @@ def _choose(module: nn.Module, config, formulations, run, x: Tensor, graph_stamp
     # the formulation its forward ran, which a tuning would move on from)
     if tuning is not None and tuning.choice is None and not capturing and not _saved_tensors_hooked():
         name, out = tuning.call(module, run, x, signature)
+        module.__dict__["_fused_ops_choice"] = (_GENERATION[0], signature, tuning, None)
         _LAST[0] = name
         return name, out
     if tuning is not None and tuning.choice is not None:
@@ -403,17 +412,21 @@ class _Timing:
         return sum(spans), spans[0], self.host_ms
 
 
-def _read_passed(pending: list, keep: Callable, stale: Callable) -> None:
+def _read_passed(pending: list, keep: Callable, stale: Callable) -> bool:
     """Reads the pending timings (entries (the call they were made at, ..., their _Timing, ...)) that have
     passed, each kept by keep(entry, read); a timing read, or stale(entry) (not read within PENDING_CALLS
-    calls: a backward that never ran), is closed (its hooks removed) and leaves `pending`."""
+    calls: a backward that never ran), is closed (its hooks removed) and leaves `pending`. Whether any was
+    read."""
+    any_read = False
     for entry in list(pending):
         read = entry[2].read()
         if read is not None:
             keep(entry, read)
+            any_read = True
         if read is not None or stale(entry):
             entry[2].close()
             pending.remove(entry)
+    return any_read
 
 
 def _batch_bits(key: tuple) -> int:
@@ -452,6 +465,8 @@ class _Tuning:
         self.firsts: dict[str, list[float]] = {name: [] for name in order}  # ms of its first calls of a signature
         self.ran: set[tuple[str, tuple]] = set()  # (candidate, signature) run
         self.untimed = 0  # calls not timed (the first candidate's, before trying the others)
+        self.readings = 0  # timings read (of first calls too)
+        self.pays_terms: tuple | None = None  # _pays's terms as of `readings`
         self.explored: int | None = None  # the call at which trying the others began
         self.calls = 0
         self.choice: tuple[str, bool] | None = _SAVED.get(_saved_key(key)) if _SAVED else None
@@ -576,11 +591,14 @@ class _Tuning:
 
         def keep(entry, read):
             _, name, _, first = entry
+            self.readings += 1
             if first:
                 self.firsts[name].append(read[0])
             else:
                 self.timings[name].append(read)
-        _read_passed(self.pending, keep, lambda entry: self.calls - entry[0] > PENDING_CALLS)
+        read = _read_passed(self.pending, keep, lambda entry: self.calls - entry[0] > PENDING_CALLS)
+        if not read and self.explored is None and len(self.candidates) > 1:
+            return  # (no new timing: no candidate to drop, and none is tried yet)
         medians = self._medians()
         best = min(medians.values(), default=None)
         for name in self.candidates[1:]:  # (far slower: not run again)
@@ -607,12 +625,16 @@ class _Tuning:
         lead = self.candidates[0]
         if len(self.timings[lead]) < SAMPLES or not self.firsts[lead]:
             return False
-        median = statistics.median([t[0] for t in self.timings[lead]])
-        set_up = max(min(self.firsts[lead]) - median, 0.0)
-        cost = (len(self.candidates) - 1) * (set_up + (SAMPLES + 1) * (ELIMINATE - 1) * median)
-        spent = (sum(t[0] for timings in self.timings.values() for t in timings)
-                 + sum(sum(firsts) for firsts in self.firsts.values()) + self.untimed * median)
-        return cost <= EXPLORE_SHARE * spent
+        state = (lead, len(self.candidates), self.readings)  # (what the terms below depend on, but the untimed)
+        if self.pays_terms is None or self.pays_terms[0] != state:
+            median = statistics.median([t[0] for t in self.timings[lead]])
+            set_up = max(min(self.firsts[lead]) - median, 0.0)
+            cost = (len(self.candidates) - 1) * (set_up + (SAMPLES + 1) * (ELIMINATE - 1) * median)
+            timed = (sum(t[0] for timings in self.timings.values() for t in timings)
+                     + sum(sum(firsts) for firsts in self.firsts.values()))
+            self.pays_terms = (state, median, cost, timed)
+        _, median, cost, timed = self.pays_terms
+        return cost <= EXPLORE_SHARE * (timed + self.untimed * median)
 
     def _next(self) -> str:
         """The candidate to run: the settled one; the first while trying the others does not pay
