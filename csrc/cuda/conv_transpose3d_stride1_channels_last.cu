@@ -10,10 +10,10 @@
 // output channels) per CTA; in TF32, clusters of 4 CTAs along M that load the filter's tile once by TMA
 // multicast (SPEC's D on an H200: 2.54 ms against 2.94 without, 0.86x; bf16 1.42 either way:
 // bench/bench_conv_transpose3d_stride1_variants.py, bench/results/conv_transpose3d_stride1_variants-*).
-// x is read in place where it is channels_last_3d and 16-byte aligned, else from an NDHWC copy; w' is made by a copy (flipped_filter_kernel: the weight's size). Everything else --
-// float16, float64, float32 without TF32, another device, channels not a multiple of 16 bytes, sizes CUTLASS
-// refuses (can_implement) or over 2^31 - 1 elements -- by aten.conv_transpose3d, as does a build
-// without CUTLASS.
+// x is read in place where it is channels_last_3d and 16-byte aligned, else from an NDHWC copy; w' is made
+// by a copy (flipped_filter_kernel: the weight's size). Everything else -- float16, float64, float32 without
+// TF32, another device, channels not a multiple of 16 bytes, sizes CUTLASS refuses (can_implement) or over
+// 2^31 - 1 elements -- by aten.conv_transpose3d, as does a build without CUTLASS.
 
 #ifdef FUSED_OPS_CUTLASS
 #ifndef NDEBUG
