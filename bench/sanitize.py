@@ -70,15 +70,17 @@ def main():
     print("conv2d_sigmoid_sum: ok")
     # architecture A's kernels (TF32; bf16 with x rounded): padding with a lead column, windows past the
     # output's edge, two channel blocks, fewer than 16 outputs, a negative divisor; forward alone, then
-    # forward saving the picks and the weight-gradient kernel
+    # forward saving the picks and the weight-gradient kernel; each without and with A's channel bias and sum
     for x, w, padding, divisor in ((rand(2, 3, 7, 11, 20), rand(5, 3, 3, 3, 3), (1, 0, 1), -1.5),
                                    (rand(1, 11, 6, 9, 72), rand(16, 11, 3, 3, 3), 0, 2.0)):
-        b = rand(w.shape[0])
+        b, channel_bias = rand(w.shape[0]), rand(w.shape[0])
         for weight, bias in ((w, b), (w.bfloat16(), b.bfloat16())):
-            fused_ops.conv3d_max_pool3d_mean(x, weight, bias, padding, 2, divisor)
-            leaves = [weight.clone().requires_grad_(), bias.clone().requires_grad_()]
-            out = fused_ops.conv3d_max_pool3d_mean(x, *leaves, padding, 2, divisor)
-            out.float().backward(torch.rand_like(out.float()))
+            for tail in ({}, dict(channel_bias=channel_bias, sum_channels=True)):
+                fused_ops.conv3d_max_pool3d_mean(x, weight, bias, padding, 2, divisor, **tail)
+                leaves = [weight.clone().requires_grad_(), bias.clone().requires_grad_()]
+                tail = {k: v.clone().requires_grad_() if k == "channel_bias" else v for k, v in tail.items()}
+                out = fused_ops.conv3d_max_pool3d_mean(x, *leaves, padding, 2, divisor, **tail)
+                out.float().backward(torch.rand_like(out.float()))
     if DEV == "cuda":
         torch.cuda.synchronize()
     print("conv3d_max_pool3d_mean: ok")

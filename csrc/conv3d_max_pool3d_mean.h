@@ -7,6 +7,11 @@
 // `tensor / number` (dispatch.h), and each window picks by PyTorch's rule
 // (max_pool3d.h); with save_indices the picks are saved as max_pool3d_mean
 // saves them: one byte per window, its scan-order offset, (N, O, D', H', W').
+// With a channel bias b (O) and sum_channels (architecture A's module):
+//   out[n] = sum over o of (mean[n, o] + b[o]),
+// the addition in the dtype PyTorch's `mean + b` promotes to, the sum accumulated in
+// float32 and rounded to it, as `torch.sum` does: the module's bias and sum in the op
+// (its training step one forward op and one backward node).
 //
 // On a GPU (cuda/conv3d_max_pool3d_mean.cu) the convolution runs on tensor
 // cores and the division, pool and mean are its epilogue: y never reaches
@@ -16,7 +21,9 @@
 // Backward, with P = D' H' W' windows: a window's gradient grad_mean[n, o] / P
 // reaches its pick, divided by the divisor as PyTorch divides (max_pool3d_mean's
 // backward gives grad_y from the saved picks), then the convolution's backward
-// (PyTorch's) gives the gradients of x, the weight and the bias.
+// (PyTorch's) gives the gradients of x, the weight and the bias. With a channel bias
+// and sum_channels, grad_mean[n, o] = grad_out[n] (rounded to the mean's dtype, as
+// autograd casts a gradient to its input's dtype) and grad_b[o] = sum over n of grad_out[n].
 #pragma once
 
 #include <ATen/ATen.h>
@@ -67,6 +74,33 @@ inline Conv3dPoolGeometry conv3d_max_pool3d_mean_geometry(const at::Tensor& x, c
   return g;
 }
 
+// The checks of a channel bias: (O) floating point on x's device.
+inline void check_channel_bias(const char* what, const at::Tensor& x, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& channel_bias) {
+  if (!channel_bias.has_value()) return;
+  TORCH_CHECK_VALUE(channel_bias->dim() == 1 && channel_bias->size(0) == weight.size(0), what,
+                    ": channel_bias must have shape (out_channels,) = (", weight.size(0), ",), got ",
+                    channel_bias->sizes());
+  TORCH_CHECK_TYPE(at::isFloatingType(channel_bias->scalar_type()), what,
+                   ": channel_bias must be a floating-point tensor, got ", channel_bias->scalar_type());
+  TORCH_CHECK_VALUE(channel_bias->device() == x.device(), what, ": channel_bias must be on x's device (",
+                    x.device(), "), got ", channel_bias->device());
+}
+
+// The result's dtype: the mean's, or with a channel bias the dtype `mean + channel_bias` promotes to.
+inline at::ScalarType channel_bias_result_dtype(at::ScalarType mean_dtype,
+                                                const std::optional<at::Tensor>& channel_bias) {
+  return channel_bias.has_value() ? at::promote_types(mean_dtype, channel_bias->scalar_type()) : mean_dtype;
+}
+
+// mean (+ channel_bias) (summed over channels) by PyTorch's ops: the CPU's, and the GPU's
+// where its kernel does not apply.
+inline at::Tensor add_channel_bias_and_sum(const at::Tensor& mean, const std::optional<at::Tensor>& channel_bias,
+                                           bool sum_channels) {
+  const at::Tensor biased = channel_bias.has_value() ? mean + *channel_bias : mean;
+  return sum_channels ? biased.sum(1) : biased;
+}
+
 namespace detail {
 inline std::tuple<at::Tensor, at::Tensor> call_max_pool3d_mean(const at::Tensor& y, at::IntArrayRef kernel,
                                                                double divisor, bool save_indices,
@@ -103,7 +137,8 @@ inline std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_composite(
 inline Conv3dPoolGeometry check_conv3d_max_pool3d_mean_backward(const at::Tensor& grad_mean,
                                                                 const at::Tensor& indices, const at::Tensor& x,
                                                                 const at::Tensor& weight, c10::IntArrayRef padding,
-                                                                c10::IntArrayRef pool, double divisor) {
+                                                                c10::IntArrayRef pool, double divisor,
+                                                                std::optional<at::ScalarType> mean_dtype) {
   constexpr const char* what = "conv3d_max_pool3d_mean_backward";
   const Conv3dPoolGeometry g =
       conv3d_max_pool3d_mean_geometry(x, weight, std::nullopt, padding, pool, divisor, what);
@@ -112,6 +147,8 @@ inline Conv3dPoolGeometry check_conv3d_max_pool3d_mean_backward(const at::Tensor
                     "), got ", grad_mean.sizes());
   TORCH_CHECK_TYPE(at::isFloatingType(grad_mean.scalar_type()), what,
                    ": grad_mean must be a floating-point tensor, got ", grad_mean.scalar_type());
+  TORCH_CHECK_TYPE(!mean_dtype.has_value() || at::isFloatingType(*mean_dtype), what,
+                   ": mean_dtype must be a floating-point dtype, got ", *mean_dtype);
   const std::array<int64_t, 5> shape{x.size(0), weight.size(0), g.pooled[0], g.pooled[1], g.pooled[2]};
   TORCH_CHECK_VALUE(indices.sizes() == at::IntArrayRef(shape) && indices.scalar_type() == at::kByte, what,
                     ": indices must be the forward's (save_indices=True): uint8 of shape ", at::IntArrayRef(shape),
@@ -122,23 +159,30 @@ inline Conv3dPoolGeometry check_conv3d_max_pool3d_mean_backward(const at::Tensor
   return g;
 }
 
-// grad_x, grad_weight, grad_bias (each where output_mask asks for it, else an
-// empty tensor; contiguous): grad_y from the picks (max_pool3d_mean's
-// backward), then PyTorch's convolution backward; x's gradient in x's dtype
-// (the rounding of a float32 x to a 16-bit weight's dtype has the identity's
-// gradient), the others in the weight's.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_composite(
+// grad_x, grad_weight, grad_bias, grad_channel_bias (each where output_mask asks for
+// it, else an empty tensor; contiguous): grad_y from the picks (max_pool3d_mean's
+// backward on grad_mean rounded to mean_dtype), then PyTorch's convolution backward; x's
+// gradient in x's dtype (the rounding of a float32 x to a 16-bit weight's dtype has the
+// identity's gradient), the weight's and the bias's in the weight's; the channel bias's,
+// the sum over the batch of grad_mean, in grad_mean's.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_composite(
     const at::Tensor& grad_mean, const at::Tensor& indices, const at::Tensor& x, const at::Tensor& weight,
-    const Conv3dPoolGeometry& g, double divisor, std::array<bool, 3> output_mask) {
-  const std::array<c10::SymInt, 3> conv{c10::SymInt(g.conv[0]), c10::SymInt(g.conv[1]), c10::SymInt(g.conv[2])};
-  const at::Tensor grad_y =
-      detail::call_max_pool3d_mean_backward(grad_mean, indices.contiguous(), conv, g.pool, divisor);
-  auto [grad_x, grad_weight, grad_bias] = at::convolution_backward(
-      grad_y.to(weight.scalar_type()), x.to(weight.scalar_type()), weight, at::IntArrayRef({weight.size(0)}),
-      {1, 1, 1}, g.padding, {1, 1, 1}, false, {0, 0, 0}, 1, output_mask);
+    const Conv3dPoolGeometry& g, double divisor, std::array<bool, 4> output_mask,
+    std::optional<at::ScalarType> mean_dtype) {
+  at::Tensor grad_x, grad_weight, grad_bias;
+  if (output_mask[0] || output_mask[1] || output_mask[2]) {
+    const std::array<c10::SymInt, 3> conv{c10::SymInt(g.conv[0]), c10::SymInt(g.conv[1]),
+                                          c10::SymInt(g.conv[2])};
+    const at::Tensor grad_y = detail::call_max_pool3d_mean_backward(
+        grad_mean.to(mean_dtype.value_or(grad_mean.scalar_type())), indices.contiguous(), conv, g.pool, divisor);
+    std::tie(grad_x, grad_weight, grad_bias) = at::convolution_backward(
+        grad_y.to(weight.scalar_type()), x.to(weight.scalar_type()), weight, at::IntArrayRef({weight.size(0)}),
+        {1, 1, 1}, g.padding, {1, 1, 1}, false, {0, 0, 0}, 1, {output_mask[0], output_mask[1], output_mask[2]});
+  }
   return {output_mask[0] ? grad_x.to(x.scalar_type()).contiguous() : x.new_empty({0}),
           output_mask[1] ? grad_weight.contiguous() : x.new_empty({0}),
-          output_mask[2] ? grad_bias : x.new_empty({0})};
+          output_mask[2] ? grad_bias : x.new_empty({0}),
+          output_mask[3] ? grad_mean.sum(0) : x.new_empty({0})};
 }
 
 }  // namespace fused_ops

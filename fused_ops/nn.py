@@ -391,7 +391,8 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
     division, the pool and the average fused into one kernel over the convolution's output
     (``fused_ops.max_pool3d_mean``); ``original``; and ``fused`` with the convolution
     channels last. The bias and the sum are applied to the (B, C, 1, 1, 1) result as the
-    original does. The constructor is the original's (the same members, parameters drawn in
+    original does (by ``fused_conv``'s op itself where the bias is (C, 1, 1, 1) and the sum over
+    channels, as SPEC's: a training step then one forward op and one backward node). The constructor is the original's (the same members, parameters drawn in
     the same order); ``global_avg_pool`` stays for its structure, the fused ops compute it."""
 
     FORMULATIONS = ("fused_conv", *autotune.FORMULATIONS)
@@ -432,15 +433,26 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         """The module's output (its bias and sum in the call: a CUDA graph of it holds them)."""
+        bias = self.bias
+        if name == "fused_conv" and x.dim() == 5 and self.sum_dim == 1 and \
+                bias.shape == (self.conv.out_channels, 1, 1, 1) and self._averages_to_one():
+            # the bias and the channels' sum in the op: one forward op and one backward node a step
+            out = rewrites.conv3d_max_pool_mean(x, self.conv, self.max_pool, self.divisor,
+                                                channel_bias=bias.view(-1))
+            return None if out is None else out.view(-1, 1, 1, 1)
         pooled = self._pooled(name, x if x.dim() == 5 else x.unsqueeze(0))  # (B, C, 1, 1, 1)
         if pooled is None:
             return None
         return torch.sum((pooled if x.dim() == 5 else pooled[0]) + self.bias, dim=self.sum_dim)
 
+    def _averages_to_one(self) -> bool:
+        """Whether the global average pool's output is one element a channel (the fused ops' average)."""
+        return self.global_avg_pool.output_size in (1, (1, 1, 1), [1, 1, 1])
+
     def _pooled(self, name: str, x: Tensor) -> Tensor | None:
         """The (B, C, 1, 1, 1) average of the pooled maxima of conv(x) / divisor."""
         pool = self.max_pool
-        if not name.startswith("original") and self.global_avg_pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
+        if not name.startswith("original") and not self._averages_to_one():
             return None  # (the fused ops pool to one element)
         if name == "fused_conv":
             mean = rewrites.conv3d_max_pool_mean(x, self.conv, pool, self.divisor)

@@ -240,12 +240,14 @@ def test_backward_is_autograds(w_shape, padding, pool, divisor, device):
     x, w, b = make_convolution_case((2, 3, 7, 9, 11), w_shape, True, torch.float64, device)
     _, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
     grad_mean = torch.rand(2, w_shape[0], dtype=torch.float64, device=device) - 0.5
-    actual = BACKWARD(grad_mean, indices, x, w, _triple(padding), _triple(pool), divisor, [True, True, True])
+    actual = BACKWARD(grad_mean, indices, x, w, _triple(padding), _triple(pool), divisor, [True, True, True, False])
     leaves = [t.clone().requires_grad_() for t in (x, w, b)]
     composite(*leaves, padding, pool, divisor).backward(grad_mean)
     for a, leaf in zip(actual, leaves):
         torch.testing.assert_close(a, leaf.grad, rtol=1e-10, atol=1e-12)
-    only_weight = BACKWARD(grad_mean, indices, x, w, _triple(padding), _triple(pool), divisor, [False, True, False])
+    assert actual[3].numel() == 0
+    only_weight = BACKWARD(grad_mean, indices, x, w, _triple(padding), _triple(pool), divisor,
+                           [False, True, False, False])
     assert only_weight[0].numel() == only_weight[2].numel() == 0 and torch.equal(only_weight[1], actual[1])
 
 
@@ -261,7 +263,8 @@ def test_opcheck(device):
     torch.library.opcheck(OP, (x, w.half(), b.half(), [0, 0, 0], [2, 2, 2], 2.0, False, torch.float32))
 
 
-@pytest.mark.parametrize("mask", [(True, True, True), (False, True, False), (True, False, False), (False, False, True)])
+@pytest.mark.parametrize("mask", [(True, True, True, False), (False, True, False, False), (True, False, False, True),
+                                  (False, False, True, True), (False, False, False, True)])
 def test_backward_opcheck(mask, device):
     x, w, b = make_convolution_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
     grad_mean = torch.rand(2, 4, device=device)
@@ -269,6 +272,108 @@ def test_backward_opcheck(mask, device):
         xt, wt, bt = (t.to(dtype) for t in (x, w, b))
         _, indices = OP(xt, wt, bt, padding, pool, -2.0, True)
         torch.library.opcheck(BACKWARD, (grad_mean.to(dtype), indices, xt, wt, padding, pool, -2.0, list(mask)))
+        torch.library.opcheck(BACKWARD, (grad_mean.to(dtype)[:, :1].expand(2, 4), indices, xt, wt, padding, pool,
+                                         -2.0, list(mask), torch.bfloat16))
+
+
+# (x shape, weight shape, padding, divisor): A's kernel case (on a GPU), and PyTorch's ops (17 outputs)
+CHANNEL_BIAS_CASES = [((3, 8, 6, 10, 16), (16, 8, 3, 3, 3), (1, 0, 1), -2.0), ((2, 3, 5, 6, 7), (17, 3, 3, 3, 3), 0, 0.7)]
+
+
+@pytest.mark.parametrize("x_shape,w_shape,padding,divisor", CHANNEL_BIAS_CASES, ids=["kernel", "composite"])
+@pytest.mark.parametrize("weight_dtype,bias_dtype,out_dtype", [
+    (torch.float32, torch.float32, torch.float32), (torch.float64, torch.float64, torch.float64),
+    (torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.bfloat16, torch.float32), (torch.float32, torch.float64, torch.float64)])
+def test_channel_bias_and_sum(x_shape, w_shape, padding, divisor, weight_dtype, bias_dtype, out_dtype, device,
+                              tf32):
+    """With a channel bias and sum_channels, the op's result is its mean plus the bias (the same
+    addition, in the promoted dtype: equal) summed over the channels (float32 sums: within their
+    rounding), without sum_channels (B, O); the mean's kernel runs with them where it runs without."""
+    x, w, b = make_convolution_case(x_shape, w_shape, True, torch.float32, device)
+    x = x.double() if weight_dtype == torch.float64 else x
+    w, b = w.to(weight_dtype), b.to(weight_dtype)
+    cb = (torch.rand(w.shape[0], generator=torch.Generator().manual_seed(1), dtype=torch.float64) - 0.5).to(
+        device, bias_dtype)
+    args = (x, w, b, _triple(padding), [2, 2, 2], divisor, False)
+    mean, _ = OP(*args)
+    biased, _ = OP(*args, None, cb, False)
+    summed, _ = OP(*args, None, cb, True)
+    plain_sum, _ = OP(*args, None, None, True)
+    assert biased.dtype == summed.dtype == out_dtype and plain_sum.dtype == mean.dtype
+    assert biased.shape == mean.shape and summed.shape == plain_sum.shape == (x.shape[0],)
+    assert torch.equal(biased, mean + cb)
+    for total, terms in [(summed, biased), (plain_sum, mean)]:
+        u = 2.0 ** -53 if total.dtype == torch.float64 else 2.0 ** -24
+        last = 0.0 if total.dtype in (torch.float32, torch.float64) else 2.0 ** -8  # (a 16-bit sum's rounding)
+        expected = terms.double().sum(1).cpu()
+        within(total, expected, w.shape[0] * u * terms.double().abs().sum(1).cpu() + last * expected.abs())
+    if device == "cuda":
+        assert kernel_ran(lambda: OP(*args, None, cb, True)) == kernel_takes(x, w, 2)
+
+
+@pytest.mark.parametrize("x_shape,w_shape,padding,divisor", CHANNEL_BIAS_CASES, ids=["kernel", "composite"])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_channel_bias_and_sum_backward(x_shape, w_shape, padding, divisor, weight_dtype, device, tf32):
+    """The gradients through the channel bias and the sum: those of x, the weight and the bias equal the
+    op's own (no channel bias) given grad_mean[n, o] = grad_out[n] rounded to the mean's dtype, as
+    autograd gives them through `(mean + b).sum(1)` (the weight-gradient kernel reads it expanded: the
+    same values); the channel bias's is the sum over n of grad_out (within its float32 rounding). Also
+    with the channel bias alone requiring grad (the forward then saves no picks)."""
+    x, w, b = make_convolution_case(x_shape, w_shape, True, torch.float32, device)
+    w, b = w.to(weight_dtype), b.to(weight_dtype)
+    cb = torch.rand(w.shape[0], device=device) - 0.5
+    grad_out = torch.rand(x.shape[0], device=device) - 0.5
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, cb)]
+    out = conv3d_max_pool3d_mean(*leaves[:3], _triple(padding), 2, divisor, channel_bias=leaves[3], sum_channels=True)
+    out.backward(grad_out)
+    ref = [t.clone().requires_grad_() for t in (x, w, b, cb)]
+    (conv3d_max_pool3d_mean(*ref[:3], _triple(padding), 2, divisor) + ref[3]).sum(1).backward(grad_out)
+    for leaf, expected in zip(leaves[:3], ref[:3]):
+        assert torch.equal(leaf.grad, expected.grad)
+    only = cb.clone().requires_grad_()
+    conv3d_max_pool3d_mean(x, w, b, _triple(padding), 2, divisor, channel_bias=only, sum_channels=True).backward(
+        grad_out)
+    for grad in (leaves[3].grad, only.grad):
+        within(grad, grad_out.double().sum().cpu(), x.shape[0] * 2.0 ** -24 * grad_out.abs().sum().item())
+
+
+def test_channel_bias_gradcheck(device):
+    """gradcheck and gradgradcheck (a backward that records a graph recomputes the forward with the
+    bias and the sum) in float64, with and without the sum, the mean in its accumulation type."""
+    cudnn = torch.backends.cudnn
+    x, w, b = make_convolution_case((2, 3, 5, 6, 7), (2, 3, 3, 3, 3), True, torch.float64, device)
+    cb = torch.rand(2, dtype=torch.float64, device=device)
+    inputs = [t.requires_grad_() for t in (x, w, b, cb)]
+    with cudnn.flags(enabled=cudnn.enabled, benchmark=cudnn.benchmark, deterministic=True, allow_tf32=False):
+        for sum_channels in (True, False):
+            def f(x, w, b, cb):
+                return conv3d_max_pool3d_mean(x, w, b, (1, 0, 1), (2, 1, 2), -0.7, channel_bias=cb,
+                                              sum_channels=sum_channels)
+            assert torch.autograd.gradcheck(f, inputs)
+            assert torch.autograd.gradgradcheck(f, inputs)
+
+
+def test_channel_bias_opcheck(device):
+    x, w, b = make_convolution_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    cb = torch.rand(4, device=device)
+    grad = [t.clone().requires_grad_() for t in (x, w, b, cb)]
+    torch.library.opcheck(OP, (x, w, b, [0, 0, 0], [2, 2, 2], 2.0, False, None, cb, True))
+    torch.library.opcheck(OP, (*grad[:3], [0, 0, 0], [2, 2, 2], 2.0, True, None, grad[3], True))
+    torch.library.opcheck(OP, (x, w, b, [1, 0, 1], [2, 1, 2], -0.7, False, None, grad[3], False))
+    torch.library.opcheck(OP, (x, *[t.bfloat16().requires_grad_() for t in (w, b)], [0, 0, 0], [2, 2, 2], 2.0, True,
+                               None, grad[3], True))
+
+
+@pytest.mark.parametrize("channel_bias,match", [
+    (lambda cb: cb[:3], "channel_bias must have shape"),
+    (lambda cb: cb.view(4, 1), "channel_bias must have shape"),
+    (lambda cb: cb.int(), "channel_bias must be a floating-point tensor"),
+])
+def test_bad_channel_bias_named(channel_bias, match, device):
+    x, w, b = make_convolution_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, device)
+    with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
+        conv3d_max_pool3d_mean(x, w, b, channel_bias=channel_bias(torch.rand(4, device=device)), sum_channels=True)
 
 
 def test_backward_needs_the_saved_indices(device):
@@ -282,7 +387,7 @@ def test_backward_needs_the_saved_indices(device):
     for bad, match in [((grad_mean, indices), "save_indices=True"),
                        ((grad_mean[:1], OP(x, w, b, [0, 0, 0], [2, 2, 2], 2.0, True)[1]), "grad_mean must have shape")]:
         with pytest.raises((ValueError, TypeError, RuntimeError), match=match):
-            BACKWARD(*bad, x, w, [0, 0, 0], [2, 2, 2], 2.0, [True, True, True])
+            BACKWARD(*bad, x, w, [0, 0, 0], [2, 2, 2], 2.0, [True, True, True, True])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -380,6 +485,39 @@ def test_module_fused_conv_float32_exact(mode, device, tf32):
             assert torch.equal(p.grad.double(), q.grad), name
 
 
+@requires_cuda
+def test_module_training_step_launches_only_the_librarys_kernels(tf32):
+    """A's training step on ``fused_conv`` (the bias (O, 1, 1, 1) and the sum over channels, as SPEC's):
+    its bias and sum in the op (the forward's epilogue kernel adds them, the backward's mean-gradient
+    kernel forms their gradients), so the step launches the library's kernels only: no PyTorch add,
+    sum or copy (host time every step, and a module load each at a process's first step); the
+    output and the gradients those of the module's ops without them (the bias of shape (1, O, 1, 1, 1))."""
+    original = reference.Conv3dDivMaxPoolGAPBiasSum(8, 16, 3, 2.0, 2, (16, 1, 1, 1), 1)
+    fused = fnn.Conv3dDivMaxPoolGAPBiasSum.from_module(original).cuda()
+    x = torch.rand(4, 8, 8, 16, 16, device="cuda")
+    params = list(fused.parameters())
+    grad = torch.rand(4, 1, 1, 1, device="cuda")
+
+    def step():
+        with autotune.force("fused_conv"):
+            return fused(x), torch.autograd.grad(fused(x), params, grad)
+
+    names = cuda_kernel_names(step)
+    assert any("mean_epilogue_kernel" in name for name in names) and weight_grad_kernel_ran(step)
+    assert all("fused_ops" in name for name in names), names
+    out, grads = step()
+    unfused = copy.deepcopy(fused)  # (a bias the op does not take: the module's add and sum)
+    unfused.bias = torch.nn.Parameter(fused.bias.detach().view(1, 16, 1, 1, 1).clone())
+    with autotune.force("fused_conv"):
+        expected = unfused(x)
+        expected_grads = torch.autograd.grad(expected, list(unfused.parameters()), grad)
+    assert autotune.last_formulation() == "fused_conv"
+    torch.testing.assert_close(out, expected)  # (float32 sums in another order)
+    for g, e in zip(grads[:2], expected_grads[:2]):  # (the convolution's: equal)
+        assert torch.equal(g, e)
+    torch.testing.assert_close(grads[2], expected_grads[2].view(16, 1, 1, 1))
+
+
 def weight_grad_kernel_ran(call) -> bool:
     return any("conv3d_max_pool3d_mean_weight_grad_kernel" in name for name in cuda_kernel_names(call))
 
@@ -397,19 +535,19 @@ def test_weight_grad_kernel(x_shape, w_shape, padding, pool, bias, divisor, weig
     w, b = w.to(weight_dtype), b.to(weight_dtype)
     _, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
     grad_mean = torch.rand(x.shape[0], w.shape[0], device="cuda") - 0.5
-    mask = [False, True, True]
+    mask = [False, True, True, False]
 
     def backward():
         return BACKWARD(grad_mean, indices, x, w, _triple(padding), _triple(pool), divisor, mask)
 
-    _, grad_w, grad_b = backward()
+    _, grad_w, grad_b, _ = backward()
     assert weight_grad_kernel_ran(backward) == kernel_takes(x, w, pool)
     assert grad_w.dtype == grad_b.dtype == weight_dtype
     args = (_triple(padding), _triple(pool), divisor, mask)
     x64 = x.to(weight_dtype).double().cpu()
-    _, ref_w, ref_b = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x64, w.double().cpu(), *args)
+    _, ref_w, ref_b, _ = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x64, w.double().cpu(), *args)
     magnitude_args = (_triple(padding), _triple(pool), abs(divisor), mask)
-    _, mag_w, mag_b = BACKWARD(grad_mean.double().abs().cpu(), indices.cpu(), x64.abs(), w.double().cpu(),
+    _, mag_w, mag_b, _ = BACKWARD(grad_mean.double().abs().cpu(), indices.cpu(), x64.abs(), w.double().cpu(),
                                *magnitude_args)
     terms = x.shape[0] * indices[0, 0].numel()
     rounding = 2.0 ** -10 if weight_dtype == torch.float32 else 2.0 ** -7  # (g to TF32 or to bf16, x to TF32)
@@ -431,10 +569,10 @@ def test_weight_grad_kernel_exact_on_integer_data(tf32):
     grad_mean = (torch.randint(-8, 9, (2, 16), device="cuda") / 4).float()
     # P = 4 * 4 * 10 windows: grad_mean / P is not dyadic; make it so by scaling by P
     grad_mean = grad_mean * indices[0, 0].numel()
-    args = (padding, [2, 2, 2], divisor, [False, True, True])
-    _, grad_w, grad_b = BACKWARD(grad_mean, indices, x, w, *args)
+    args = (padding, [2, 2, 2], divisor, [False, True, True, False])
+    _, grad_w, grad_b, _ = BACKWARD(grad_mean, indices, x, w, *args)
     assert weight_grad_kernel_ran(lambda: BACKWARD(grad_mean, indices, x, w, *args))
-    _, ref_w, ref_b = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x.double().cpu(), w.double().cpu(), *args)
+    _, ref_w, ref_b, _ = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x.double().cpu(), w.double().cpu(), *args)
     assert torch.equal(grad_w.double().cpu(), ref_w) and torch.equal(grad_b.double().cpu(), ref_b)
 
 
@@ -485,7 +623,7 @@ def test_weight_grad_kernel_scratch_under_x(tf32):
     x, w, b = make_convolution_case((1, 8, 16, 64, 64), (16, 8, 3, 3, 3), True, torch.float32, "cuda")
     _, indices = OP(x, w, b, [0, 0, 0], [2, 2, 2], 2.0, True)
     grad_mean = torch.rand(1, 16, device="cuda")
-    args = (grad_mean, indices, x, w, [0, 0, 0], [2, 2, 2], 2.0, [False, True, True])
+    args = (grad_mean, indices, x, w, [0, 0, 0], [2, 2, 2], 2.0, [False, True, True, False])
     assert weight_grad_kernel_ran(lambda: BACKWARD(*args))
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

@@ -73,15 +73,17 @@ void cast_to_autocast_dtype(torch::jit::Stack* stack, size_t begin, size_t end) 
 // first op a max-pool, float32 under CPU autocast), on the CPU too, else autocast's dtype there.
 // Where kRoundsInput, a float32 input is passed as it is, the op rounding it to the weight's dtype
 // as it reads it (the same values, without the cast's copy). Each takes (x, weight, bias or a
-// non-tensor, ...) first.
+// non-tensor, ...) first and a `dtype` (conv3d_max_pool3d_mean's channel bias, after it, is added
+// to the result in the promoted dtype, as the module's `pooled + bias` is: not cast).
 template <c10::DispatchKey autocast_key, bool kRoundsInput, bool kPoolsFirst>
 void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ..., dtype
+  const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ...
   const at::ScalarType input = (*stack)[first].toTensor().scalar_type();
   if (autocast_casts(input)) {
     cast_to_autocast_dtype<autocast_key>(stack, kRoundsInput && input == at::kFloat ? first + 1 : first, first + 3);
-    if ((kPoolsFirst || autocast_key == c10::DispatchKey::AutocastCUDA) && stack->back().isNone()) {
-      stack->back() = at::kFloat;
+    c10::IValue& dtype = (*stack)[first + op.schema().argumentIndexWithName("dtype").value()];
+    if ((kPoolsFirst || autocast_key == c10::DispatchKey::AutocastCUDA) && dtype.isNone()) {
+      dtype = at::kFloat;
     }
   }
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);

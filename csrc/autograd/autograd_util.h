@@ -161,22 +161,31 @@ inline variable_list recorded_grads(const at::Tensor& out, const variable_list& 
                                /*create_graph=*/true, /*allow_unused=*/true);
 }
 
-// A fused convolution's gradients where its backward records a graph: those of `out`
-// (its forward recomputed from x, the weight and the bias by PyTorch's ops) to the
-// `operands` (x, weight, bias) `mask` asks for, as the `inputs` gradients apply() returns.
-inline variable_list recorded_convolution_grads(size_t inputs, std::array<bool, 3> mask, const at::Tensor& out,
-                                                const std::array<at::Tensor, 3>& operands, const at::Tensor& grad) {
+// The gradients of `out` (a forward recomputed by PyTorch's ops) to the `operands` that
+// `mask` asks for, at their `positions` among the `inputs` gradients apply() returns.
+template <size_t N>
+variable_list recorded_operand_grads(size_t inputs, const std::array<bool, N>& mask,
+                                     const std::array<size_t, N>& positions, const at::Tensor& out,
+                                     const std::array<at::Tensor, N>& operands, const at::Tensor& grad) {
   variable_list wrt;
-  for (size_t i = 0; i < 3; ++i) {
+  for (size_t i = 0; i < N; ++i) {
     if (mask[i]) wrt.push_back(operands[i]);
   }
   variable_list grad_inputs(inputs);
   if (wrt.empty()) return grad_inputs;
   const variable_list grads = recorded_grads(out, wrt, grad);
-  for (size_t i = 0, k = 0; i < 3; ++i) {
-    if (mask[i]) grad_inputs[i] = grads[k++];
+  for (size_t i = 0, k = 0; i < N; ++i) {
+    if (mask[i]) grad_inputs[positions[i]] = grads[k++];
   }
   return grad_inputs;
+}
+
+// A fused convolution's gradients where its backward records a graph: those of `out`
+// (its forward recomputed from x, the weight and the bias by PyTorch's ops) to the
+// `operands` (x, weight, bias) `mask` asks for, as the `inputs` gradients apply() returns.
+inline variable_list recorded_convolution_grads(size_t inputs, std::array<bool, 3> mask, const at::Tensor& out,
+                                                const std::array<at::Tensor, 3>& operands, const at::Tensor& grad) {
+  return recorded_operand_grads<3>(inputs, mask, {0, 1, 2}, out, operands, grad);
 }
 
 // The backward of an op differentiable in its first input only, x, with

@@ -621,8 +621,7 @@ at::Tensor avg_pool2d_sigmoid_sum_backward_cuda(const at::Tensor& grad_out,
         const int buffer_bytes = static_cast<int>((budget - fixed) / 2 / 16 * 16);
         const size_t smem = fixed + 2 * buffer_bytes;
         const int64_t groups = grad_x.size(0) * xl.planes_per_batch * row_groups;
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
+        allow_dynamic_shared_memory(kernel, smem);
         const unsigned blocks = grid_stride_blocks(kernel, 32 * kAlignedWarps, smem, groups, 1);
         kernel<<<blocks, dim3(32, kAlignedWarps), smem, stream>>>(
             a, grad_x.mutable_data_ptr<scalar_t>(), groups,

@@ -14,6 +14,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace fused_ops {
 
@@ -286,12 +289,21 @@ inline CUtensorMap contiguous_tensor_map(const at::Tensor& x, c10::ArrayRef<cuui
 
 // Whether `kernel` runs on the current device as code built for sm_90 or
 // later, where the helpers above do not trap (its PTX too: PTX for an older
-// target, compiled for this device at load time, traps).
+// target, compiled for this device at load time, traps). Asked of the driver
+// once per kernel and device, then remembered (it is on every launch's path).
 template <typename Kernel>
 bool runs_bulk_copy(Kernel kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> known;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find(key);
+  if (found != known.end()) return found->second;
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return attributes.binaryVersion >= 90 && attributes.ptxVersion >= 90;
+  return known[key] = attributes.binaryVersion >= 90 && attributes.ptxVersion >= 90;
 }
 
 }  // namespace fused_ops

@@ -532,7 +532,7 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
     p.fragments = reinterpret_cast<const uint32_t*>(fragments.const_data_ptr<int32_t>());
 
     auto launch = [&](auto kernel, const CUtensorMap& map) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      allow_dynamic_shared_memory(kernel, smem);
       const int64_t blocks = std::min<int64_t>(p.tasks, resident_blocks(kernel, kThreads, smem));
       kernel<<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(p, map);
       C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -358,7 +358,7 @@ bool launch_weight_grad(const at::Tensor& grad_out, const at::Tensor& factor, co
 
     const CUtensorMap map = nchw_tensor_map(x, T::kBoxCols, S::kh, kWarps);
     const auto stream = c10::cuda::getCurrentCUDAStream();
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    allow_dynamic_shared_memory(kernel, smem);
     kernel<<<static_cast<unsigned>(units), kThreads, smem, stream>>>(p, map);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 

@@ -27,8 +27,9 @@
 // memory for the whole kernel (weight_fragments_kernel writes them once per call).
 //
 // Each warp's per-channel sums of its windows go to `partial` (tasks x kWarps
-// x 16); each image's are added in a fixed order after (sum_columns_kernel:
-// deterministic), and divided by the number of windows.
+// x 16); each image's are added in a fixed order after (mean_epilogue_kernel:
+// deterministic), divided by the number of windows, and the channel bias added
+// and the channels summed where the call asks for them.
 // Where the backward needs them each window's pick is written as one byte.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
@@ -267,6 +268,74 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+// mean[n, o] = (sum over rows of partial[n, rows, o]) / windows, rounded to R (the op's mean); with a
+// channel bias, + channel_bias[o] in float rounded to Out (the dtype the addition promotes to); with
+// sum_channels, out[n] = the sum over o in float (lanes added in a fixed tree order) rounded to Out, else
+// out[n, o]. One block an image: kColumnSlices warps each add every kColumnSlices-th row (a fixed order:
+// deterministic), lane o a channel.
+template <typename R, typename Out>
+__global__ void __launch_bounds__(32 * kColumnSlices)
+    mean_epilogue_kernel(const float* __restrict__ partial, int64_t rows, int O, float windows,
+                         const Out* __restrict__ channel_bias, bool sum_channels, Out* __restrict__ out) {
+  static_assert(kChannels <= 32, "a lane a channel");
+  __shared__ float sums[kColumnSlices][32];
+  const int lane = threadIdx.x % 32, slice = threadIdx.x / 32;
+  const float* column = partial + blockIdx.x * rows * kChannels + lane;
+  float sum = 0.f;
+  if (lane < O) {
+#pragma unroll 4
+    for (int64_t r = slice; r < rows; r += kColumnSlices) sum += column[r * kChannels];
+  }
+  sums[slice][lane] = sum;
+  __syncthreads();
+  if (slice != 0) return;
+  for (int s = 1; s < kColumnSlices; ++s) sum += sums[s][lane];
+  float value = 0.f;
+  if (lane < O) {
+    value = static_cast<float>(static_cast<R>(sum / windows));
+    if (channel_bias != nullptr) {
+      value = static_cast<float>(static_cast<Out>(value + static_cast<float>(channel_bias[lane])));
+    }
+  }
+  if (sum_channels) {
+    value = warp_sum(value);
+    if (lane == 0) out[blockIdx.x] = static_cast<Out>(value);
+  } else if (lane < O) {
+    out[int64_t{blockIdx.x} * O + lane] = static_cast<Out>(value);
+  }
+}
+
+// The op's result from the fused kernel's partial sums (N, rows, kChannels): mean_epilogue_kernel where the
+// channel bias (if any) has the result's dtype, else the mean by it and PyTorch's ops after.
+at::Tensor mean_epilogue(const at::Tensor& partial, int O, const Conv3dPoolGeometry& g, at::ScalarType mean_dtype,
+                         const std::optional<at::Tensor>& channel_bias, bool sum_channels) {
+  const at::ScalarType out_dtype = channel_bias_result_dtype(mean_dtype, channel_bias);
+  const bool in_kernel = !channel_bias.has_value() || (channel_bias->scalar_type() == out_dtype &&
+                                                       (out_dtype == mean_dtype || out_dtype == at::kFloat));
+  const int64_t batch = partial.size(0);
+  const auto options = partial.options().dtype(in_kernel ? out_dtype : mean_dtype);
+  at::Tensor out = in_kernel && sum_channels ? at::empty({batch}, options) : at::empty({batch, O}, options);
+  const at::Tensor bias = in_kernel && channel_bias.has_value() ? channel_bias->contiguous() : at::Tensor();
+  const float windows = static_cast<float>(g.pooled[0] * g.pooled[1] * g.pooled[2]);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, mean_dtype, "conv3d_max_pool3d_mean", [&] {
+    auto launch = [&](auto* out_type) {
+      using Out = std::remove_pointer_t<decltype(out_type)>;
+      mean_epilogue_kernel<scalar_t, Out><<<static_cast<unsigned>(batch), 32 * kColumnSlices, 0, stream>>>(
+          partial.const_data_ptr<float>(), partial.size(1), O, windows,
+          bias.defined() ? bias.const_data_ptr<Out>() : nullptr, in_kernel && sum_channels,
+          out.mutable_data_ptr<Out>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if (out.scalar_type() == mean_dtype) {
+      launch(static_cast<scalar_t*>(nullptr));
+    } else {
+      launch(static_cast<float*>(nullptr));
+    }
+  });
+  return in_kernel ? out : add_channel_bias_and_sum(out, channel_bias, sum_channels);
+}
+
 // The tensor-core operation of the fused kernel for this call, if the kernels
 // take it (kernel_takes): the weight's (with_weight_operation). f(Mma{}) is
 // called with it; false if none.
@@ -307,8 +376,7 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
   p.partial = partial.mutable_data_ptr<float>();
   p.picks = picks;
 
-  C10_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(layout.smem)));
+  allow_dynamic_shared_memory(kernel, layout.smem);
   const int64_t blocks = std::min<int64_t>(grid.tasks, resident_blocks(kernel, kThreads, layout.smem));
   kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, stream>>>(p, ncdhw_tensor_map(x));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -319,9 +387,12 @@ std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor&
                                                                const std::optional<at::Tensor>& bias,
                                                                at::IntArrayRef padding, at::IntArrayRef pool,
                                                                double divisor, bool save_indices,
-                                                               std::optional<at::ScalarType> dtype) {
+                                                               std::optional<at::ScalarType> dtype,
+                                                               const std::optional<at::Tensor>& channel_bias,
+                                                               bool sum_channels) {
   const Conv3dPoolGeometry g = conv3d_max_pool3d_mean_geometry(x, weight, bias, padding, pool, divisor);
-  const at::ScalarType out_dtype = result_dtype("conv3d_max_pool3d_mean", weight.scalar_type(), dtype);
+  check_channel_bias("conv3d_max_pool3d_mean", x, weight, channel_bias);
+  const at::ScalarType mean_dtype = result_dtype("conv3d_max_pool3d_mean", weight.scalar_type(), dtype);
   const c10::cuda::CUDAGuard guard(x.device());
   std::optional<std::tuple<at::Tensor, at::Tensor>> result;
   const at::Tensor xc = x.contiguous();
@@ -334,17 +405,14 @@ std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor&
     const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional(bias->contiguous()) : std::nullopt;
     if (launch_fused<decltype(mma)>(xc, weight.contiguous(), bias_c, grid, divisor, partial,
                                     save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr)) {
-      at::Tensor mean = at::empty({x.size(0), weight.size(0)}, x.options());
-      sum_columns_kernel<float><<<dim3(1, static_cast<unsigned>(x.size(0))), 32 * kColumnSlices, 0,
-                           c10::cuda::getCurrentCUDAStream()>>>(
-          partial.const_data_ptr<float>(), partial.size(1), kChannels, static_cast<int>(weight.size(0)),
-          static_cast<float>(g.pooled[0] * g.pooled[1] * g.pooled[2]), mean.mutable_data_ptr<float>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      result.emplace(mean.to(out_dtype), picks);
+      result.emplace(
+          mean_epilogue(partial, static_cast<int>(weight.size(0)), g, mean_dtype, channel_bias, sum_channels),
+          picks);
     }
   });
-  return result.has_value() ? *result
-                            : conv3d_max_pool3d_mean_composite(x, weight, bias, g, divisor, save_indices, out_dtype);
+  if (result.has_value()) return *result;
+  auto [mean, indices] = conv3d_max_pool3d_mean_composite(x, weight, bias, g, divisor, save_indices, mean_dtype);
+  return {add_channel_bias_and_sum(mean, channel_bias, sum_channels), indices};
 }
 
 }  // namespace

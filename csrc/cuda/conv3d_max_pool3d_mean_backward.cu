@@ -2,7 +2,8 @@
 // grad_y is grad_mean[n, o] / P / divisor (g[n, o]) at each window's pick and
 // zero elsewhere, so
 //   grad_weight[o, c, tap] = sum over (n, windows) of g[n, o] x[n, c, pick + tap],
-//   grad_bias[o] = P sum over n of g[n, o].
+//   grad_bias[o] = P sum over n of g[n, o],
+//   grad_channel_bias[o] = sum over n of grad_mean[n, o].
 // On Hopper, for what the forward's kernel takes, the weight's gradient is one
 // tensor-core kernel over x and the picks (grad_y never in memory); the bias's
 // is the sum above; x's gradient, and every other case, PyTorch's convolution
@@ -173,24 +174,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 constexpr int kBatchLanes = 16;  // mean_gradient_kernel's threads a channel
 
-// g[n, o] = grad_mean[n, o] / P * (1 / divisor) as max_pool3d_mean's backward forms it (a true division by P,
-// then the divisor's reciprocal as PyTorch multiplies by a number), rounded to the weight's type W, and 0 for
-// O <= o < kChannels (the weight-gradient kernel's m16 operand); grad_bias[o] = (sum over n of g[n, o]) * P in
-// W, the sum over n by kBatchLanes strided partial sums added in lane order. grad_mean is read through its
-// strides (autograd passes it expanded from the module's sum: a copy, PyTorch's division and its product would
-// each load a module of PyTorch's at a process's first training step, 8-14 ms apiece on an H200).
+// g[n, o] = grad_mean[n, o] / P * (1 / divisor) as max_pool3d_mean's backward forms it (grad_mean rounded to
+// the weight's type W first where the forward's mean was in W, a true division by P, then the divisor's
+// reciprocal as PyTorch multiplies by a number), rounded to W, and 0 for O <= o < kChannels (the
+// weight-gradient kernel's m16 operand); grad_bias[o] = (sum over n of g[n, o]) * P in W and
+// grad_channel_bias[o] = sum over n of grad_mean[n, o] in grad_mean's type, each sum over n by kBatchLanes
+// strided partial sums added in lane order. grad_mean is read through its strides (autograd passes it
+// expanded from the module's sum: a copy, PyTorch's division and its product would each load a module of
+// PyTorch's at a process's first training step, 8-14 ms apiece on an H200).
 template <typename grad_t, typename W>
 __global__ void __launch_bounds__(kChannels * kBatchLanes)
     mean_gradient_kernel(const grad_t* __restrict__ grad_mean, int64_t batch, int O, int64_t batch_stride,
-                         int64_t channel_stride, float windows, float reciprocal, float* __restrict__ g,
-                         W* __restrict__ grad_bias) {
+                         int64_t channel_stride, bool mean_in_weight_type, float windows, float reciprocal,
+                         float* __restrict__ g, W* __restrict__ grad_bias, grad_t* __restrict__ grad_channel_bias) {
+  using acc_t = at::opmath_type<grad_t>;
   __shared__ float partial[kBatchLanes][kChannels];
+  __shared__ acc_t grad_partial[kBatchLanes][kChannels];
   const int o = threadIdx.x, lane = threadIdx.y;
   float sum = 0.f;
+  acc_t grad_sum = 0;
   for (int64_t n = lane; n < batch; n += kBatchLanes) {
     float v = 0.f;
     if (o < O) {
-      const float value = static_cast<float>(grad_mean[n * batch_stride + o * channel_stride]);
+      const grad_t grad = grad_mean[n * batch_stride + o * channel_stride];
+      grad_sum += static_cast<acc_t>(grad);
+      float value = static_cast<float>(grad);
+      if (mean_in_weight_type) value = static_cast<float>(static_cast<W>(value));
       const float scaled = __fmul_rn(__fdiv_rn(value, windows), reciprocal);
       v = static_cast<float>(static_cast<W>(scaled));
     }
@@ -198,32 +207,45 @@ __global__ void __launch_bounds__(kChannels * kBatchLanes)
     sum += v;
   }
   partial[lane][o] = sum;
+  grad_partial[lane][o] = grad_sum;
   __syncthreads();
-  if (grad_bias == nullptr || lane != 0 || o >= O) return;
-  for (int l = 1; l < kBatchLanes; ++l) sum += partial[l][o];
-  grad_bias[o] = static_cast<W>(__fmul_rn(sum, windows));
+  if (lane != 0 || o >= O) return;
+  if (grad_bias != nullptr) {
+    for (int l = 1; l < kBatchLanes; ++l) sum += partial[l][o];
+    grad_bias[o] = static_cast<W>(__fmul_rn(sum, windows));
+  }
+  if (grad_channel_bias != nullptr) {
+    for (int l = 1; l < kBatchLanes; ++l) grad_sum += grad_partial[l][o];
+    grad_channel_bias[o] = static_cast<grad_t>(grad_sum);
+  }
 }
 
-// {g (N, kChannels) float32, grad_bias (O) in the weight's type or undefined} by mean_gradient_kernel.
-std::tuple<at::Tensor, at::Tensor> mean_gradient(const at::Tensor& grad_mean, const at::Tensor& weight,
-                                                 const Conv3dPoolGeometry& geometry, double divisor, bool bias) {
+// {g (N, kChannels) float32, grad_bias (O) in the weight's type, grad_channel_bias (O) in grad_mean's (each
+// undefined where not asked for)} by mean_gradient_kernel.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mean_gradient(const at::Tensor& grad_mean, const at::Tensor& weight,
+                                                             const Conv3dPoolGeometry& geometry, double divisor,
+                                                             std::optional<at::ScalarType> mean_dtype, bool bias,
+                                                             bool channel_bias) {
   const int64_t batch = grad_mean.size(0);
   const int O = static_cast<int>(weight.size(0));
   const float windows = static_cast<float>(geometry.pooled[0] * geometry.pooled[1] * geometry.pooled[2]);
   at::Tensor g = at::empty({batch, kChannels}, grad_mean.options().dtype(at::kFloat));
   at::Tensor grad_bias = bias ? at::empty({O}, weight.options()) : at::Tensor();
+  at::Tensor grad_channel_bias = channel_bias ? at::empty({O}, grad_mean.options()) : at::Tensor();
+  const bool mean_in_weight_type = mean_dtype == weight.scalar_type();
   const auto stream = c10::cuda::getCurrentCUDAStream();
   FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_mean.scalar_type(), "conv3d_max_pool3d_mean_backward", [&] {
     using grad_t = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, weight.scalar_type(), "mean_gradient", [&] {
+    FUSED_OPS_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "mean_gradient", [&] {
       mean_gradient_kernel<grad_t, scalar_t><<<1, dim3(kChannels, kBatchLanes), 0, stream>>>(
-          grad_mean.const_data_ptr<grad_t>(), batch, O, grad_mean.stride(0), grad_mean.stride(1), windows,
-          ReciprocalMultiply<float>(divisor).reciprocal, g.mutable_data_ptr<float>(),
-          bias ? grad_bias.mutable_data_ptr<scalar_t>() : nullptr);
+          grad_mean.const_data_ptr<grad_t>(), batch, O, grad_mean.stride(0), grad_mean.stride(1),
+          mean_in_weight_type, windows, ReciprocalMultiply<float>(divisor).reciprocal, g.mutable_data_ptr<float>(),
+          bias ? grad_bias.mutable_data_ptr<scalar_t>() : nullptr,
+          channel_bias ? grad_channel_bias.mutable_data_ptr<grad_t>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
-  return {g, grad_bias};
+  return {g, grad_bias, grad_channel_bias};
 }
 
 // grad_weight (O, C, 3, 3, 3) float32 by the kernel from g (N, kChannels), or an undefined tensor where it does
@@ -248,8 +270,7 @@ at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices,
     at::Tensor partial = at::empty({p.grid.channel_blocks, blocks, kGradWords}, x.options());
     p.partial = partial.mutable_data_ptr<float>();
     const auto stream = c10::cuda::getCurrentCUDAStream();
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(layout.smem)));
+    allow_dynamic_shared_memory(kernel, layout.smem);
     kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, stream>>>(p, ncdhw_tensor_map(x));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // the sums over blocks (channel blocks, o, c, tap) -> (o, channel blocks x c, tap)
@@ -267,27 +288,32 @@ at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices,
   return grad_weight;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_cuda(
     const at::Tensor& grad_mean, const at::Tensor& indices, const at::Tensor& x, const at::Tensor& weight,
-    at::IntArrayRef padding, at::IntArrayRef pool, double divisor, std::array<bool, 3> output_mask) {
+    at::IntArrayRef padding, at::IntArrayRef pool, double divisor, std::array<bool, 4> output_mask,
+    std::optional<at::ScalarType> mean_dtype) {
   const Conv3dPoolGeometry geometry =
-      check_conv3d_max_pool3d_mean_backward(grad_mean, indices, x, weight, padding, pool, divisor);
+      check_conv3d_max_pool3d_mean_backward(grad_mean, indices, x, weight, padding, pool, divisor, mean_dtype);
   const c10::cuda::CUDAGuard guard(x.device());
   if ((output_mask[1] || output_mask[2]) && kernel_takes(x, weight, geometry)) {
-    const auto [g, grad_bias] = mean_gradient(grad_mean, weight, geometry, divisor, output_mask[2]);
+    const auto [g, grad_bias, grad_channel_bias] =
+        mean_gradient(grad_mean, weight, geometry, divisor, mean_dtype, output_mask[2], output_mask[3]);
     const at::Tensor grad_weight = output_mask[1] ? weight_grad_by_kernel(g, indices, x, weight, geometry)
                                                   : at::Tensor();
     if (!output_mask[1] || grad_weight.defined()) {
       const at::Tensor grad_x =
           output_mask[0] ? std::get<0>(conv3d_max_pool3d_mean_backward_composite(grad_mean, indices, x, weight,
                                                                                  geometry, divisor,
-                                                                                 {true, false, false}))
+                                                                                 {true, false, false, false},
+                                                                                 mean_dtype))
                          : x.new_empty({0});
       return {grad_x, output_mask[1] ? grad_weight.to(weight.scalar_type()) : x.new_empty({0}),
-              output_mask[2] ? grad_bias : x.new_empty({0})};
+              output_mask[2] ? grad_bias : x.new_empty({0}),
+              output_mask[3] ? grad_channel_bias : x.new_empty({0})};
     }
   }
-  return conv3d_max_pool3d_mean_backward_composite(grad_mean, indices, x, weight, geometry, divisor, output_mask);
+  return conv3d_max_pool3d_mean_backward_composite(grad_mean, indices, x, weight, geometry, divisor, output_mask,
+                                                   mean_dtype);
 }
 
 }  // namespace

@@ -418,8 +418,8 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
   // (without the picks, the kernel that keeps the maxima's values alone: 0.67 against 0.80 ms for SPEC's B in TF32)
   const auto kernel =
       save_indices ? conv_transpose3d_cascade_sum_kernel<T, true> : conv_transpose3d_cascade_sum_kernel<T, false>;
-  // (set before each launch, as the other ops do: the attribute is the current device's)
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Config::kSmemBytes));
+  // (allowed on each device it runs on: the attribute is a device's)
+  allow_dynamic_shared_memory(kernel, Config::kSmemBytes);
   kernel<<<static_cast<unsigned>(p.whole_items + split * parts), Config::kThreads, Config::kSmemBytes, stream>>>(
       x_map, w_map, out.mutable_data_ptr<float>(), save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr,
       partial.mutable_data_ptr<float>(), p, certify);
@@ -434,8 +434,7 @@ std::tuple<at::Tensor, at::Tensor> run_kernel(const at::Tensor& x, const at::Ten
         f.region[d] = 2 + plan.axes[d].width;
       }
       const int64_t smem = fixup_smem_bytes(f);
-      C10_CUDA_CHECK(cudaFuncSetAttribute(cascade_picks_fixup_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
+      allow_dynamic_shared_memory(cascade_picks_fixup_kernel, smem);
       // (a block a listed window, as many as run at once: the list's length is on the device)
       const int64_t blocks = std::min<int64_t>(windows.numel(), 3 * device_attribute(cudaDevAttrMultiProcessorCount,
                                                                                       x.get_device()));

@@ -417,7 +417,7 @@ at::Tensor window_partials(const CascadeWeightGrad& g, const at::Tensor& values,
       tiled_tensor_map(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, x_last.const_data_ptr(), 5, dims, strides, box);
   const size_t smem = static_cast<size_t>(p.stages * stage_words) * sizeof(float) + kWindowBarrierBytes;
   with_window_kernel(g, [&](auto kernel) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    allow_dynamic_shared_memory(kernel, smem);
     kernel<<<dim3(static_cast<unsigned>(channel_groups), static_cast<unsigned>(used),
                   static_cast<unsigned>(lane_groups)),
              kWindowThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
@@ -447,7 +447,7 @@ at::Tensor pick_partials(const CascadeWeightGrad& g, const at::Tensor& values, c
   for (int64_t tap_begin = 0; tap_begin < taps; tap_begin += tap_chunk) {
     const int64_t count = std::min(tap_chunk, taps - tap_begin);
     const size_t smem = static_cast<size_t>(count * kThreads) * sizeof(acc_t);
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    allow_dynamic_shared_memory(kernel, smem);
     kernel<<<dim3(static_cast<unsigned>(O), static_cast<unsigned>(slices), static_cast<unsigned>(channel_blocks)),
              kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
         g, values.const_data_ptr<acc_t>(), picks.const_data_ptr<uint8_t>(), x_last.const_data_ptr<x_t>(), tap_begin,

@@ -238,9 +238,8 @@ at::Tensor run_shifted_rows(const TransposedConvWeightGrad& g, int splits, const
   at::Tensor out = at::empty({g.in_channels, g.out_channels, g.kernel[0], g.kernel[1], g.kernel[2]}, x.options());
   p.filter_numel = out.numel();
   at::Tensor partials = at::empty({(splits - 1) * p.filter_numel}, out.options());
-  // (set before each launch, as the other ops do: the attribute is the current device's)
-  C10_CUDA_CHECK(cudaFuncSetAttribute(shifted_rows_weight_grad_kernel<KS>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      Config::kSmemBytes));
+  // (allowed on each device it runs on: the attribute is a device's)
+  allow_dynamic_shared_memory(shifted_rows_weight_grad_kernel<KS>, Config::kSmemBytes);
   const int64_t blocks = int64_t{p.kt} * p.kr * p.shift_blocks * p.in_blocks * p.out_blocks * splits;
   shifted_rows_weight_grad_kernel<KS><<<static_cast<unsigned>(blocks), Config::kThreads, Config::kSmemBytes,
                                         c10::cuda::getCurrentCUDAStream()>>>(

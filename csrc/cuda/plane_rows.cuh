@@ -126,6 +126,23 @@ int64_t resident_blocks(Kernel kernel, int block_threads, size_t smem) {
   return known[key] = int64_t{device_attribute(cudaDevAttrMultiProcessorCount, device)} * std::max(per_sm, 1);
 }
 
+// Lets `kernel` launch with `smem` bytes of dynamic shared memory on the current device
+// (cudaFuncSetAttribute, a device's setting): set where it exceeds what the kernel was
+// allowed there before, then remembered (each call of the driver's is microseconds of
+// host time in every launch).
+template <typename Kernel>
+void allow_dynamic_shared_memory(Kernel kernel, size_t smem) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, size_t> allowed;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  size_t& known = allowed[{reinterpret_cast<const void*>(kernel), device}];
+  if (smem <= known) return;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  known = smem;
+}
+
 // The grid of a grid-stride loop over `items`, `items_per_block` per block and
 // round: as many blocks as can be resident, no more than the items need.
 template <typename Kernel>

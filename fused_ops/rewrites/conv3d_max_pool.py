@@ -49,13 +49,15 @@ def conv3d_max_pool_windows(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d,
     return _parity_conv3d(x, taps, None, axes, positions), None if bias is None else bias / divisor
 
 
-def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor: float = 1.0) -> Tensor | None:
+def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor: float = 1.0,
+                         channel_bias: Tensor | None = None) -> Tensor | None:
     """``pool(conv(x) / divisor)`` averaged over its windows, (N, O), by
     fused_ops.conv3d_max_pool3d_mean: on a GPU one kernel, the convolution's output never in
     memory. In the dtype the convolution computes in (autocast's: a float32 x is rounded to it
-    by the op as it reads x, another x cast first); None where the op does not compute it (a
-    strided, dilated or grouped convolution, a pool whose windows overlap, leave gaps or pad,
-    ceil_mode adding windows)."""
+    by the op as it reads x, another x cast first); with a channel_bias (O), that added and
+    the channels summed, (N), in the dtype the addition promotes to. None where the op does not
+    compute it (a strided, dilated or grouped convolution, a pool whose windows overlap, leave
+    gaps or pad, ceil_mode adding windows)."""
     if not (_is_plain_conv(conv, x) and _triple(conv.stride) == (1, 1, 1) and _is_window_pool(pool)):
         return None
     cast = _autocast.cast_dtype(x)
@@ -68,7 +70,8 @@ def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor
         return None
     if cast is not None and x.dtype != torch.float32:
         x = x.to(cast)
-    return conv3d_max_pool3d_mean(x, weight, conv.bias, padding, kernel, divisor)
+    return conv3d_max_pool3d_mean(x, weight, conv.bias, padding, kernel, divisor, channel_bias=channel_bias,
+                                  sum_channels=channel_bias is not None)
 
 
 def _folds_exactly(divisor: float) -> bool:
