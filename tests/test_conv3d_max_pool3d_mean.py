@@ -513,9 +513,11 @@ def test_module_training_step_launches_only_the_librarys_kernels(tf32):
         expected_grads = torch.autograd.grad(expected, list(unfused.parameters()), grad)
     assert autotune.last_formulation() == "fused_conv"
     torch.testing.assert_close(out, expected)  # (float32 sums in another order)
-    for g, e in zip(grads[:2], expected_grads[:2]):  # (the convolution's: equal)
-        assert torch.equal(g, e)
-    torch.testing.assert_close(grads[2], expected_grads[2].view(16, 1, 1, 1))
+    for (name, _), g, e in zip(fused.named_parameters(), grads, expected_grads):
+        if name == "bias":
+            torch.testing.assert_close(g, e.view_as(g))
+        else:  # (the convolution's: equal)
+            assert torch.equal(g, e), name
 
 
 def weight_grad_kernel_ran(call) -> bool:
@@ -577,16 +579,17 @@ def test_weight_grad_kernel_exact_on_integer_data(tf32):
 
 
 @requires_cuda
-@pytest.mark.parametrize("mask", [[False, True, True], [False, False, True], [False, True, False]],
-                         ids=["weight-bias", "bias", "weight"])
+@pytest.mark.parametrize("mask", [[False, True, True, False], [False, False, True, True], [False, True, False, False]],
+                         ids=["weight-bias", "bias-channel-bias", "weight"])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_weight_grad_kernel_launches_only_the_librarys_kernels(mask, grad_dtype, tf32):
     """Where the weight-gradient kernel runs (one channel block), the backward launches the library's
     kernels only: g = grad_mean / P / divisor and the bias's gradient by its own kernel, grad_mean read
     through its strides, not PyTorch's copy, division and product (whose modules, loaded at their first
     launch, cost a process's first training step 8-14 ms apiece on an H200). 37 batch elements (past the
-    kernel's 16 strided lanes), 5 of the 16 output channels, a transposed grad_mean, the masks: the
-    gradients the float64 ones on the same picks, within g's and the sums' roundings."""
+    kernel's 16 strided lanes), 5 of the 16 output channels, a transposed grad_mean, the masks (the
+    channel bias's gradient too): the gradients the float64 ones on the same picks, within g's and the
+    sums' roundings."""
     x, w, b = make_convolution_case((37, 8, 4, 6, 16), (5, 8, 3, 3, 3), True, torch.float32, "cuda")
     padding, pool, divisor = [1, 0, 1], [2, 2, 2], -0.7
     _, indices = OP(x, w, b, padding, pool, divisor, True)
@@ -600,9 +603,10 @@ def test_weight_grad_kernel_launches_only_the_librarys_kernels(mask, grad_dtype,
     assert any("mean_gradient_kernel" in name for name in names)
     assert weight_grad_kernel_ran(backward) == mask[1]
     assert all("fused_ops" in name for name in names), names
-    _, grad_w, grad_b = backward()
-    _, ref_w, ref_b = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x.double().cpu(), w.double().cpu(), *args)
-    _, mag_w, mag_b = BACKWARD(grad_mean.double().abs().cpu(), indices.cpu(), x.double().abs().cpu(),
+    _, grad_w, grad_b, grad_cb = backward()
+    _, ref_w, ref_b, ref_cb = BACKWARD(grad_mean.double().cpu(), indices.cpu(), x.double().cpu(), w.double().cpu(),
+                                       *args)
+    _, mag_w, mag_b, mag_cb = BACKWARD(grad_mean.double().abs().cpu(), indices.cpu(), x.double().abs().cpu(),
                                w.double().cpu(), padding, pool, abs(divisor), mask)
     terms = x.shape[0] * indices[0, 0].numel()
     if mask[1]:
@@ -613,6 +617,12 @@ def test_weight_grad_kernel_launches_only_the_librarys_kernels(mask, grad_dtype,
         within(grad_b, ref_b, (x.shape[0] + 4) * 2.0 ** -24 * mag_b)
     else:
         assert grad_b.numel() == 0
+    if mask[3]:  # (sums of grad_mean's values in its dtype's float: the additions' rounding alone)
+        assert grad_cb.dtype == grad_dtype
+        rounding = 0.0 if grad_dtype == torch.float32 else 2.0 ** -8
+        within(grad_cb, ref_cb, x.shape[0] * 2.0 ** -24 * mag_cb + rounding * ref_cb.abs())
+    else:
+        assert grad_cb.numel() == 0
 
 
 @requires_cuda
