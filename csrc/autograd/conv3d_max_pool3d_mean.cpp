@@ -1,9 +1,10 @@
 // Autograd of conv3d_max_pool3d_mean (the math: ../conv3d_max_pool3d_mean.h):
 // the forward saves each window's pick (save_indices; x and the weight are
 // saved as they are), the backward op routes grad_mean / P to the picks and
-// gives x's, the weight's, the bias's and the channel bias's gradients, those asked for. A backward that
-// records a graph (create_graph=True) recomputes the forward by PyTorch's ops from x,
-// the weight and the bias and differentiates it (autograd_util.h).
+// gives x's, the weight's, the bias's and the channel bias's gradients, those
+// asked for. A backward that records a graph (create_graph=True) recomputes the
+// forward by PyTorch's ops from x, the weight and the biases and differentiates
+// it (autograd_util.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
