@@ -392,8 +392,9 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
     (``fused_ops.max_pool3d_mean``); ``original``; and ``fused`` with the convolution
     channels last. The bias and the sum are applied to the (B, C, 1, 1, 1) result as the
     original does (by ``fused_conv``'s op itself where the bias is (C, 1, 1, 1) and the sum over
-    channels, as SPEC's: a training step then one forward op and one backward node). The constructor is the original's (the same members, parameters drawn in
-    the same order); ``global_avg_pool`` stays for its structure, the fused ops compute it."""
+    channels, as SPEC's: a training step then one forward op and one backward node). The
+    constructor is the original's (the same members, parameters drawn in the same order);
+    ``global_avg_pool`` stays for its structure, the fused ops compute it."""
 
     FORMULATIONS = ("fused_conv", *autotune.FORMULATIONS)
 

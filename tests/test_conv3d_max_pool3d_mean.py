@@ -277,7 +277,8 @@ def test_backward_opcheck(mask, device):
 
 
 # (x shape, weight shape, padding, divisor): A's kernel case (on a GPU), and PyTorch's ops (17 outputs)
-CHANNEL_BIAS_CASES = [((3, 8, 6, 10, 16), (16, 8, 3, 3, 3), (1, 0, 1), -2.0), ((2, 3, 5, 6, 7), (17, 3, 3, 3, 3), 0, 0.7)]
+CHANNEL_BIAS_CASES = [((3, 8, 6, 10, 16), (16, 8, 3, 3, 3), (1, 0, 1), -2.0),
+                      ((2, 3, 5, 6, 7), (17, 3, 3, 3, 3), 0, 0.7)]
 
 
 @pytest.mark.parametrize("x_shape,w_shape,padding,divisor", CHANNEL_BIAS_CASES, ids=["kernel", "composite"])

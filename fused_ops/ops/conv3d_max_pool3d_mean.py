@@ -14,10 +14,10 @@ def conv3d_max_pool3d_mean(x: Tensor, weight: Tensor, bias: Tensor | None = None
                            sum_channels: bool = False) -> Tensor:
     """``F.max_pool3d(F.conv3d(x, weight, bias, 1, padding) / divisor, pool).mean(dim=(2, 3, 4))``
     (pool: kernel = stride, no padding, floor mode), then ``+ channel_bias`` (O) where given and
-    ``.sum(1)`` where sum_channels (architecture A's module: its bias and sum in the op); on a GPU (float32 with TF32 convolutions
-    allowed, or a 16-bit weight; a 3 x 3 x 3 kernel, a 2 x 2 x 2 pool, at most 16 input and
-    output channels, rows of whole 16-byte chunks) the convolution and its tail in one
-    tensor-core kernel whose output never reaches memory.
+    ``.sum(1)`` where sum_channels (architecture A's module: its bias and sum in the op); on a
+    GPU (float32 with TF32 convolutions allowed, or a 16-bit weight; a 3 x 3 x 3 kernel, a
+    2 x 2 x 2 pool, at most 16 input and output channels, rows of whole 16-byte chunks) the
+    convolution and its tail in one tensor-core kernel whose output never reaches memory.
 
     x: (B, C, D, H, W); weight (O, C, kd, kh, kw) and bias (O,) in x's dtype, or float16 /
     bfloat16 with a float32 x (as autocast passes them: x is rounded to the weight's dtype as
