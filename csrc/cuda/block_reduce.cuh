@@ -46,33 +46,41 @@ __global__ void sum_rows_kernel(const acc_t* __restrict__ partial, int64_t parts
   if (threadIdx.x == 0) out[blockIdx.x] = static_cast<out_t>(sum);
 }
 
-// out[g, j] = (sum over r < rows of in[(g * rows + r) * cols + j]) / divide_by
-// for columns j < out_cols: a block per (32 columns, group g = blockIdx.y),
-// kColumnSlices threads per column each adding every kColumnSlices-th row from
-// its own, then one adding the slices' sums: an order fixed by the shape alone
-// (deterministic results), coalesced reads of rows of any width. (A template:
-// one definition in each file that launches it.)
+// The sum over r < rows of column[r * stride] by a block of kColumnSlices warps,
+// one column a lane: slice s = threadIdx.x / 32 adds rows s, s + kColumnSlices,
+// ..., then slice 0 adds the slices' sums: an order fixed by the shape alone
+// (deterministic results), coalesced reads where adjacent lanes read adjacent
+// columns. The sum is valid in slice 0; `active` false (a column past the end)
+// reads nothing and adds zero.
 constexpr int kColumnSlices = 8;
 
+template <typename T>
+__device__ __forceinline__ T sum_column(const T* __restrict__ column, int64_t rows, int64_t stride, bool active) {
+  __shared__ T sums[kColumnSlices][32];
+  const int lane = threadIdx.x % 32, slice = threadIdx.x / 32;
+  T sum = 0;
+  if (active) {
+#pragma unroll 4
+    for (int64_t r = slice; r < rows; r += kColumnSlices) sum += column[r * stride];
+  }
+  sums[slice][lane] = sum;
+  __syncthreads();
+  if (slice == 0) {
+    for (int s = 1; s < kColumnSlices; ++s) sum += sums[s][lane];
+  }
+  return sum;
+}
+
+// out[g, j] = (sum over r < rows of in[(g * rows + r) * cols + j]) / divide_by
+// for columns j < out_cols: a block per (32 columns, group g = blockIdx.y).
+// (A template: one definition in each file that launches it.)
 template <typename T>
 __global__ void __launch_bounds__(32 * kColumnSlices)
     sum_columns_kernel(const T* __restrict__ in, int64_t rows, int cols, int out_cols, T divide_by,
                        T* __restrict__ out) {
-  __shared__ T sums[kColumnSlices][32];
-  const int lane = threadIdx.x % 32, slice = threadIdx.x / 32;
-  const int column = blockIdx.x * 32 + lane;
-  const T* values = in + blockIdx.y * rows * cols + column;
-  T sum = 0;
-  if (column < out_cols) {
-#pragma unroll 4
-    for (int64_t r = slice; r < rows; r += kColumnSlices) sum += values[r * cols];
-  }
-  sums[slice][lane] = sum;
-  __syncthreads();
-  if (slice == 0 && column < out_cols) {
-    for (int s = 1; s < kColumnSlices; ++s) sum += sums[s][lane];
-    out[int64_t{blockIdx.y} * out_cols + column] = sum / divide_by;
-  }
+  const int column = blockIdx.x * 32 + threadIdx.x % 32;
+  const T sum = sum_column(in + blockIdx.y * rows * cols + column, rows, cols, column < out_cols);
+  if (threadIdx.x < 32 && column < out_cols) out[int64_t{blockIdx.y} * out_cols + column] = sum / divide_by;
 }
 
 }  // namespace fused_ops

@@ -14,9 +14,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <utility>
+
+#include "launch_queries.cuh"
 
 namespace fused_ops {
 
@@ -293,17 +293,11 @@ inline CUtensorMap contiguous_tensor_map(const at::Tensor& x, c10::ArrayRef<cuui
 // once per kernel and device, then remembered (it is on every launch's path).
 template <typename Kernel>
 bool runs_bulk_copy(Kernel kernel) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, bool> known;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device};
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find(key);
-  if (found != known.end()) return found->second;
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return known[key] = attributes.binaryVersion >= 90 && attributes.ptxVersion >= 90;
+  return ask_once(std::make_pair(reinterpret_cast<const void*>(kernel), current_device()), [&] {
+    cudaFuncAttributes attributes;
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+    return attributes.binaryVersion >= 90 && attributes.ptxVersion >= 90;
+  });
 }
 
 }  // namespace fused_ops

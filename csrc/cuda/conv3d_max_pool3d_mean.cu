@@ -271,25 +271,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 // mean[n, o] = (sum over rows of partial[n, rows, o]) / windows, rounded to R (the op's mean); with a
 // channel bias, + channel_bias[o] in float rounded to Out (the dtype the addition promotes to); with
 // sum_channels, out[n] = the sum over o in float (lanes added in a fixed tree order) rounded to Out, else
-// out[n, o]. One block an image: kColumnSlices warps each add every kColumnSlices-th row (a fixed order:
-// deterministic), lane o a channel.
+// out[n, o]. One block an image, lane o a channel's column (sum_column: a fixed order, deterministic).
 template <typename R, typename Out>
 __global__ void __launch_bounds__(32 * kColumnSlices)
     mean_epilogue_kernel(const float* __restrict__ partial, int64_t rows, int O, float windows,
                          const Out* __restrict__ channel_bias, bool sum_channels, Out* __restrict__ out) {
   static_assert(kChannels <= 32, "a lane a channel");
-  __shared__ float sums[kColumnSlices][32];
-  const int lane = threadIdx.x % 32, slice = threadIdx.x / 32;
-  const float* column = partial + blockIdx.x * rows * kChannels + lane;
-  float sum = 0.f;
-  if (lane < O) {
-#pragma unroll 4
-    for (int64_t r = slice; r < rows; r += kColumnSlices) sum += column[r * kChannels];
-  }
-  sums[slice][lane] = sum;
-  __syncthreads();
-  if (slice != 0) return;
-  for (int s = 1; s < kColumnSlices; ++s) sum += sums[s][lane];
+  const int lane = threadIdx.x % 32;
+  const float sum = sum_column(partial + blockIdx.x * rows * kChannels + lane, rows, kChannels, lane < O);
+  if (threadIdx.x >= 32) return;
   float value = 0.f;
   if (lane < O) {
     value = static_cast<float>(static_cast<R>(sum / windows));

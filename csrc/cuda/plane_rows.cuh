@@ -9,15 +9,13 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <optional>
-#include <tuple>
-#include <utility>
+#include <type_traits>
+
+#include "launch_queries.cuh"
 
 namespace fused_ops {
 
@@ -92,65 +90,6 @@ struct ItemCursor {
     digit0 += step0 + carry;
   }
 };
-
-// A device attribute (compute capability, the shared memory a block may opt
-// into, ...), asked of the driver once per device, then remembered.
-inline int device_attribute(cudaDeviceAttr attribute, int device) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, int>, int> known;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(static_cast<int>(attribute), device);
-  const auto found = known.find(key);
-  if (found != known.end()) return found->second;
-  int value = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
-  return known[key] = value;
-}
-
-// Resident blocks of `kernel` over the whole device: the grid of a grid-stride
-// loop. Asked of the driver once per kernel, block shape, shared memory and
-// device, then remembered (launches are on the host's critical path).
-template <typename Kernel>
-int64_t resident_blocks(Kernel kernel, int block_threads, size_t smem) {
-  using Key = std::tuple<const void*, int, size_t, int>;
-  static std::mutex mutex;
-  static std::map<Key, int64_t> known;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  const Key key{reinterpret_cast<const void*>(kernel), block_threads, smem, device};
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto found = known.find(key);
-  if (found != known.end()) return found->second;
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, block_threads, smem));
-  return known[key] = int64_t{device_attribute(cudaDevAttrMultiProcessorCount, device)} * std::max(per_sm, 1);
-}
-
-// Lets `kernel` launch with `smem` bytes of dynamic shared memory on the current device
-// (cudaFuncSetAttribute, a device's setting): set where it exceeds what the kernel was
-// allowed there before, then remembered (each call of the driver's is microseconds of
-// host time in every launch).
-template <typename Kernel>
-void allow_dynamic_shared_memory(Kernel kernel, size_t smem) {
-  static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, size_t> allowed;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  const std::lock_guard<std::mutex> lock(mutex);
-  size_t& known = allowed[{reinterpret_cast<const void*>(kernel), device}];
-  if (smem <= known) return;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  known = smem;
-}
-
-// The grid of a grid-stride loop over `items`, `items_per_block` per block and
-// round: as many blocks as can be resident, no more than the items need.
-template <typename Kernel>
-unsigned grid_stride_blocks(Kernel kernel, int block_threads, size_t smem, int64_t items,
-                            int64_t items_per_block) {
-  const int64_t needed = (items + items_per_block - 1) / items_per_block;
-  return static_cast<unsigned>(std::clamp<int64_t>(needed, 1, resident_blocks(kernel, block_threads, smem)));
-}
 
 // The widest vector (in elements, at most 16 bytes) to which `data` is
 // aligned and of which every count in `multiples` (row lengths, strides,
