@@ -18,9 +18,10 @@ bucket, its layout, dtype and device; train or eval; whether gradients are recor
 which of the input and the parameters; the autocast state) answers at once with the rule's
 formulation, and so do the next ones until trying the others pays: until the key's calls have
 taken 1/EXPLORE_SHARE times what trying them is expected to cost (their set-up on each new shape
-included); the next calls with the key then run each other formulation that holds in turn, each
-timed as it runs (CUDA events read at a later call, never waited for; a training call's backward
-from its output's gradient to its inputs'), until each has been timed a few times; the fastest
+included; the rule's own calls are timed only once that may be near); the next calls with the key
+then run each other formulation that holds in turn, each timed as it runs (CUDA events read at a
+later call, never waited for; a training call's backward from its output's gradient to its
+inputs'), until each has been timed a few times; the fastest
 then serves every later call with the key (``_Tuning``). ``warmup`` and ``exploring()`` try them
 at once. No call is made that the user did not
 make, and every formulation computes the original's function, so the choice changes the speed,
@@ -285,13 +286,17 @@ def _run_settled(module: nn.Module, signature: tuple, tuning: "_Tuning | None", 
 
 
 # Online tuning. A key's calls run its first candidate (the rule's formulation, or the one a
-# neighbouring batch-size bucket settled on: _Tuning.__init__), timed until it has SAMPLES timings,
-# until trying the others pays (_Tuning._pays): the time the key's calls have taken is at least
-# 1/EXPLORE_SHARE times the expected cost of trying them, each its set-up (a new shape's first
-# call: cuDNN's plans and workspaces, the first candidate's measured) and SAMPLES + 1 calls of up to
-# twice the first's time. (A new shape's first call on a GPU takes milliseconds, a call of a small
-# batch tenths of one: a server's rare batch sizes and a short run never try the others, and pay
-# nothing for them.) The next calls run each other candidate in turn, each timed as it runs (on a
+# neighbouring batch-size bucket settled on: _Tuning.__init__) until trying the others pays
+# (_Tuning._pays): the time the key's calls have taken is at least 1/EXPLORE_SHARE times the
+# expected cost of trying them, each its set-up (a new shape's first call: cuDNN's plans and
+# workspaces, the first candidate's measured by the host's clock) and SAMPLES + 1 calls of up to
+# twice the first's time. That takes at least (candidates - 1) (SAMPLES + 1) (ELIMINATE - 1) /
+# EXPLORE_SHARE of the first's calls (80 for each other candidate): the first candidate's SAMPLES
+# timings, which tell whether it pays, are taken from half that call on (_Tuning._samples_from), not
+# before (a timed call costs the host ~0.4 ms on a GPU: CUDA events, the backward's tensor hooks).
+# (A new shape's first call on a GPU takes milliseconds, a call of a small batch tenths of one: a
+# server's rare batch sizes and a short run never try the others, and pay nothing for them.) The
+# next calls run each other candidate in turn, each timed as it runs (on a
 # GPU by CUDA events read at a later call, never waited for; a training call's backward timed from
 # its output's gradient to the last gradient of its inputs), until each has SAMPLES timings of
 # calls with shapes it ran before (a first call is set-up); the fastest median then settles the key
@@ -461,8 +466,8 @@ class _Tuning:
             self.candidates = [name] + [n for n in order if n != name and n not in dropped]
         self.timings: dict[str, list[tuple[float, float, float]]] = {name: [] for name in order}  # (_Timing.read)
         self.started: dict[str, int] = dict.fromkeys(order, 0)  # calls run, timed or not
-        self.pending: list[tuple[int, str, _Timing, bool]] = []  # (call, name, timing, its first call)
-        self.firsts: dict[str, list[float]] = {name: [] for name in order}  # ms of its first calls of a signature
+        self.pending: list[tuple[int, str, _Timing]] = []  # (call, name, timing)
+        self.firsts: dict[str, list[float]] = {name: [] for name in order}  # host ms of its first calls of a signature
         self.ran: set[tuple[str, tuple]] = set()  # (candidate, signature) run
         self.untimed = 0  # calls not timed (the first candidate's, before trying the others)
         self.readings = 0  # timings read (of first calls too)
@@ -541,10 +546,11 @@ class _Tuning:
             self._read()
             name = self._next()
             self.started[name] += 1
-            first = (name, signature) not in self.ran
+            first = (name, signature) not in self.ran  # (set-up: timed by the host's clock alone)
             self.ran.add((name, signature))
-            timed = first or self._short(name)
-            self.untimed += not timed
+            timed = (not first and self._short(name)
+                     and (self.explored is not None or self.calls >= self._samples_from()))
+            self.untimed += not (first or timed)
         timing = _Timing(x) if timed else None
         if timing is not None:
             timing.mark()
@@ -555,8 +561,9 @@ class _Tuning:
             out = run(name, x)
         except Exception as error:  # (a limit of one formulation: the others may hold)
             out = error
+        host_ms = (time.perf_counter() - began) * 1e3
         if timing is not None:
-            timing.host_ms = (time.perf_counter() - began) * 1e3
+            timing.host_ms = host_ms
             timing.mark()
         if not isinstance(out, Tensor):  # does not hold here, or raised: not a candidate of the key
             with _LOCK:
@@ -564,13 +571,17 @@ class _Tuning:
                     self.candidates.remove(name)
                     self.dropped.add(name)
             return self._first_that_runs(run, x, [] if out is None else [out])
+        if first:
+            with _LOCK:
+                self.firsts[name].append(host_ms)
+                self.readings += 1
         if timing is None:
             return name, out
         if out.requires_grad:
             inputs = [t for t in (x, *module.parameters()) if t.requires_grad]
             timing.time_backward(out, inputs)
         with _LOCK:
-            self.pending.append((self.calls, name, timing, first))
+            self.pending.append((self.calls, name, timing))
         return name, out
 
     def _first_that_runs(self, run, x: Tensor, errors: list[Exception]) -> tuple[str, Tensor]:
@@ -590,12 +601,8 @@ class _Tuning:
         self.calls += 1
 
         def keep(entry, read):
-            _, name, _, first = entry
             self.readings += 1
-            if first:
-                self.firsts[name].append(read[0])
-            else:
-                self.timings[name].append(read)
+            self.timings[entry[1]].append(read)
         read = _read_passed(self.pending, keep, lambda entry: self.calls - entry[0] > PENDING_CALLS)
         if not read and self.explored is None and len(self.candidates) > 1:
             return  # (no new timing: no candidate to drop, and none is tried yet)
@@ -613,8 +620,13 @@ class _Tuning:
 
     def _short(self, name: str) -> bool:
         """Whether name's timings, read or pending, are still short of SAMPLES."""
-        pending = sum(1 for _, n, _, first in self.pending if n == name and not first)
+        pending = sum(1 for _, n, _ in self.pending if n == name)
         return len(self.timings[name]) + pending < SAMPLES
+
+    def _samples_from(self) -> int:
+        """The call from which the first candidate's timings are taken while the others are not tried
+        (the comment above EXPLORE_SHARE): half the calls before trying them can first pay."""
+        return int((len(self.candidates) - 1) * (SAMPLES + 1) * (ELIMINATE - 1) / EXPLORE_SHARE / 2)
 
     def _pays(self) -> bool:
         """Whether trying the other candidates pays now (the comment above EXPLORE_SHARE): the first
@@ -672,7 +684,7 @@ class _Tuning:
             graphed = (_GRAPHS_ENABLED and self.key[2][3].type == "cuda" and host_share >= HOST_BOUND_SHARE
                        and _input_copy_ms(self.key) <= GRAPH_COPY_SHARE * call_ms)
             self.choice = (best, graphed)
-        for _, _, timing, _ in self.pending:
+        for _, _, timing in self.pending:
             timing.close()
         self.pending.clear()
         _save_choice(self.key, self.choice)

@@ -92,6 +92,33 @@ def test_trying_the_others_waits_until_it_pays(train, tuner, monkeypatch):
 
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_a_short_run_is_not_timed(train, tuner, monkeypatch):
+    """Before its calls could tell that trying the others pays (_Tuning._samples_from), the rule's
+    calls are not timed (no CUDA events, no backward hooks: a timed call cost the host ~0.4 ms on a
+    GPU), its first call of a shape by the host's clock alone; from then on, SAMPLES of them are."""
+    name, args, shape = CONFIGS[0]
+    _, fused = pair(name, args, "cpu", train=train)
+    timings, real = [], autotune._Timing.__init__
+    monkeypatch.setattr(autotune._Timing, "__init__", lambda self, x: timings.append(self) or real(self, x))
+
+    def call(batch=4):
+        with torch.set_grad_enabled(train):
+            out = fused(torch.rand(batch, *shape[1:], dtype=torch.float64, requires_grad=train))
+        if train:
+            out.sum().backward()
+    call()
+    (tuning,) = autotune._TUNINGS.values()
+    lead = tuning.candidates[0]
+    call(batch=3)  # (another shape of the key's batch-size bucket)
+    while tuning.calls < tuning._samples_from() - 1:
+        call()
+    assert tuning._samples_from() >= 40 and timings == [] and len(tuning.firsts[lead]) == 2
+    for _ in range(autotune.SAMPLES + 2):
+        call()
+    assert len(timings) == autotune.SAMPLES and tuning.choice is None and tuning.explored is None
+
+
 def test_calls_like_the_one_before_skip_the_key_while_it_chooses(tuner, monkeypatch):
     """While a key still chooses (trying the others does not pay yet), a call with the signature of the
     module's call before runs by its key's tuning without building the key or listing the formulations
