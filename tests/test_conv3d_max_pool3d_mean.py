@@ -315,23 +315,25 @@ def test_channel_bias_and_sum(x_shape, w_shape, padding, divisor, weight_dtype, 
 
 @pytest.mark.parametrize("x_shape,w_shape,padding,divisor", CHANNEL_BIAS_CASES, ids=["kernel", "composite"])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_channel_bias_and_sum_backward(x_shape, w_shape, padding, divisor, weight_dtype, device, tf32):
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_channel_bias_and_sum_backward(x_shape, w_shape, padding, divisor, weight_dtype, bias, device, tf32):
     """The gradients through the channel bias and the sum: those of x, the weight and the bias equal the
     op's own (no channel bias) given grad_mean[n, o] = grad_out[n] rounded to the mean's dtype, as
     autograd gives them through `(mean + b).sum(1)` (the weight-gradient kernel reads it expanded: the
     same values); the channel bias's is the sum over n of grad_out (within its float32 rounding). Also
-    with the channel bias alone requiring grad (the forward then saves no picks)."""
+    with the channel bias alone requiring grad (the forward then saves no picks), and without the
+    convolution's bias (autograd then counts the channel bias third among the tensors)."""
     x, w, b = make_convolution_case(x_shape, w_shape, True, torch.float32, device)
-    w, b = w.to(weight_dtype), b.to(weight_dtype)
+    w, b = w.to(weight_dtype), b.to(weight_dtype) if bias else None
     cb = torch.rand(w.shape[0], device=device) - 0.5
     grad_out = torch.rand(x.shape[0], device=device) - 0.5
-    leaves = [t.clone().requires_grad_() for t in (x, w, b, cb)]
+    leaves = [None if t is None else t.clone().requires_grad_() for t in (x, w, b, cb)]
     out = conv3d_max_pool3d_mean(*leaves[:3], _triple(padding), 2, divisor, channel_bias=leaves[3], sum_channels=True)
     out.backward(grad_out)
-    ref = [t.clone().requires_grad_() for t in (x, w, b, cb)]
+    ref = [None if t is None else t.clone().requires_grad_() for t in (x, w, b, cb)]
     (conv3d_max_pool3d_mean(*ref[:3], _triple(padding), 2, divisor) + ref[3]).sum(1).backward(grad_out)
     for leaf, expected in zip(leaves[:3], ref[:3]):
-        assert torch.equal(leaf.grad, expected.grad)
+        assert leaf is None or torch.equal(leaf.grad, expected.grad)
     only = cb.clone().requires_grad_()
     conv3d_max_pool3d_mean(x, w, b, _triple(padding), 2, divisor, channel_bias=only, sum_channels=True).backward(
         grad_out)

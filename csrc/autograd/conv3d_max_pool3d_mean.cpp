@@ -36,7 +36,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_conv3d_max_pool3
 
 constexpr size_t kInputs = 10;      // the op's arguments: backward returns a gradient (or none) for each
 constexpr size_t kChannelBias = 8;  // channel_bias's position among them
-constexpr size_t kChannelBiasEdge = 3;  // and among the tensors (needs_input_grad's index)
 
 // Differentiable in x, weight, bias and channel_bias (the indices output is not).
 class Conv3dMaxPool3dMeanFunction : public torch::autograd::Function<Conv3dMaxPool3dMeanFunction> {
@@ -67,7 +66,8 @@ class Conv3dMaxPool3dMeanFunction : public torch::autograd::Function<Conv3dMaxPo
     const auto saved = ctx->get_saved_variables();
     const std::array<bool, 3> convolution_mask = convolution_grad_mask(ctx);
     const std::array<bool, 4> mask{convolution_mask[0], convolution_mask[1], convolution_mask[2],
-                                   saved[4].defined() && ctx->needs_input_grad(kChannelBiasEdge)};
+                                   // (needs_input_grad counts the tensors given: the bias's slot only with one)
+                                   saved[4].defined() && ctx->needs_input_grad(saved[3].defined() ? 3 : 2)};
     auto& data = ctx->saved_data;
     const bool sum_channels = data["sum_channels"].toBool();
     const at::ScalarType mean_dtype = data["mean_dtype"].toScalarType();
