@@ -51,7 +51,8 @@ __global__ void sum_rows_kernel(const acc_t* __restrict__ partial, int64_t parts
 // ..., then slice 0 adds the slices' sums: an order fixed by the shape alone
 // (deterministic results), coalesced reads where adjacent lanes read adjacent
 // columns. The sum is valid in slice 0; `active` false (a column past the end)
-// reads nothing and adds zero.
+// reads nothing and adds zero. Its shared memory is one array per T: a second
+// call in a kernel needs a __syncthreads() before it.
 constexpr int kColumnSlices = 8;
 
 template <typename T>
