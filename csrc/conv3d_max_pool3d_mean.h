@@ -1,9 +1,11 @@
 // conv3d_max_pool3d_mean: mean[n, o] = mean over (D', H', W') of max_pool3d(y)[n, o],
 //   y = conv3d(x, weight, bias, stride 1, padding) / divisor   (dilation 1, one group),
 //   max_pool3d with kernel = stride = pool (no padding, floor mode).
-// Architecture A's tail with its convolution. A float32 x may come with a
-// 16-bit weight and bias (as autocast passes them): the convolution is then
-// x.to(weight.dtype)'s, x rounded as it is read. y / divisor is PyTorch's
+// Architecture A's tail with its convolution. The convolution's operands are
+// rounded to operand_dtype as they are read: the weight's dtype by default (a
+// float32 x with a 16-bit weight and bias: x.to(weight.dtype)'s convolution), or a
+// 16-bit dtype for a float32 weight and bias, as autocast's casts would round them
+// (x.to(T), weight.to(T), bias.to(T), without the casts' copies and launches). y / divisor is PyTorch's
 // `tensor / number` (dispatch.h), and each window picks by PyTorch's rule
 // (max_pool3d.h); with save_indices the picks are saved as max_pool3d_mean
 // saves them: one byte per window, its scan-order offset, (N, O, D', H', W').
@@ -74,6 +76,18 @@ inline Conv3dPoolGeometry conv3d_max_pool3d_mean_geometry(const at::Tensor& x, c
   return g;
 }
 
+// The convolution's operand dtype: operand_dtype where given (the weight's, or a 16-bit one for a float32
+// weight), else the weight's.
+inline at::ScalarType operand_type(const char* what, const at::Tensor& weight,
+                                   std::optional<at::ScalarType> operand_dtype) {
+  if (!operand_dtype.has_value() || *operand_dtype == weight.scalar_type()) return weight.scalar_type();
+  TORCH_CHECK_VALUE(weight.scalar_type() == at::kFloat &&
+                        (*operand_dtype == at::kBFloat16 || *operand_dtype == at::kHalf),
+                    what, ": operand_dtype must be the weight's dtype, or bfloat16 or float16 for a float32 weight, "
+                    "got ", *operand_dtype, " for a ", weight.scalar_type(), " weight");
+  return *operand_dtype;
+}
+
 // The checks of a channel bias: (O) floating point on x's device.
 inline void check_channel_bias(const char* what, const at::Tensor& x, const at::Tensor& weight,
                                const std::optional<at::Tensor>& channel_bias) {
@@ -127,8 +141,9 @@ inline at::Tensor call_max_pool3d_mean_backward(const at::Tensor& grad_mean, con
 // dispatcher): the CPU kernel, and the GPU's where the fused kernel does not apply.
 inline std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_composite(
     const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias, const Conv3dPoolGeometry& g,
-    double divisor, bool save_indices, at::ScalarType dtype) {
-  const at::Tensor y = at::conv3d(x.to(weight.scalar_type()), weight, bias, 1, g.padding).contiguous();
+    double divisor, bool save_indices, at::ScalarType dtype, at::ScalarType operand) {
+  const std::optional<at::Tensor> rounded_bias = bias.has_value() ? std::optional(bias->to(operand)) : std::nullopt;
+  const at::Tensor y = at::conv3d(x.to(operand), weight.to(operand), rounded_bias, 1, g.padding).contiguous();
   return detail::call_max_pool3d_mean(y, g.pool, divisor, save_indices, dtype);
 }
 
@@ -162,13 +177,14 @@ inline Conv3dPoolGeometry check_conv3d_max_pool3d_mean_backward(const at::Tensor
 // grad_x, grad_weight, grad_bias, grad_channel_bias (each where output_mask asks for
 // it, else an empty tensor; contiguous): grad_y from the picks (max_pool3d_mean's
 // backward on grad_mean rounded to mean_dtype), then PyTorch's convolution backward; x's
-// gradient in x's dtype (the rounding of a float32 x to a 16-bit weight's dtype has the
-// identity's gradient), the weight's and the bias's in the weight's; the channel bias's,
-// the sum over the batch of grad_mean, in grad_mean's.
+// gradient in x's dtype (the rounding of a float32 x to a 16-bit operand dtype has the
+// identity's gradient), the weight's and the bias's in the operand dtype, stored in the weight's
+// (as autograd casts them back through autocast's casts); the channel bias's, the sum over the
+// batch of grad_mean, in grad_mean's.
 inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_composite(
     const at::Tensor& grad_mean, const at::Tensor& indices, const at::Tensor& x, const at::Tensor& weight,
     const Conv3dPoolGeometry& g, double divisor, std::array<bool, 4> output_mask,
-    std::optional<at::ScalarType> mean_dtype) {
+    std::optional<at::ScalarType> mean_dtype, at::ScalarType operand) {
   at::Tensor grad_x, grad_weight, grad_bias;
   if (output_mask[0] || output_mask[1] || output_mask[2]) {
     const std::array<c10::SymInt, 3> conv{c10::SymInt(g.conv[0]), c10::SymInt(g.conv[1]),
@@ -176,12 +192,12 @@ inline std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv3d_max_poo
     const at::Tensor grad_y = detail::call_max_pool3d_mean_backward(
         grad_mean.to(mean_dtype.value_or(grad_mean.scalar_type())), indices.contiguous(), conv, g.pool, divisor);
     std::tie(grad_x, grad_weight, grad_bias) = at::convolution_backward(
-        grad_y.to(weight.scalar_type()), x.to(weight.scalar_type()), weight, at::IntArrayRef({weight.size(0)}),
+        grad_y.to(operand), x.to(operand), weight.to(operand), at::IntArrayRef({weight.size(0)}),
         {1, 1, 1}, g.padding, {1, 1, 1}, false, {0, 0, 0}, 1, {output_mask[0], output_mask[1], output_mask[2]});
   }
   return {output_mask[0] ? grad_x.to(x.scalar_type()).contiguous() : x.new_empty({0}),
-          output_mask[1] ? grad_weight.contiguous() : x.new_empty({0}),
-          output_mask[2] ? grad_bias : x.new_empty({0}),
+          output_mask[1] ? grad_weight.to(weight.scalar_type()).contiguous() : x.new_empty({0}),
+          output_mask[2] ? grad_bias.to(weight.scalar_type()) : x.new_empty({0}),
           output_mask[3] ? grad_mean.sum(0) : x.new_empty({0})};
 }
 

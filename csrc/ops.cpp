@@ -38,19 +38,22 @@ TORCH_LIBRARY(fused_ops, m) {
   // kernel = stride = pool) -> (B, O): the convolution and its tail in one kernel on a GPU
   // (conv3d_max_pool3d_mean.h); with channel_bias (O), that added to it, and with
   // sum_channels, the sum over O -> (B). With save_indices, also each window's pick as
-  // max_pool3d_mean saves it (uint8, (B, O, D', H', W')), else an empty tensor.
+  // max_pool3d_mean saves it (uint8, (B, O, D', H', W')), else an empty tensor. With
+  // operand_dtype (16-bit, a float32 weight and bias: autocast's), x, the weight and the bias
+  // are rounded to it as they are read.
   m.def(
       "conv3d_max_pool3d_mean(Tensor x, Tensor weight, Tensor? bias, int[3] padding, int[3] pool, "
       "float divisor, bool save_indices, ScalarType? dtype=None, Tensor? channel_bias=None, "
-      "bool sum_channels=False) -> (Tensor, Tensor)");
+      "bool sum_channels=False, ScalarType? operand_dtype=None) -> (Tensor, Tensor)");
   // grad_x (x's shape and dtype), grad_weight, grad_bias (the weight's dtype) from the
   // forward's picks, and grad_channel_bias (grad_mean's dtype), each where output_mask asks
   // for it, else an empty tensor. grad_mean (B, O), of any strides, is rounded to
-  // mean_dtype (the forward's mean's, before its channel bias) first.
+  // mean_dtype (the forward's mean's, before its channel bias) first; operand_dtype the forward's
+  // (the weight's and bias's gradients rounded to it, stored in the weight's dtype).
   m.def(
       "conv3d_max_pool3d_mean_backward(Tensor grad_mean, Tensor indices, Tensor x, Tensor weight, "
-      "int[3] padding, int[3] pool, float divisor, bool[4] output_mask, ScalarType? mean_dtype=None) "
-      "-> (Tensor, Tensor, Tensor, Tensor)");
+      "int[3] padding, int[3] pool, float divisor, bool[4] output_mask, ScalarType? mean_dtype=None, "
+      "ScalarType? operand_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // mean over (D', H', W') of max_pool3d(x / divisor) -> (B, C); with
   // save_indices, also each window's pick as a uint8 offset in scan order

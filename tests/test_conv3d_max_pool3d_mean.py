@@ -261,6 +261,7 @@ def test_opcheck(device):
     torch.library.opcheck(OP, (x, w, None, [1, 1, 1], [2, 2, 2], 2.0, True, torch.float32))
     torch.library.opcheck(OP, (grad[0], w.bfloat16().requires_grad_(), b.bfloat16(), [0, 0, 0], [2, 2, 2], -2.0, True))
     torch.library.opcheck(OP, (x, w.half(), b.half(), [0, 0, 0], [2, 2, 2], 2.0, False, torch.float32))
+    torch.library.opcheck(OP, (*grad, [0, 0, 0], [2, 2, 2], -2.0, True), dict(operand_dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("mask", [(True, True, True, False), (False, True, False, False), (True, False, False, True),
@@ -274,6 +275,9 @@ def test_backward_opcheck(mask, device):
         torch.library.opcheck(BACKWARD, (grad_mean.to(dtype), indices, xt, wt, padding, pool, -2.0, list(mask)))
         torch.library.opcheck(BACKWARD, (grad_mean.to(dtype)[:, :1].expand(2, 4), indices, xt, wt, padding, pool,
                                          -2.0, list(mask), torch.bfloat16))
+    _, indices = OP(x, w, b, [0, 0, 0], [2, 2, 2], -2.0, True, None, None, False, torch.float16)
+    torch.library.opcheck(BACKWARD, (grad_mean, indices, x, w, [0, 0, 0], [2, 2, 2], -2.0, list(mask), None,
+                                     torch.float16))
 
 
 # (x shape, weight shape, padding, divisor): A's kernel case (on a GPU), and PyTorch's ops (17 outputs)
@@ -416,7 +420,44 @@ def test_16_bit_weights(dtype, device):
     assert [t.grad.dtype for t in leaves] == [torch.float32, dtype, dtype]
 
 
+OPERAND_CASES = [CASES[IDS.index(name)] for name in ("A-small", "5-outputs-no-bias", "3-channels", "unaligned-rows")]
+
+
+@pytest.mark.parametrize("operand_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", OPERAND_CASES,
+                         ids=["A-small", "no-bias", "3-channels", "unaligned-rows"])
+def test_operand_dtype_is_the_casts(x_shape, w_shape, padding, pool, bias, divisor, operand_dtype, device):
+    """operand_dtype T with a float32 weight and bias (what the op's autocast rule passes) computes what the
+    weight and bias cast to T compute, bit for bit: the result, and the gradients of x, the weight, the bias and
+    a channel bias (the weight's and bias's rounded to T, in float32, as autograd casts them back through the
+    casts); the result's dtype T where dtype is None; on a GPU by the tensor-core kernel."""
+    x, w, b = make_convolution_case(x_shape, w_shape, bias, torch.float32, device)
+    cb = torch.rand(w_shape[0], device=device)
+    leaves = [t.clone().requires_grad_() for t in (x, w, b, cb) if t is not None]
+    cast = [t.clone().requires_grad_() for t in (x, w, b, cb) if t is not None]
+    bias_of = (lambda ts: ts[2]) if bias else (lambda ts: None)
+    kwargs = dict(dtype=torch.float32, channel_bias=cast[-1], sum_channels=True)
+    expected = conv3d_max_pool3d_mean(cast[0], cast[1].to(operand_dtype), None if not bias else
+                                      bias_of(cast).to(operand_dtype), padding, pool, divisor, **kwargs)
+    kwargs["channel_bias"] = leaves[-1]
+    out = conv3d_max_pool3d_mean(leaves[0], leaves[1], bias_of(leaves), padding, pool, divisor,
+                                 operand_dtype=operand_dtype, **kwargs)
+    assert out.dtype == torch.float32 and torch.equal(out, expected)
+    grad = torch.rand_like(out)
+    for g, e in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(expected, cast, grad), strict=True):
+        assert g.dtype == e.dtype == torch.float32 and torch.equal(g, e)
+    assert conv3d_max_pool3d_mean(x, w, b, padding, pool, divisor, operand_dtype=operand_dtype).dtype == operand_dtype
+    if device == "cuda" and kernel_takes(x, w.to(operand_dtype), pool):
+        assert kernel_ran(lambda: conv3d_max_pool3d_mean(x, w, b, padding, pool, divisor,
+                                                         operand_dtype=operand_dtype))
+        assert weight_grad_kernel_ran(lambda: torch.autograd.grad(
+            conv3d_max_pool3d_mean(x, leaves[1], b, padding, pool, divisor, operand_dtype=operand_dtype).sum(),
+            leaves[1]))
+
+
 @pytest.mark.parametrize("args,match", [
+    (lambda x, w, b: ((x, w, b), dict(operand_dtype=torch.float64)), "operand_dtype must be"),
+    (lambda x, w, b: ((x, w.bfloat16(), b.bfloat16()), dict(operand_dtype=torch.float16)), "operand_dtype must be"),
     (lambda x, w, b: ((x[0], w, b), {}), "5-D input"),
     (lambda x, w, b: ((x, w[0], b), {}), "5-D weight"),
     (lambda x, w, b: ((x.int(), w, b), {}), "floating-point"),
@@ -489,12 +530,14 @@ def test_module_fused_conv_float32_exact(mode, device, tf32):
 
 
 @requires_cuda
-def test_module_training_step_launches_only_the_librarys_kernels(tf32):
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["float32", "autocast-bf16"])
+def test_module_training_step_launches_only_the_librarys_kernels(autocast, tf32):
     """A's training step on ``fused_conv`` (the bias (O, 1, 1, 1) and the sum over channels, as SPEC's):
     its bias and sum in the op (the forward's epilogue kernel adds them, the backward's mean-gradient
     kernel forms their gradients), so the step launches the library's kernels only: no PyTorch add,
-    sum or copy (host time every step, and a module load each at a process's first step); the
-    output and the gradients those of the module's ops without them (the bias of shape (1, O, 1, 1, 1))."""
+    sum or copy (host time every step, and a module load each at a process's first step), under
+    autocast no cast of the weight or bias nor of their gradients (operand_dtype); the output and
+    the gradients those of the module's ops without them (the bias of shape (1, O, 1, 1, 1))."""
     original = reference.Conv3dDivMaxPoolGAPBiasSum(8, 16, 3, 2.0, 2, (16, 1, 1, 1), 1)
     fused = fnn.Conv3dDivMaxPoolGAPBiasSum.from_module(original).cuda()
     x = torch.rand(4, 8, 8, 16, 16, device="cuda")
@@ -502,8 +545,9 @@ def test_module_training_step_launches_only_the_librarys_kernels(tf32):
     grad = torch.rand(4, 1, 1, 1, device="cuda")
 
     def step():
-        with autotune.force("fused_conv"):
-            return fused(x), torch.autograd.grad(fused(x), params, grad)
+        with autotune.force("fused_conv"), torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
+            out = fused(x)
+        return out, torch.autograd.grad(out, params, grad)
 
     names = cuda_kernel_names(step)
     assert any("mean_epilogue_kernel" in name for name in names) and weight_grad_kernel_ran(step)
@@ -511,9 +555,9 @@ def test_module_training_step_launches_only_the_librarys_kernels(tf32):
     out, grads = step()
     unfused = copy.deepcopy(fused)  # (a bias the op does not take: the module's add and sum)
     unfused.bias = torch.nn.Parameter(fused.bias.detach().view(1, 16, 1, 1, 1).clone())
-    with autotune.force("fused_conv"):
+    with autotune.force("fused_conv"), torch.autocast("cuda", dtype=autocast, enabled=autocast is not None):
         expected = unfused(x)
-        expected_grads = torch.autograd.grad(expected, list(unfused.parameters()), grad)
+    expected_grads = torch.autograd.grad(expected, list(unfused.parameters()), grad)
     assert autotune.last_formulation() == "fused_conv"
     torch.testing.assert_close(out, expected)  # (float32 sums in another order)
     for (name, _), g, e in zip(fused.named_parameters(), grads, expected_grads):

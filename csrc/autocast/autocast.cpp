@@ -56,11 +56,15 @@ void register_float32_results(torch::Library& m) {
   }
 }
 
+template <c10::DispatchKey autocast_key>
+at::ScalarType autocast_dtype() {
+  return at::autocast::get_autocast_dtype(autocast_key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
+}
+
 // Casts the tensors among (*stack)[begin, end) to autocast's dtype.
 template <c10::DispatchKey autocast_key>
 void cast_to_autocast_dtype(torch::jit::Stack* stack, size_t begin, size_t end) {
-  const at::ScalarType cast =
-      at::autocast::get_autocast_dtype(autocast_key == c10::DispatchKey::AutocastCUDA ? at::kCUDA : at::kCPU);
+  const at::ScalarType cast = autocast_dtype<autocast_key>();
   for (size_t i = begin; i < end; ++i) {
     if ((*stack)[i].isTensor()) (*stack)[i] = (*stack)[i].toTensor().to(cast);
   }
@@ -72,15 +76,27 @@ void cast_to_autocast_dtype(torch::jit::Stack* stack, size_t begin, size_t end) 
 // runs torch.sum in float32; A's module casts its own result) and, where kPoolsFirst (the tail's
 // first op a max-pool, float32 under CPU autocast), on the CPU too, else autocast's dtype there.
 // Where kRoundsInput, a float32 input is passed as it is, the op rounding it to the weight's dtype
-// as it reads it (the same values, without the cast's copy). Each takes (x, weight, bias or a
-// non-tensor, ...) first and a `dtype` (conv3d_max_pool3d_mean's channel bias, after it, is added
-// to the result in the promoted dtype, as the module's `pooled + bias` is: not cast).
-template <c10::DispatchKey autocast_key, bool kRoundsInput, bool kPoolsFirst>
+// as it reads it (the same values, without the cast's copy); where kRoundsOperands too (an op with
+// an `operand_dtype`: conv3d_max_pool3d_mean), a float32 weight and bias with it, operand_dtype set to
+// autocast's dtype (their casts' copies and launches, and their gradients' casts back, saved). Each
+// takes (x, weight, bias or a non-tensor, ...) first and a `dtype` (conv3d_max_pool3d_mean's channel
+// bias, after it, is added to the result in the promoted dtype, as the module's `pooled + bias` is: not
+// cast).
+template <c10::DispatchKey autocast_key, bool kRoundsInput, bool kPoolsFirst, bool kRoundsOperands = false>
 void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ...
   const at::ScalarType input = (*stack)[first].toTensor().scalar_type();
   if (autocast_casts(input)) {
-    cast_to_autocast_dtype<autocast_key>(stack, kRoundsInput && input == at::kFloat ? first + 1 : first, first + 3);
+    const c10::IValue& bias = (*stack)[first + 2];
+    const bool float32_operands = input == at::kFloat && (*stack)[first + 1].toTensor().scalar_type() == at::kFloat &&
+                                  (!bias.isTensor() || bias.toTensor().scalar_type() == at::kFloat);
+    if constexpr (kRoundsOperands) {
+      c10::IValue& operand = (*stack)[first + op.schema().argumentIndexWithName("operand_dtype").value()];
+      if (float32_operands && operand.isNone()) operand = autocast_dtype<autocast_key>();
+    }
+    if (!(kRoundsOperands && float32_operands)) {
+      cast_to_autocast_dtype<autocast_key>(stack, kRoundsInput && input == at::kFloat ? first + 1 : first, first + 3);
+    }
     c10::IValue& dtype = (*stack)[first + op.schema().argumentIndexWithName("dtype").value()];
     if ((kPoolsFirst || autocast_key == c10::DispatchKey::AutocastCUDA) && dtype.isNone()) {
       dtype = at::kFloat;
@@ -107,9 +123,10 @@ void lower_precision_operands(const c10::OperatorHandle& op, torch::jit::Stack* 
 template <c10::DispatchKey autocast_key>
 void register_autocast_kernels(torch::Library& m) {
   register_float32_results<autocast_key>(m);
-  for (const char* name : {"conv2d_sigmoid_sum", "conv3d_max_pool3d_mean"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, true, false>>());
-  }
+  m.impl("conv2d_sigmoid_sum",
+         torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, true, false>>());
+  m.impl("conv3d_max_pool3d_mean",
+         torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, true, false, true>>());
   m.impl("conv_transpose3d_cascade_sum",
          torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, false, true>>());
   for (const char* name : {"conv_transpose3d_stride1_channels_last", "conv_transpose3d_stride1_channels_last_path",

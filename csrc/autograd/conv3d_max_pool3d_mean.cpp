@@ -20,21 +20,23 @@ std::tuple<at::Tensor, at::Tensor> call_conv3d_max_pool3d_mean(const at::Tensor&
                                                                double divisor, bool save_indices,
                                                                std::optional<at::ScalarType> dtype,
                                                                const std::optional<at::Tensor>& channel_bias,
-                                                               bool sum_channels) {
+                                                               bool sum_channels,
+                                                               std::optional<at::ScalarType> operand_dtype) {
   static const auto op = typed_op<decltype(call_conv3d_max_pool3d_mean)>("fused_ops::conv3d_max_pool3d_mean");
-  return op.call(x, weight, bias, padding, pool, divisor, save_indices, dtype, channel_bias, sum_channels);
+  return op.call(x, weight, bias, padding, pool, divisor, save_indices, dtype, channel_bias, sum_channels,
+                 operand_dtype);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_conv3d_max_pool3d_mean_backward(
     const at::Tensor& grad_mean, const at::Tensor& indices, const at::Tensor& x, const at::Tensor& weight,
     at::IntArrayRef padding, at::IntArrayRef pool, double divisor, std::array<bool, 4> output_mask,
-    std::optional<at::ScalarType> mean_dtype) {
+    std::optional<at::ScalarType> mean_dtype, std::optional<at::ScalarType> operand_dtype) {
   static const auto op =
       typed_op<decltype(call_conv3d_max_pool3d_mean_backward)>("fused_ops::conv3d_max_pool3d_mean_backward");
-  return op.call(grad_mean, indices, x, weight, padding, pool, divisor, output_mask, mean_dtype);
+  return op.call(grad_mean, indices, x, weight, padding, pool, divisor, output_mask, mean_dtype, operand_dtype);
 }
 
-constexpr size_t kInputs = 10;      // the op's arguments: backward returns a gradient (or none) for each
+constexpr size_t kInputs = 11;      // the op's arguments: backward returns a gradient (or none) for each
 constexpr size_t kChannelBias = 8;  // channel_bias's position among them
 
 // Differentiable in x, weight, bias and channel_bias (the indices output is not).
@@ -43,10 +45,11 @@ class Conv3dMaxPool3dMeanFunction : public torch::autograd::Function<Conv3dMaxPo
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const std::optional<at::Tensor>& bias, at::IntArrayRef padding, at::IntArrayRef pool,
                                double divisor, bool save_indices, std::optional<at::ScalarType> dtype,
-                               const std::optional<at::Tensor>& channel_bias, bool sum_channels) {
+                               const std::optional<at::Tensor>& channel_bias, bool sum_channels,
+                               std::optional<at::ScalarType> operand_dtype) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [out, indices] = call_conv3d_max_pool3d_mean(x, weight, bias, padding, pool, divisor, save_indices, dtype,
-                                                      channel_bias, sum_channels);
+                                                      channel_bias, sum_channels, operand_dtype);
     mark_non_differentiable(ctx, {indices});
     // (the biases only for a backward that records a graph, which recomputes the forward)
     ctx->save_for_backward({x, weight, indices, bias.value_or(at::Tensor()), channel_bias.value_or(at::Tensor())});
@@ -54,7 +57,9 @@ class Conv3dMaxPool3dMeanFunction : public torch::autograd::Function<Conv3dMaxPo
     ctx->saved_data["pool"] = pool;
     ctx->saved_data["divisor"] = divisor;
     ctx->saved_data["has_bias"] = bias.has_value();
-    ctx->saved_data["mean_dtype"] = dtype.value_or(weight.scalar_type());  // (the op checked it)
+    const at::ScalarType operand = operand_dtype.value_or(weight.scalar_type());  // (the op checked it)
+    ctx->saved_data["operand_dtype"] = operand;
+    ctx->saved_data["mean_dtype"] = dtype.value_or(operand);
     ctx->saved_data["sum_channels"] = sum_channels;
     return {out, indices};
   }
@@ -71,14 +76,17 @@ class Conv3dMaxPool3dMeanFunction : public torch::autograd::Function<Conv3dMaxPo
     auto& data = ctx->saved_data;
     const bool sum_channels = data["sum_channels"].toBool();
     const at::ScalarType mean_dtype = data["mean_dtype"].toScalarType();
+    const at::ScalarType operand = data["operand_dtype"].toScalarType();
     if (records_graph()) {
-      // The forward recomputed by PyTorch's ops (x read in the weight's dtype, as the op reads
-      // it) and differentiated: its picks PyTorch's, as the op's are (max_pool3d.h).
+      // The forward recomputed by PyTorch's ops (x, the weight and the bias read in the operand
+      // dtype, as the op reads them) and differentiated: its picks PyTorch's, as the op's are
+      // (max_pool3d.h).
       const WithoutAutocast without_autocast;
       const at::Tensor& x = saved[0];
       const at::Tensor& weight = saved[1];
-      const at::Tensor y = at::conv3d(x.to(weight.scalar_type()), weight, defined_or_none(saved[3]), 1,
-                                      data["padding"].toIntVector());
+      const std::optional<at::Tensor> bias =
+          saved[3].defined() ? std::optional(saved[3].to(operand)) : std::nullopt;
+      const at::Tensor y = at::conv3d(x.to(operand), weight.to(operand), bias, 1, data["padding"].toIntVector());
       const std::vector<int64_t> pool = data["pool"].toIntVector();
       const at::Tensor mean =
           at::max_pool3d(y / data["divisor"].toDouble(), pool, pool).mean({2, 3, 4}).to(mean_dtype);
@@ -97,7 +105,8 @@ class Conv3dMaxPool3dMeanFunction : public torch::autograd::Function<Conv3dMaxPo
         check_saved(saved[2], 5, "conv3d_max_pool3d_mean", "save_indices", "x, the weight or the bias");
     const auto results =
         call_conv3d_max_pool3d_mean_backward(grad_mean, indices, saved[0], saved[1], data["padding"].toIntVector(),
-                                             data["pool"].toIntVector(), data["divisor"].toDouble(), mask, mean_dtype);
+                                             data["pool"].toIntVector(), data["divisor"].toDouble(), mask, mean_dtype,
+                                             operand);
     grad_inputs[0] = mask[0] ? std::get<0>(results) : at::Tensor();
     grad_inputs[1] = mask[1] ? std::get<1>(results) : at::Tensor();
     grad_inputs[2] = mask[2] ? std::get<2>(results) : at::Tensor();

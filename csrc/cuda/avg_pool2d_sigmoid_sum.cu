@@ -609,10 +609,8 @@ at::Tensor avg_pool2d_sigmoid_sum_backward_cuda(const at::Tensor& grad_out,
       // Shared memory: the table and value rows, then two sigmoid buffers of
       // unit_groups + 1 rows and 16 bytes each, as large as the device allows.
       const auto kernel = backward_aligned_runs_kernel<scalar_t>;
-      int device = 0;
-      C10_CUDA_CHECK(cudaGetDevice(&device));
-      const int64_t budget =
-          std::min<int64_t>(kAlignedRunsSmemBytes, device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+      const int64_t budget = std::min<int64_t>(
+          kAlignedRunsSmemBytes, device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, current_device()));
       const int64_t fixed = 16 + ShiftedRow<int, 16 / sizeof(scalar_t)>(xl.cols).bytes() +
                             (kAlignedWarps + 1) * a.value_row_elements() * sizeof(scalar_t);
       const int64_t sigmoid_row_bytes = g.w.out * sizeof(acc_t);

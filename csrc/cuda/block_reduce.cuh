@@ -72,16 +72,4 @@ __device__ __forceinline__ T sum_column(const T* __restrict__ column, int64_t ro
   return sum;
 }
 
-// out[g, j] = (sum over r < rows of in[(g * rows + r) * cols + j]) / divide_by
-// for columns j < out_cols: a block per (32 columns, group g = blockIdx.y).
-// (A template: one definition in each file that launches it.)
-template <typename T>
-__global__ void __launch_bounds__(32 * kColumnSlices)
-    sum_columns_kernel(const T* __restrict__ in, int64_t rows, int cols, int out_cols, T divide_by,
-                       T* __restrict__ out) {
-  const int column = blockIdx.x * 32 + threadIdx.x % 32;
-  const T sum = sum_column(in + blockIdx.y * rows * cols + column, rows, cols, column < out_cols);
-  if (threadIdx.x < 32 && column < out_cols) out[int64_t{blockIdx.y} * out_cols + column] = sum / divide_by;
-}
-
 }  // namespace fused_ops

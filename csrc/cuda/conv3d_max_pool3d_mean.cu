@@ -71,7 +71,7 @@ struct Operation {
 struct Params {
   TaskGrid grid;
   const uint32_t* fragments;  // the weight's A fragments: (channel_blocks, kFragmentWords)
-  const void* bias;           // (O,) in the weight's dtype (Mma::Input), or null
+  const float* bias;          // (O,) rounded to Mma::Input (weight_fragments_kernel), or null
   float* partial;             // (tasks * kWarps, kChannels)
   uint8_t* picks;             // (N, O, PD, PH, PW), or null where not saved
   float reciprocal;           // 1 / divisor, as PyTorch's CUDA division multiplies
@@ -83,15 +83,21 @@ struct Params {
 // with a_e = w[o = g + 8 (e % 2)][k = (e / 2) half of the step] (mma.cuh's
 // layouts): TF32 step s is tap s, k = channel t + 4 (e / 2) of the block; a
 // 16-bit step s is taps 2s (e < 2) and 2s + 1, k = channels 2t, 2t + 1. Zero
-// past O, C and the 27 taps.
-template <typename Mma>
-__global__ void weight_fragments_kernel(const typename Mma::Input* weight, int O, int C, int channel_blocks,
-                                        uint32_t* fragments) {
+// past O, C and the 27 taps. The weight and the bias are read in their own dtype W (the
+// operation's, or float32 rounded to it here: autocast's casts without their copies); the bias,
+// rounded, goes to rounded_bias (O floats) where there is one.
+template <typename Mma, typename W>
+__global__ void weight_fragments_kernel(const W* weight, const W* bias, int O, int C, int channel_blocks,
+                                        uint32_t* fragments, float* rounded_bias) {
   using Op = Operation<Mma>;
+  using T = typename Mma::Input;
   const int64_t total = int64_t{channel_blocks} * Op::kFragmentWords;
   auto w = [&](int o, int c, int tap) {
-    return o < O && c < C && tap < kTaps ? widened(weight[(int64_t{o} * C + c) * kTaps + tap]) : 0.f;
+    return o < O && c < C && tap < kTaps ? rounded_to<T>(widened(weight[(int64_t{o} * C + c) * kTaps + tap])) : 0.f;
   };
+  if (bias != nullptr && blockIdx.x == 0 && threadIdx.x < O) {
+    rounded_bias[threadIdx.x] = rounded_to<T>(widened(bias[threadIdx.x]));
+  }
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
     const int e = static_cast<int>(i % 4), lane = static_cast<int>(i / 4 % 32);
     const int step = static_cast<int>(i / 128 % Op::kSteps), block = static_cast<int>(i / Op::kFragmentWords);
@@ -174,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int o = g + 8 * h;
-    bias[h] = p.bias != nullptr && o < p.O ? widened(static_cast<const T*>(p.bias)[o]) : 0.f;
+    bias[h] = p.bias != nullptr && o < p.O ? p.bias[o] : 0.f;
   }
 
   // tile j = (dd, hh, wq): output plane dd, row 2 rp + hh, columns 16 quarter + 8 wq + (0..7)
@@ -330,8 +336,9 @@ at::Tensor mean_epilogue(const at::Tensor& partial, int O, const Conv3dPoolGeome
 // take it (kernel_takes): the weight's (with_weight_operation). f(Mma{}) is
 // called with it; false if none.
 template <typename F>
-bool with_fused_operation(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g, F&& f) {
-  return kernel_takes(x, weight, g) && with_weight_operation(weight.scalar_type(), f);
+bool with_fused_operation(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g,
+                          at::ScalarType operand, F&& f) {
+  return kernel_takes(x, weight, g) && with_weight_operation(operand, f);
 }
 
 // The fused kernel's launch (its shared memory: the barriers, up to two
@@ -355,14 +362,25 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
 
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const int64_t fragment_words = int64_t{grid.channel_blocks} * Op::kFragmentWords;
-  const at::Tensor fragments = at::empty({fragment_words}, x.options().dtype(at::kInt));
-  weight_fragments_kernel<Mma><<<static_cast<unsigned>((fragment_words + 255) / 256), 256, 0, stream>>>(
-      static_cast<const typename Mma::Input*>(weight.const_data_ptr()), p.O, static_cast<int>(weight.size(1)),
-      grid.channel_blocks,
-      reinterpret_cast<uint32_t*>(fragments.mutable_data_ptr<int32_t>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  p.fragments = reinterpret_cast<const uint32_t*>(fragments.const_data_ptr<int32_t>());
-  p.bias = bias.has_value() ? bias->const_data_ptr() : nullptr;
+  // (the fragments, then the rounded bias: one buffer)
+  const at::Tensor fragments = at::empty({fragment_words + kChannels}, x.options().dtype(at::kInt));
+  uint32_t* words = reinterpret_cast<uint32_t*>(fragments.mutable_data_ptr<int32_t>());
+  float* rounded_bias = reinterpret_cast<float*>(words + fragment_words);
+  auto launch = [&](auto* weight_type) {
+    using W = std::remove_pointer_t<decltype(weight_type)>;
+    weight_fragments_kernel<Mma, W><<<static_cast<unsigned>((fragment_words + 255) / 256), 256, 0, stream>>>(
+        static_cast<const W*>(weight.const_data_ptr()),
+        bias.has_value() ? static_cast<const W*>(bias->const_data_ptr()) : nullptr, p.O,
+        static_cast<int>(weight.size(1)), grid.channel_blocks, words, rounded_bias);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (weight.scalar_type() == at::kFloat) {
+    launch(static_cast<float*>(nullptr));
+  } else {
+    launch(static_cast<typename Mma::Input*>(nullptr));
+  }
+  p.fragments = words;
+  p.bias = bias.has_value() ? rounded_bias : nullptr;
   p.partial = partial.mutable_data_ptr<float>();
   p.picks = picks;
 
@@ -379,14 +397,17 @@ std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor&
                                                                double divisor, bool save_indices,
                                                                std::optional<at::ScalarType> dtype,
                                                                const std::optional<at::Tensor>& channel_bias,
-                                                               bool sum_channels) {
+                                                               bool sum_channels,
+                                                               std::optional<at::ScalarType> operand_dtype) {
+  constexpr const char* what = "conv3d_max_pool3d_mean";
   const Conv3dPoolGeometry g = conv3d_max_pool3d_mean_geometry(x, weight, bias, padding, pool, divisor);
-  check_channel_bias("conv3d_max_pool3d_mean", x, weight, channel_bias);
-  const at::ScalarType mean_dtype = result_dtype("conv3d_max_pool3d_mean", weight.scalar_type(), dtype);
+  check_channel_bias(what, x, weight, channel_bias);
+  const at::ScalarType operand = operand_type(what, weight, operand_dtype);
+  const at::ScalarType mean_dtype = result_dtype(what, operand, dtype);
   const c10::cuda::CUDAGuard guard(x.device());
   std::optional<std::tuple<at::Tensor, at::Tensor>> result;
   const at::Tensor xc = x.contiguous();
-  with_fused_operation(xc, weight, g, [&](auto mma) {
+  with_fused_operation(xc, weight, g, operand, [&](auto mma) {
     const TaskGrid grid = task_grid(xc, weight, g);
     at::Tensor partial = at::empty({x.size(0), grid.tasks / x.size(0) * kWarps, kChannels}, x.options());
     at::Tensor picks = save_indices ? at::empty({x.size(0), weight.size(0), g.pooled[0], g.pooled[1], g.pooled[2]},
@@ -401,7 +422,8 @@ std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor&
     }
   });
   if (result.has_value()) return *result;
-  auto [mean, indices] = conv3d_max_pool3d_mean_composite(x, weight, bias, g, divisor, save_indices, mean_dtype);
+  auto [mean, indices] =
+      conv3d_max_pool3d_mean_composite(x, weight, bias, g, divisor, save_indices, mean_dtype, operand);
   return {add_channel_bias_and_sum(mean, channel_bias, sum_channels), indices};
 }
 

@@ -175,18 +175,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 constexpr int kBatchLanes = 16;  // mean_gradient_kernel's threads a channel
 
 // g[n, o] = grad_mean[n, o] / P * (1 / divisor) as max_pool3d_mean's backward forms it (grad_mean rounded to
-// the weight's type W first where the forward's mean was in W, a true division by P, then the divisor's
-// reciprocal as PyTorch multiplies by a number), rounded to W, and 0 for O <= o < kChannels (the
-// weight-gradient kernel's m16 operand); grad_bias[o] = (sum over n of g[n, o]) * P in W and
+// the operand type T first where the forward's mean was in T, a true division by P, then the divisor's
+// reciprocal as PyTorch multiplies by a number), rounded to T, and 0 for O <= o < kChannels (the
+// weight-gradient kernel's m16 operand); grad_bias[o] = (sum over n of g[n, o]) * P rounded to T, stored
+// as B (the bias's dtype: T, or float32 where autocast's cast is the op's), and
 // grad_channel_bias[o] = sum over n of grad_mean[n, o] in grad_mean's type, each sum over n by kBatchLanes
 // strided partial sums added in lane order. grad_mean is read through its strides (autograd passes it
 // expanded from the module's sum: a copy, PyTorch's division and its product would each load a module of
 // PyTorch's at a process's first training step, 8-14 ms apiece on an H200).
-template <typename grad_t, typename W>
+template <typename grad_t, typename T, typename B>
 __global__ void __launch_bounds__(kChannels * kBatchLanes)
     mean_gradient_kernel(const grad_t* __restrict__ grad_mean, int64_t batch, int O, int64_t batch_stride,
-                         int64_t channel_stride, bool mean_in_weight_type, float windows, float reciprocal,
-                         float* __restrict__ g, W* __restrict__ grad_bias, grad_t* __restrict__ grad_channel_bias) {
+                         int64_t channel_stride, bool mean_in_operand_type, float windows, float reciprocal,
+                         float* __restrict__ g, B* __restrict__ grad_bias, grad_t* __restrict__ grad_channel_bias) {
   using acc_t = at::opmath_type<grad_t>;
   __shared__ float partial[kBatchLanes][kChannels];
   __shared__ acc_t grad_partial[kBatchLanes][kChannels];
@@ -199,9 +200,9 @@ __global__ void __launch_bounds__(kChannels * kBatchLanes)
       const grad_t grad = grad_mean[n * batch_stride + o * channel_stride];
       grad_sum += static_cast<acc_t>(grad);
       float value = static_cast<float>(grad);
-      if (mean_in_weight_type) value = static_cast<float>(static_cast<W>(value));
+      if (mean_in_operand_type) value = static_cast<float>(static_cast<T>(value));
       const float scaled = __fmul_rn(__fdiv_rn(value, windows), reciprocal);
-      v = static_cast<float>(static_cast<W>(scaled));
+      v = static_cast<float>(static_cast<T>(scaled));
     }
     g[n * kChannels + o] = v;
     sum += v;
@@ -212,7 +213,7 @@ __global__ void __launch_bounds__(kChannels * kBatchLanes)
   if (lane != 0 || o >= O) return;
   if (grad_bias != nullptr) {
     for (int l = 1; l < kBatchLanes; ++l) sum += partial[l][o];
-    grad_bias[o] = static_cast<W>(__fmul_rn(sum, windows));
+    grad_bias[o] = static_cast<B>(static_cast<float>(static_cast<T>(__fmul_rn(sum, windows))));
   }
   if (grad_channel_bias != nullptr) {
     for (int l = 1; l < kBatchLanes; ++l) grad_sum += grad_partial[l][o];
@@ -223,38 +224,65 @@ __global__ void __launch_bounds__(kChannels * kBatchLanes)
 // {g (N, kChannels) float32, grad_bias (O) in the weight's type, grad_channel_bias (O) in grad_mean's (each
 // undefined where not asked for)} by mean_gradient_kernel.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> mean_gradient(const at::Tensor& grad_mean, const at::Tensor& weight,
-                                                             const Conv3dPoolGeometry& geometry, double divisor,
-                                                             std::optional<at::ScalarType> mean_dtype, bool bias,
-                                                             bool channel_bias) {
+                                                             at::ScalarType operand, const Conv3dPoolGeometry& geometry,
+                                                             double divisor, std::optional<at::ScalarType> mean_dtype,
+                                                             bool bias, bool channel_bias) {
   const int64_t batch = grad_mean.size(0);
   const int O = static_cast<int>(weight.size(0));
   const float windows = static_cast<float>(geometry.pooled[0] * geometry.pooled[1] * geometry.pooled[2]);
   at::Tensor g = at::empty({batch, kChannels}, grad_mean.options().dtype(at::kFloat));
   at::Tensor grad_bias = bias ? at::empty({O}, weight.options()) : at::Tensor();
   at::Tensor grad_channel_bias = channel_bias ? at::empty({O}, grad_mean.options()) : at::Tensor();
-  const bool mean_in_weight_type = mean_dtype == weight.scalar_type();
+  const bool mean_in_operand_type = mean_dtype == operand;
   const auto stream = c10::cuda::getCurrentCUDAStream();
   FUSED_OPS_DISPATCH_FLOATING_TYPES(grad_mean.scalar_type(), "conv3d_max_pool3d_mean_backward", [&] {
     using grad_t = scalar_t;
-    FUSED_OPS_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "mean_gradient", [&] {
-      mean_gradient_kernel<grad_t, scalar_t><<<1, dim3(kChannels, kBatchLanes), 0, stream>>>(
-          grad_mean.const_data_ptr<grad_t>(), batch, O, grad_mean.stride(0), grad_mean.stride(1),
-          mean_in_weight_type, windows, ReciprocalMultiply<float>(divisor).reciprocal, g.mutable_data_ptr<float>(),
-          bias ? grad_bias.mutable_data_ptr<scalar_t>() : nullptr,
-          channel_bias ? grad_channel_bias.mutable_data_ptr<grad_t>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    FUSED_OPS_DISPATCH_FLOATING_TYPES(operand, "mean_gradient", [&] {
+      auto launch = [&](auto* bias_type) {
+        using B = std::remove_pointer_t<decltype(bias_type)>;
+        mean_gradient_kernel<grad_t, scalar_t, B><<<1, dim3(kChannels, kBatchLanes), 0, stream>>>(
+            grad_mean.const_data_ptr<grad_t>(), batch, O, grad_mean.stride(0), grad_mean.stride(1),
+            mean_in_operand_type, windows, ReciprocalMultiply<float>(divisor).reciprocal, g.mutable_data_ptr<float>(),
+            bias ? grad_bias.mutable_data_ptr<B>() : nullptr,
+            channel_bias ? grad_channel_bias.mutable_data_ptr<grad_t>() : nullptr);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (weight.scalar_type() == operand) {
+        launch(static_cast<scalar_t*>(nullptr));
+      } else {
+        launch(static_cast<float*>(nullptr));
+      }
     });
   });
   return {g, grad_bias, grad_channel_bias};
 }
 
-// grad_weight (O, C, 3, 3, 3) float32 by the kernel from g (N, kChannels), or an undefined tensor where it does
-// not run.
+// grad_weight[o, c, tap] = sum over the kernel's blocks b of partial[c / kBlockChannels, b, (o, c % kBlockChannels,
+// tap)] (sum_column: a fixed order, deterministic), rounded to the operand type T as autocast's cast of a 16-bit
+// weight's gradient would, stored in the weight's type W: a block per (32 words, channel block), straight into the
+// weight's layout (no copy by PyTorch after it).
+template <typename T, typename W>
+__global__ void __launch_bounds__(32 * kColumnSlices)
+    weight_gradient_sum_kernel(const float* __restrict__ partial, int64_t blocks, int O, int C,
+                               W* __restrict__ grad_weight) {
+  const int word = blockIdx.x * 32 + threadIdx.x % 32;
+  const int o = word / (kBlockChannels * kTaps), tap = word % kTaps;
+  const int c = blockIdx.y * kBlockChannels + word / kTaps % kBlockChannels;
+  const bool active = o < O && c < C;  // (o < O <= kChannels: word < kGradWords)
+  const float sum = sum_column(partial + blockIdx.y * blocks * kGradWords + word, blocks, kGradWords, active);
+  if (threadIdx.x < 32 && active) {
+    grad_weight[(int64_t{o} * C + c) * kTaps + tap] = static_cast<W>(rounded_to<T>(sum));
+  }
+}
+
+// grad_weight (O, C, 3, 3, 3) by the kernel from g (N, kChannels), rounded to the operand type and stored in the
+// weight's, or an undefined tensor where it does not run.
 at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices, const at::Tensor& x,
-                                 const at::Tensor& weight, const Conv3dPoolGeometry& geometry) {
+                                 const at::Tensor& weight, at::ScalarType operand,
+                                 const Conv3dPoolGeometry& geometry) {
   at::Tensor grad_weight;
   if (!kernel_takes(x, weight, geometry)) return grad_weight;
-  with_weight_operation(weight.scalar_type(), [&](auto mma) {  // (its TF32 kernel on x rounded to the weight's type)
+  with_weight_operation(operand, [&](auto mma) {  // (its TF32 kernel on x rounded to the operand type)
     using T = typename decltype(mma)::Input;
     const auto kernel = conv3d_max_pool3d_mean_weight_grad_kernel<T>;
     const SharedLayout layout = shared_layout(2 * kOperandWords, x);
@@ -273,17 +301,14 @@ at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices,
     allow_dynamic_shared_memory(kernel, layout.smem);
     kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, stream>>>(p, ncdhw_tensor_map(x));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // the sums over blocks (channel blocks, o, c, tap) -> (o, channel blocks x c, tap)
-    at::Tensor sums = at::empty({p.grid.channel_blocks, kChannels, kBlockChannels, kTaps}, x.options());
-    sum_columns_kernel<float><<<dim3((kGradWords + 31) / 32, static_cast<unsigned>(p.grid.channel_blocks)),
-                         32 * kColumnSlices, 0, stream>>>(partial.const_data_ptr<float>(), blocks,
-                                                          kGradWords, kGradWords, 1.f, sums.mutable_data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    grad_weight = sums.permute({1, 0, 2, 3})
-                      .reshape({kChannels, p.grid.channel_blocks * kBlockChannels, kTaps})
-                      .narrow(0, 0, weight.size(0))
-                      .narrow(1, 0, weight.size(1))
-                      .reshape(weight.sizes());
+    grad_weight = at::empty(weight.sizes(), weight.options());
+    FUSED_OPS_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "weight_gradient_sum", [&] {
+      weight_gradient_sum_kernel<T, scalar_t>
+          <<<dim3((kGradWords + 31) / 32, static_cast<unsigned>(p.grid.channel_blocks)), 32 * kColumnSlices, 0,
+             stream>>>(partial.const_data_ptr<float>(), blocks, p.O, static_cast<int>(weight.size(1)),
+                       grad_weight.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   return grad_weight;
 }
@@ -291,29 +316,30 @@ at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> conv3d_max_pool3d_mean_backward_cuda(
     const at::Tensor& grad_mean, const at::Tensor& indices, const at::Tensor& x, const at::Tensor& weight,
     at::IntArrayRef padding, at::IntArrayRef pool, double divisor, std::array<bool, 4> output_mask,
-    std::optional<at::ScalarType> mean_dtype) {
+    std::optional<at::ScalarType> mean_dtype, std::optional<at::ScalarType> operand_dtype) {
   const Conv3dPoolGeometry geometry =
       check_conv3d_max_pool3d_mean_backward(grad_mean, indices, x, weight, padding, pool, divisor, mean_dtype);
+  const at::ScalarType operand = operand_type("conv3d_max_pool3d_mean_backward", weight, operand_dtype);
   const c10::cuda::CUDAGuard guard(x.device());
   if ((output_mask[1] || output_mask[2]) && kernel_takes(x, weight, geometry)) {
     const auto [g, grad_bias, grad_channel_bias] =
-        mean_gradient(grad_mean, weight, geometry, divisor, mean_dtype, output_mask[2], output_mask[3]);
-    const at::Tensor grad_weight = output_mask[1] ? weight_grad_by_kernel(g, indices, x, weight, geometry)
-                                                  : at::Tensor();
+        mean_gradient(grad_mean, weight, operand, geometry, divisor, mean_dtype, output_mask[2], output_mask[3]);
+    const at::Tensor grad_weight =
+        output_mask[1] ? weight_grad_by_kernel(g, indices, x, weight, operand, geometry) : at::Tensor();
     if (!output_mask[1] || grad_weight.defined()) {
       const at::Tensor grad_x =
           output_mask[0] ? std::get<0>(conv3d_max_pool3d_mean_backward_composite(grad_mean, indices, x, weight,
                                                                                  geometry, divisor,
                                                                                  {true, false, false, false},
-                                                                                 mean_dtype))
+                                                                                 mean_dtype, operand))
                          : x.new_empty({0});
-      return {grad_x, output_mask[1] ? grad_weight.to(weight.scalar_type()) : x.new_empty({0}),
+      return {grad_x, output_mask[1] ? grad_weight : x.new_empty({0}),
               output_mask[2] ? grad_bias : x.new_empty({0}),
               output_mask[3] ? grad_channel_bias : x.new_empty({0})};
     }
   }
   return conv3d_max_pool3d_mean_backward_composite(grad_mean, indices, x, weight, geometry, divisor, output_mask,
-                                                   mean_dtype);
+                                                   mean_dtype, operand);
 }
 
 }  // namespace

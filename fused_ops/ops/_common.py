@@ -70,14 +70,15 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _result_dtype(x: Tensor, dtype: torch.dtype | None, what: str) -> torch.dtype:
+def _result_dtype(x: Tensor | torch.dtype, dtype: torch.dtype | None, what: str) -> torch.dtype:
     """The fakes' check of an op's `dtype` argument (csrc/dispatch.h, result_dtype):
-    the result's dtype, x's (None) or its accumulation type."""
+    the result's dtype, x's (None; x a tensor or its dtype) or its accumulation type."""
+    input_dtype = x if isinstance(x, torch.dtype) else x.dtype
     if dtype is None:
-        return x.dtype
-    acc = _accumulation_dtype(x.dtype)
-    torch._check(dtype in (x.dtype, acc), lambda: f"{what}: dtype must be the input's dtype ({x.dtype}) or its "
-                 f"accumulation type ({acc}), got {dtype}")
+        return input_dtype
+    acc = _accumulation_dtype(input_dtype)
+    torch._check(dtype in (input_dtype, acc), lambda: f"{what}: dtype must be the input's dtype ({input_dtype}) or "
+                 f"its accumulation type ({acc}), got {dtype}")
     return dtype
 
 

@@ -11,7 +11,7 @@ def _triple(value, name: str) -> list[int]:
 
 def conv3d_max_pool3d_mean(x: Tensor, weight: Tensor, bias: Tensor | None = None, padding=0, pool=2,
                            divisor=1.0, *, dtype: torch.dtype | None = None, channel_bias: Tensor | None = None,
-                           sum_channels: bool = False) -> Tensor:
+                           sum_channels: bool = False, operand_dtype: torch.dtype | None = None) -> Tensor:
     """``F.max_pool3d(F.conv3d(x, weight, bias, 1, padding) / divisor, pool).mean(dim=(2, 3, 4))``
     (pool: kernel = stride, no padding, floor mode), then ``+ channel_bias`` (O) where given and
     ``.sum(1)`` where sum_channels (architecture A's module: its bias and sum in the op); on a
@@ -20,8 +20,12 @@ def conv3d_max_pool3d_mean(x: Tensor, weight: Tensor, bias: Tensor | None = None
     convolution and its tail in one tensor-core kernel whose output never reaches memory.
 
     x: (B, C, D, H, W); weight (O, C, kd, kh, kw) and bias (O,) in x's dtype, or float16 /
-    bfloat16 with a float32 x (as autocast passes them: x is rounded to the weight's dtype as
-    it is read). dtype: the mean's: the weight's (None) or its accumulation type; the channel
+    bfloat16 with a float32 x (x is rounded to the weight's dtype as it is read). operand_dtype:
+    the convolution's operands' dtype, the weight's (None), or float16 / bfloat16 for a float32
+    weight and bias: x, the weight and the bias rounded to it as they are read (as autocast's
+    casts would round them, without their copies: what the op's autocast rule passes; their
+    gradients rounded to it, in the weight's dtype). dtype: the mean's: the operands' (None) or
+    its accumulation type; the channel
     bias is added in the dtype the addition promotes to, and the sum accumulated in float32 and
     rounded to it, as ``torch.sum`` does. Returns (B, O), or (B) where sum_channels.
     Differentiable in x, weight, bias and channel_bias: where one of the first three requires
@@ -33,7 +37,7 @@ def conv3d_max_pool3d_mean(x: Tensor, weight: Tensor, bias: Tensor | None = None
     save = torch.is_grad_enabled() and (x.requires_grad or (isinstance(weight, Tensor) and weight.requires_grad)
                                         or (isinstance(bias, Tensor) and bias.requires_grad))
     out, _ = _ops.conv3d_max_pool3d_mean(x, weight, bias, _triple(padding, "padding"), _triple(pool, "pool"),
-                                         float(divisor), save, dtype, channel_bias, bool(sum_channels))
+                                         float(divisor), save, dtype, channel_bias, bool(sum_channels), operand_dtype)
     return out
 
 
@@ -49,9 +53,19 @@ def _conv3d_pooled_size(x, weight, padding, pool) -> list:
     return [conv[d] // k[d] for d in range(3)]
 
 
+def _operand_dtype(weight, operand_dtype, what: str) -> torch.dtype:
+    """The convolution's operand dtype (csrc/conv3d_max_pool3d_mean.h, operand_type)."""
+    if operand_dtype is None or operand_dtype == weight.dtype:
+        return weight.dtype
+    torch._check_value(weight.dtype == torch.float32 and operand_dtype in (torch.bfloat16, torch.float16),
+                       lambda: f"{what}: operand_dtype must be the weight's dtype, or bfloat16 or float16 for a "
+                               f"float32 weight, got {operand_dtype} for a {weight.dtype} weight")
+    return operand_dtype
+
+
 @torch.library.register_fake("fused_ops::conv3d_max_pool3d_mean")
 def _conv3d_max_pool3d_mean_fake(x, weight, bias, padding, pool, divisor, save_indices, dtype=None,
-                                 channel_bias=None, sum_channels=False):
+                                 channel_bias=None, sum_channels=False, operand_dtype=None):
     torch._check(x.dim() == 5 and weight.dim() == 5,
                  lambda: f"conv3d_max_pool3d_mean: expected 5-D input and weight, got {x.dim()}-D and "
                          f"{weight.dim()}-D")
@@ -67,7 +81,8 @@ def _conv3d_max_pool3d_mean_fake(x, weight, bias, padding, pool, divisor, save_i
                          f"{weight.shape[1]}")
     torch._check_value(divisor != 0, lambda: "conv3d_max_pool3d_mean: divisor must be non-zero")
     pooled = _conv3d_pooled_size(x, weight, padding, pool)
-    out_dtype = _result_dtype(weight, dtype, "conv3d_max_pool3d_mean")
+    out_dtype = _result_dtype(_operand_dtype(weight, operand_dtype, "conv3d_max_pool3d_mean"), dtype,
+                              "conv3d_max_pool3d_mean")
     if channel_bias is not None:
         torch._check_value(channel_bias.dim() == 1 and channel_bias.shape[0] == weight.shape[0],
                            lambda: f"conv3d_max_pool3d_mean: channel_bias must have shape (out_channels,) = "
@@ -83,7 +98,8 @@ def _conv3d_max_pool3d_mean_fake(x, weight, bias, padding, pool, divisor, save_i
 
 @torch.library.register_fake("fused_ops::conv3d_max_pool3d_mean_backward")
 def _conv3d_max_pool3d_mean_backward_fake(grad_mean, indices, x, weight, padding, pool, divisor, output_mask,
-                                          mean_dtype=None):
+                                          mean_dtype=None, operand_dtype=None):
+    _operand_dtype(weight, operand_dtype, "conv3d_max_pool3d_mean_backward")
     torch._check(grad_mean.dim() == 2 and grad_mean.dtype.is_floating_point,
                  lambda: f"conv3d_max_pool3d_mean_backward: grad_mean must be floating-point (batch, out_channels), "
                          f"got {tuple(grad_mean.shape)} {grad_mean.dtype}")
