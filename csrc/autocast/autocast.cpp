@@ -78,7 +78,8 @@ void cast_to_autocast_dtype(torch::jit::Stack* stack, size_t begin, size_t end) 
 // Where kRoundsInput, a float32 input is passed as it is, the op rounding it to the weight's dtype
 // as it reads it (the same values, without the cast's copy); where kRoundsOperands too (an op with
 // an `operand_dtype`: conv3d_max_pool3d_mean), a float32 weight and bias with it, operand_dtype set to
-// autocast's dtype (their casts' copies and launches, and their gradients' casts back, saved). Each
+// autocast's dtype (their casts' copies and launches, and their gradients' casts back, saved), and
+// operands with an explicit operand_dtype as they are (the caller's precision, as an explicit dtype is). Each
 // takes (x, weight, bias or a non-tensor, ...) first and a `dtype` (conv3d_max_pool3d_mean's channel
 // bias, after it, is added to the result in the promoted dtype, as the module's `pooled + bias` is: not
 // cast).
@@ -87,14 +88,21 @@ void lower_precision_convolution(const c10::OperatorHandle& op, torch::jit::Stac
   const size_t first = stack->size() - op.schema().arguments().size();  // x, weight, bias, ...
   const at::ScalarType input = (*stack)[first].toTensor().scalar_type();
   if (autocast_casts(input)) {
-    const c10::IValue& bias = (*stack)[first + 2];
-    const bool float32_operands = input == at::kFloat && (*stack)[first + 1].toTensor().scalar_type() == at::kFloat &&
-                                  (!bias.isTensor() || bias.toTensor().scalar_type() == at::kFloat);
+    bool cast_operands = true;
     if constexpr (kRoundsOperands) {
       c10::IValue& operand = (*stack)[first + op.schema().argumentIndexWithName("operand_dtype").value()];
-      if (float32_operands && operand.isNone()) operand = autocast_dtype<autocast_key>();
+      const c10::IValue& bias = (*stack)[first + 2];
+      const bool float32_operands = input == at::kFloat &&
+                                    (*stack)[first + 1].toTensor().scalar_type() == at::kFloat &&
+                                    (!bias.isTensor() || bias.toTensor().scalar_type() == at::kFloat);
+      if (!operand.isNone()) {
+        cast_operands = false;  // (an explicit operand_dtype is the caller's, as an explicit dtype is)
+      } else if (float32_operands) {
+        operand = autocast_dtype<autocast_key>();
+        cast_operands = false;
+      }
     }
-    if (!(kRoundsOperands && float32_operands)) {
+    if (cast_operands) {
       cast_to_autocast_dtype<autocast_key>(stack, kRoundsInput && input == at::kFloat ? first + 1 : first, first + 3);
     }
     c10::IValue& dtype = (*stack)[first + op.schema().argumentIndexWithName("dtype").value()];

@@ -23,11 +23,11 @@ def conv3d_max_pool3d_mean(x: Tensor, weight: Tensor, bias: Tensor | None = None
     bfloat16 with a float32 x (x is rounded to the weight's dtype as it is read). operand_dtype:
     the convolution's operands' dtype, the weight's (None), or float16 / bfloat16 for a float32
     weight and bias: x, the weight and the bias rounded to it as they are read (as autocast's
-    casts would round them, without their copies: what the op's autocast rule passes; their
-    gradients rounded to it, in the weight's dtype). dtype: the mean's: the operands' (None) or
-    its accumulation type; the channel
-    bias is added in the dtype the addition promotes to, and the sum accumulated in float32 and
-    rounded to it, as ``torch.sum`` does. Returns (B, O), or (B) where sum_channels.
+    casts would round them, without their copies: what the op's autocast rule passes where it is
+    None, an explicit one kept; their gradients rounded to it, in the weight's dtype). dtype: the
+    mean's: the operands' (None) or its accumulation type; the channel bias is added in the dtype
+    the addition promotes to, and the sum accumulated in float32 and rounded to it, as
+    ``torch.sum`` does. Returns (B, O), or (B) where sum_channels.
     Differentiable in x, weight, bias and channel_bias: where one of the first three requires
     grad the forward saves each window's pick (one byte), from which the backward routes the
     gradient to the picks and runs PyTorch's convolution backward (on a GPU, the weight's
