@@ -702,6 +702,11 @@ PREFERRED_MARGIN = 0.03
 OWN_CONVOLUTION = frozenset(("fused", "original"))
 
 
+def _alone() -> bool:
+    """Whether the calling thread is the process's only Python thread."""
+    return threading.active_count() == 1
+
+
 def _run_benchmarked(run, name: str, x: Tensor) -> Tensor | None:
     """run(name, x), on a GPU with cudnn.benchmark on for the convolutions of a formulation not
     in OWN_CONVOLUTION, the user's setting back after. PyTorch keeps one cuDNN plan per
@@ -709,8 +714,11 @@ def _run_benchmarked(run, name: str, x: Tensor) -> Tensor | None:
     convolution would change the user's eager calls' plans too, and at small batches a
     searched plan (the least GPU time: split reductions, layout kernels) often costs more
     host time than the guessed one; a rearranged convolution guessed would leave its guess to
-    every later call."""
-    if name in OWN_CONVOLUTION or not x.is_cuda or torch._C._get_cudnn_benchmark():
+    every later call. The setting is the process's: switched only where no other Python thread
+    runs (another thread's convolutions would search their plans meanwhile, and a search still
+    running when a CUDA graph's capture begins fails the capture)."""
+    if (name in OWN_CONVOLUTION or not x.is_cuda or torch._C._get_cudnn_benchmark()
+            or not _alone()):
         return run(name, x)
     torch._C._set_cudnn_benchmark(True)
     try:

@@ -262,12 +262,23 @@ def test_one_module_from_several_threads(name, args, shape, graphs, device, tune
 
 
 @requires_cuda
+@pytest.mark.parametrize("threads", ["one-thread", "other-threads"])
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
-def test_tried_and_settled_calls_search_their_plans(name, args, shape, tuner, monkeypatch):
+def test_tried_and_settled_calls_search_their_plans(name, args, shape, threads, tuner, monkeypatch, request):
     """On a GPU the candidates being tried, and the settled choice, run their rearranged and channels-last
     convolutions with cudnn.benchmark on (PyTorch keeps a convolution's first plan, searched or guessed,
     for good: tried unsearched, a candidate's guess would be what it was timed and kept with), the
-    formulations with the original's own convolution under the user's setting (off here, and left so)."""
+    formulations with the original's own convolution under the user's setting (off here, and left so).
+    The setting is the process's: with another Python thread running, no formulation switches it (that
+    thread's convolutions would search meanwhile, and a search running into a capture fails it)."""
+    if threads == "one-thread":
+        # (a thread an earlier test left, e.g. Inductor's compile pool's, would count as another)
+        monkeypatch.setattr(autotune, "_alone", lambda: True)
+    else:
+        stop = threading.Event()
+        other = threading.Thread(target=stop.wait, daemon=True)
+        other.start()
+        request.addfinalizer(stop.set)
     assert not torch.backends.cudnn.benchmark
     _, fused = pair(name, args, "cuda", dtype=torch.float32, train=False)
     seen, run = [], fused._run
@@ -281,7 +292,8 @@ def test_tried_and_settled_calls_search_their_plans(name, args, shape, tuner, mo
             fused(torch.rand(shape, device="cuda"))
         assert fused.formulation(torch.rand(shape, device="cuda")) is not None  # (settled)
     assert {formulation for formulation, _ in seen} > {"fused", "original"}
-    assert all(searched == (formulation not in autotune.OWN_CONVOLUTION) for formulation, searched in seen)
+    alone = threads == "one-thread"
+    assert all(searched == (alone and formulation not in autotune.OWN_CONVOLUTION) for formulation, searched in seen)
     assert not torch.backends.cudnn.benchmark
 
 

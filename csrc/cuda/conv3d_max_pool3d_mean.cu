@@ -374,11 +374,7 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
         static_cast<int>(weight.size(1)), grid.channel_blocks, words, rounded_bias);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (weight.scalar_type() == at::kFloat) {
-    launch(static_cast<float*>(nullptr));
-  } else {
-    launch(static_cast<typename Mma::Input*>(nullptr));
-  }
+  with_weight_storage<typename Mma::Input>(weight, launch);
   p.fragments = words;
   p.bias = bias.has_value() ? rounded_bias : nullptr;
   p.partial = partial.mutable_data_ptr<float>();

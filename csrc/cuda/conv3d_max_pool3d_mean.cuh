@@ -129,4 +129,16 @@ inline SharedLayout shared_layout(int64_t fixed_words, const at::Tensor& x) {
   return {stages, static_cast<size_t>(fixed + stages * box)};
 }
 
+// The weight's storage type W, for a kernel that reads or writes it (its bias and gradients are stored
+// alike): float for a float32 weight, else the operation's type T (operand_type takes a 16-bit weight of
+// the operation's own type only). f(static_cast<W*>(nullptr)) is called with it.
+template <typename T, typename F>
+void with_weight_storage(const at::Tensor& weight, F&& f) {
+  if (weight.scalar_type() == at::kFloat) {
+    f(static_cast<float*>(nullptr));
+  } else {
+    f(static_cast<T*>(nullptr));
+  }
+}
+
 }  // namespace fused_ops::conv3d_pool

@@ -247,11 +247,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mean_gradient(const at::Tensor& g
             channel_bias ? grad_channel_bias.mutable_data_ptr<grad_t>() : nullptr);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
-      if (weight.scalar_type() == operand) {
-        launch(static_cast<scalar_t*>(nullptr));
-      } else {
-        launch(static_cast<float*>(nullptr));
-      }
+      with_weight_storage<scalar_t>(weight, launch);
     });
   });
   return {g, grad_bias, grad_channel_bias};
@@ -271,7 +267,7 @@ __global__ void __launch_bounds__(32 * kColumnSlices)
   const bool active = o < O && c < C;  // (o < O <= kChannels: word < kGradWords)
   const float sum = sum_column(partial + blockIdx.y * blocks * kGradWords + word, blocks, kGradWords, active);
   if (threadIdx.x < 32 && active) {
-    grad_weight[(int64_t{o} * C + c) * kTaps + tap] = static_cast<W>(rounded_to<T>(sum));
+    grad_weight[(int64_t{o} * C + c) * kTaps + tap] = narrowed<W>(rounded_to<T>(sum));
   }
 }
 
@@ -302,11 +298,12 @@ at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices,
     kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, stream>>>(p, ncdhw_tensor_map(x));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     grad_weight = at::empty(weight.sizes(), weight.options());
-    FUSED_OPS_DISPATCH_FLOATING_TYPES(weight.scalar_type(), "weight_gradient_sum", [&] {
-      weight_gradient_sum_kernel<T, scalar_t>
+    with_weight_storage<T>(weight, [&](auto* weight_type) {
+      using W = std::remove_pointer_t<decltype(weight_type)>;
+      weight_gradient_sum_kernel<T, W>
           <<<dim3((kGradWords + 31) / 32, static_cast<unsigned>(p.grid.channel_blocks)), 32 * kColumnSlices, 0,
              stream>>>(partial.const_data_ptr<float>(), blocks, p.O, static_cast<int>(weight.size(1)),
-                       grad_weight.mutable_data_ptr<scalar_t>());
+                       static_cast<W*>(grad_weight.mutable_data_ptr()));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });

@@ -105,17 +105,23 @@ __device__ __forceinline__ float widened(T v) {
   }
 }
 
-// v rounded to T (float, or bfloat16 / float16 to nearest even, as .to() rounds), as a float.
+// v as T (float, or bfloat16 / float16 rounded to nearest even, as .to() rounds).
 template <typename T>
-__device__ __forceinline__ float rounded_to(float v) {
+__device__ __forceinline__ T narrowed(float v) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return widened(__float2bfloat16_rn(v));
+    return __float2bfloat16_rn(v);
   } else if constexpr (std::is_same_v<T, __half>) {
-    return widened(__float2half_rn(v));
+    return __float2half_rn(v);
   } else {
     static_assert(std::is_same_v<T, float>);
     return v;
   }
+}
+
+// v rounded to T (float, or bfloat16 / float16 to nearest even, as .to() rounds), as a float.
+template <typename T>
+__device__ __forceinline__ float rounded_to(float v) {
+  return widened(narrowed<T>(v));
 }
 
 }  // namespace fused_ops
