@@ -134,7 +134,7 @@ void register_autocast_kernels(torch::Library& m) {
   m.impl("conv2d_sigmoid_sum",
          torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, true, false>>());
   m.impl("conv3d_max_pool3d_mean",
-         torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, true, false, true>>());
+         torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, true, true, true>>());
   m.impl("conv_transpose3d_cascade_sum",
          torch::CppFunction::makeFromBoxedFunction<&lower_precision_convolution<autocast_key, false, true>>());
   for (const char* name : {"conv_transpose3d_stride1_channels_last", "conv_transpose3d_stride1_channels_last_path",
