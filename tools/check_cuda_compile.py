@@ -79,6 +79,18 @@ def csrc_flags() -> tuple[list[str], list[str]]:
     return arch, setup.cutlass_nvcc_flags(cutlass)
 
 
+def torch_flags(stub: str) -> list[str]:
+    """nvcc's flags for a file on torch's headers (a CPU wheel's will do), as an extension builds it: torch's and
+    Python's headers as system headers (their warnings under this check's C++17, torch 2.13's C++20 bit-field
+    initializers in AutogradState.h, are not ours, and would hide a new one of ours), and in directory `stub`
+    the generated header a CPU wheel lacks."""
+    os.makedirs(os.path.join(stub, "c10", "cuda", "impl"), exist_ok=True)
+    with open(os.path.join(stub, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
+        f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    includes = [f"-isystem={p}" for p in [*include_paths(), sysconfig.get_paths()["include"], stub]]
+    return ["-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS, *includes]
+
+
 def compile_object(nvcc: str, src: str, obj: str, flags: list[str]) -> int:
     """nvcc -c src -o obj, its output echoed (the known spills counted instead) with the time it took;
     exits on failure, or where ptxas serialized a kernel's wgmma. Returns its new warnings' count."""
@@ -116,24 +128,17 @@ def main() -> None:
     cutlass_includes = [f"-I{p}" for p in cutlass_build.include_dirs()] if cutlass_sources else []
     warned = collections.Counter()  # (each file's new warnings of ours: the check fails at its end on any)
     with tempfile.TemporaryDirectory() as stub:
-        os.makedirs(os.path.join(stub, "c10", "cuda", "impl"))
-        with open(os.path.join(stub, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
-            f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-        # (torch's and Python's headers as system headers: their warnings under this check's C++17, torch
-        # 2.13's C++20 bit-field initializers in AutogradState.h, are not ours, and would hide a new one of ours)
-        includes = [f"-isystem={p}" for p in [*include_paths(), sysconfig.get_paths()["include"], stub]]
-
         objects = []
-        torch_flags = ["-DTORCH_EXTENSION_NAME=_C", *COMMON_NVCC_FLAGS, *includes]
+        extension_flags = torch_flags(stub)
         arch, cutlass = csrc_flags() if sources or extension_sources else ([], [])
         for src in sources:
             objects.append(os.path.join(stub, f"{len(objects)}.o"))
-            warned[src] += compile_object(nvcc, src, objects[-1], [*arch, *cutlass, *torch_flags])
+            warned[src] += compile_object(nvcc, src, objects[-1], [*arch, *cutlass, *extension_flags])
             with open(src) as f:
                 if "FUSED_OPS_CUTLASS" in f.read():
                     print("  (without CUTLASS)")
                     warned[src] += compile_object(nvcc, src, os.path.join(stub, "without_cutlass.o"),
-                                                  ["-arch=sm_90", *torch_flags])
+                                                  ["-arch=sm_90", *extension_flags])
         if objects:
             # the objects link into one library (torch's symbols left unresolved): no symbol defined twice,
             # as a non-template kernel in a header shared by two files would be
@@ -151,7 +156,7 @@ def main() -> None:
         for i, src in enumerate(extension_sources):
             # (as the benchmark builds it: csrc's flags, csrc/cuda's headers)
             warned[src] += compile_object(nvcc, src, os.path.join(stub, f"extension{i}.o"),
-                                          [*arch, *cutlass, *torch_flags, f"-I{os.path.join(ROOT, 'csrc', 'cuda')}"])
+                                          [*arch, *cutlass, *extension_flags, f"-I{os.path.join(ROOT, 'csrc', 'cuda')}"])
         if extension_sources:
             print(f"check_cuda_compile: {len(extension_sources)} benchmark extension(s) compiled for sm_90a")
     if any(warned.values()):
