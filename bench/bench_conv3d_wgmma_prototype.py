@@ -8,9 +8,14 @@ convolution and the fused op conv3d_max_pool3d_mean (A's convolution and its who
 0.427 ms on an H200 in session 27, 0.316 with bf16 weights), the times to beat. Each result's error against
 the float64 one (normwise: max|got - ref| / max|ref|), the share of the prototype's picks equal to the
 fused op's, CUDA-event medians of --reps calls queued back to back in --rounds interleaved rounds, TFLOP/s
-of the 47.6 GFLOP.
+of the 47.6 GFLOP. --nonfinite plants NaN, inf and -inf in x (the pool's exact path, the one a NaN in a warp's
+windows sends it through): the error is then over the elements finite in both results, and each result's
+non-finite elements must lie where the float64 one's do, with the same values; each window with a non-finite
+element must pick as F.max_pool3d picks in the float64 result. A layout's rows from a contiguous x and from
+a channels-last one run the same kernel on the same values: their results must be the same bits (printed, and
+again for a second call).
 
-    cd bench && python3 bench_conv3d_wgmma_prototype.py [--batch N] [--rounds 5]
+    cd bench && python3 bench_conv3d_wgmma_prototype.py [--batch N] [--rounds 5] [--nonfinite]
 """
 import statistics
 import sys
@@ -25,12 +30,18 @@ LAYOUTS = {"tf32 swizzled": 0, "tf32 planes": 1, "bf16 pairs": 2}  # (conv3d_wgm
 
 
 def main():
-    args, device, shape = convolution_arguments(__doc__.splitlines()[0], "A")
+    args, device, shape = convolution_arguments(
+        __doc__.splitlines()[0], "A", {"--nonfinite": "NaN, inf and -inf planted in x"})
     if device.type != "cuda":
         sys.exit("bench_conv3d_wgmma_prototype: a wgmma kernel: --device cuda")
     prototype = build_extension("conv3d_wgmma_prototype", "conv3d_wgmma_prototype.cu")
     torch.manual_seed(0)
     x = torch.rand(shape, device=device)
+    if args.nonfinite:
+        # (a few a kind: each reaches a sample's means, and most samples must stay finite to compare)
+        planted = torch.randint(0, x.numel(), (3, max(1, shape[0] // 8)), device=device)
+        for where, value in zip(planted, (float("nan"), float("inf"), float("-inf"))):
+            x.view(-1)[where] = value
     conv = torch.nn.Conv3d(shape[1], 16, 3).to(device)
     fused_op = torch.ops.fused_ops.conv3d_max_pool3d_mean.default
     n, _, d, h, w = shape
@@ -57,19 +68,38 @@ def main():
                 lambda a=xs_last, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k), (tag, "mean"))
             rows[f"{layout} + pool (x contiguous)"] = (
                 lambda a=xs, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k), (tag, "mean"))
-    errors = {}
+    errors, means = {}, {}
     for name, (call, what) in rows.items():
         got = call()
         if isinstance(got, tuple):
             got, picks[name] = got
+            means[name] = got
         want = expected[what]
-        errors[name] = ((got.double() - want).abs().max() / want.abs().max()).item()
+        finite = got.isfinite() & want.isfinite()
+        misplaced = (~finite & ~((got.double() == want) | (got.isnan() & want.isnan()))).sum().item()
+        if misplaced:
+            print(f"{name}: {misplaced} non-finite elements unlike the float64 result's")
+        errors[name] = ((got.double() - want)[finite].abs().max() / want[finite].abs().max()).item()
         del got
     for name in picks:
+        tag = name.split()[0] if "+ pool" in name else name.split()[2][:4]
         if "+ pool" in name:
-            tag = name.split()[0]
             same = (picks[name] == picks[f"fused op {tag}: convolution and tail"]).double().mean().item()
             print(f"{name}: picks equal to the fused op's {same:.6f}")
+        if "(x contiguous)" in name:
+            # (the same kernel on the same values: the results must be the same bits)
+            twin = name.replace("(x contiguous)", "(x channels-last)")
+            again = rows[name][0]()
+            print(f"{name}: picks unlike the channels-last row's {unlike(picks[name], picks[twin])}, means unlike "
+                  f"it {unlike(means[name], means[twin])}; called again: picks unlike {unlike(again[1], picks[twin])}, "
+                  f"means {unlike(again[0], means[twin])}")
+        if args.nonfinite:
+            # (a window with a non-finite element picks by its NaNs and infs, which the roundings keep: PyTorch's
+            # pick of the float64 result's window is then every kernel's)
+            windows, want_picks = window_offsets(expected[tag, "y"])
+            same = (picks[name][windows] == want_picks[windows]).double().mean().item()
+            print(f"{name}: picks of the {windows.sum().item()} windows with a non-finite element equal to "
+                  f"PyTorch's {same:.6f}")
     times = {name: [] for name in rows}
     for _ in range(args.rounds):
         for name, (call, _) in rows.items():
@@ -80,6 +110,23 @@ def main():
     for name in rows:
         ms = statistics.median(times[name])
         print(f"{name:<40}{ms:>9.3f}{flop / ms / 1e9:>9.0f}{errors[name]:>10.1e}")
+
+
+def unlike(a, b):
+    """How many elements of a and b differ (a NaN is like a NaN)."""
+    same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
+    return (~same).sum().item()
+
+
+def window_offsets(y):
+    """The 2 x 2 x 2 windows of y with a non-finite element, and each window's pick by F.max_pool3d, as an
+    offset in the window (dz 4 + dy 2 + dx, as the kernels store it)."""
+    _, indices = F.max_pool3d(y, 2, return_indices=True)
+    h, w = y.shape[3:]
+    pd, ph, pw = (torch.arange(size, device=y.device).view(shape) for size, shape in
+                  zip(indices.shape[2:], ((-1, 1, 1), (-1, 1), (-1,))))
+    offsets = (indices // (h * w) - 2 * pd) * 4 + (indices // w % h - 2 * ph) * 2 + (indices % w - 2 * pw)
+    return F.max_pool3d((~y.isfinite()).double(), 2) > 0, offsets.to(torch.uint8)
 
 
 if __name__ == "__main__":

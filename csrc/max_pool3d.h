@@ -117,6 +117,23 @@ struct WindowPick {
     offset = take ? element : offset;
   }
 
+  // The pick of elements v[0 .. n), at offsets first, first + stride, ... in scan order, where none is NaN and
+  // `most` is their maximum: the first element equal to it, with its own value (of a -0 and a +0, which compare
+  // equal, the first). update()'s pick of them, in fewer instructions where the maximum comes cheap (GPU: one
+  // max instruction a pair, which also tells whether there is a NaN).
+  template <int n>
+  C10_HOST_DEVICE static WindowPick first_maximum(const acc_t (&v)[n], acc_t most, int first, int stride) {
+    WindowPick pick;
+    pick.value = v[n - 1];
+    pick.offset = first + (n - 1) * stride;
+    for (int i = n - 2; i >= 0; --i) {
+      const bool equal = v[i] == most;
+      pick.value = equal ? v[i] : pick.value;
+      pick.offset = equal ? first + i * stride : pick.offset;
+    }
+    return pick;
+  }
+
   // Offers element `element` of value v in any order (a pick of part of the
   // window, say): the result is the pick of the elements offered so far as
   // update() fed them in scan order would make it, since that pick is the

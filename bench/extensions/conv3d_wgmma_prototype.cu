@@ -47,7 +47,7 @@
 #include "cutlass_conv.cuh"  // (runs_sm90a, tf32_convolution)
 #include "../dispatch.h"    // (ReciprocalMultiply)
 #include "../max_pool3d.h"  // (WindowPick)
-#include "mma.cuh"          // (rounded_to)
+#include "mma.cuh"          // (round_pair_to)
 #include "tf32_rounding.cuh"
 #include "wgmma_ss.cuh"
 
@@ -80,13 +80,13 @@ struct Tf32Swizzled {
   static constexpr int kWeightBytes = 27 * 16 * 32;       // (tap, o) rows of 8 channels
   static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_32B;
   static constexpr int kBoxChannels = 8;
-  // A for output row `row` of the tile (0 .. 3) at step `step` of a plane; B for tap t's step
-  static __device__ uint64_t a(const unsigned char* box, int row, int step) {
-    return swizzled_tile_descriptor<32>(box + ((row + step / 3) * kRow + step % 3) * 32);
-  }
-  static __device__ uint64_t b(const unsigned char* weights, int t, int step) {
-    return swizzled_tile_descriptor<32>(weights + (t * kSteps + step) * 16 * 32);
-  }
+  // A's descriptor for output row `row` of the tile (0 .. 3) at step `step` of a plane: a_base(box) (a stage's,
+  // once) plus a_offset(row, step) (a constant: the descriptors' arithmetic out of the wgmma loop); B's for tap
+  // t's step: b_base(weights) plus b_bytes(t, step) / 16
+  static __device__ uint64_t a_base(const unsigned char* box) { return swizzled_tile_descriptor<32>(box); }
+  static constexpr uint64_t a_offset(int row, int step) { return ((row + step / 3) * kRow + step % 3) * 32 / 16; }
+  static __device__ uint64_t b_base(const unsigned char* weights) { return swizzled_tile_descriptor<32>(weights); }
+  static constexpr int b_bytes(int t, int step) { return (t * kSteps + step) * 16 * 32; }
   static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
     cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_SS_TN<>::fma(a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
   }
@@ -99,12 +99,14 @@ struct Tf32Planes {
   static constexpr int kWeightBytes = 27 * 2 * 16 * 16;  // (tap, chunk, o) rows of 4 channels
   static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
   static constexpr int kBoxChannels = 4;
-  static __device__ uint64_t a(const unsigned char* box, int row, int step) {
-    return interleaved_tile_descriptor(box + ((row + step / 3) * kRow + step % 3) * 16, kBoxStride, 128);
+  static __device__ uint64_t a_base(const unsigned char* box) {
+    return interleaved_tile_descriptor(box, kBoxStride, 128);
   }
-  static __device__ uint64_t b(const unsigned char* weights, int t, int step) {
-    return interleaved_tile_descriptor(weights + (t * kSteps + step) * 512, 256, 128);
+  static constexpr uint64_t a_offset(int row, int step) { return ((row + step / 3) * kRow + step % 3) * 16 / 16; }
+  static __device__ uint64_t b_base(const unsigned char* weights) {
+    return interleaved_tile_descriptor(weights, 256, 128);
   }
+  static constexpr int b_bytes(int t, int step) { return (t * kSteps + step) * 512; }
   static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
     cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_SS_TN<>::fma(a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
   }
@@ -118,14 +120,21 @@ struct Bf16Pairs {
   static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
   static constexpr int kBoxChannels = 8;
   // step -> its first tap (r, s) and the rows to its second: (0, 0)(0, 1), (1, 0)(1, 1), (2, 0)(2, 1), (0, 2)(1, 2),
-  // (2, 2)(zero weights: its chunk reads the next row, inside the box or its zeroed pad)
-  static __device__ uint64_t a(const unsigned char* box, int row, int step) {
-    const int r = step < 3 ? step : 2 * (step - 3), s = step < 3 ? 0 : 2;
-    return interleaved_tile_descriptor(box + ((row + r) * kRow + s) * 16, step == 3 ? kRow * 16 : 16, 128);
+  // (2, 2)(zero weights: its chunk reads the box's zeroed pad, not x, whose inf or NaN would make 0 x inf a NaN)
+  // a_base(box): the stage's, with no chunk offset (LBO); a_offset(row, step): the row's start and the step's LBO
+  static __device__ uint64_t a_base(const unsigned char* box) { return interleaved_tile_descriptor(box, 0, 128); }
+  static constexpr int a_bytes(int row, int step) {
+    return ((row + (step < 3 ? step : 2 * (step - 3))) * kRow + (step < 3 ? 0 : 2)) * 16;
   }
-  static __device__ uint64_t b(const unsigned char* weights, int t, int step) {
-    return interleaved_tile_descriptor(weights + (t * kSteps + step) * 512, 256, 128);
+  static constexpr uint64_t a_offset(int row, int step) {
+    const int lbo = step < 3 ? 16 : step == 3 ? kRow * 16 : kBoxBytes - a_bytes(row, step);
+    // (the descriptor's start address, bits 0-13, and LBO, bits 16-29, both in 16-byte units)
+    return static_cast<uint64_t>(a_bytes(row, step) / 16) + (static_cast<uint64_t>(lbo / 16) << 16);
   }
+  static __device__ uint64_t b_base(const unsigned char* weights) {
+    return interleaved_tile_descriptor(weights, 256, 128);
+  }
+  static constexpr int b_bytes(int t, int step) { return (t * kSteps + step) * 512; }
   static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
     cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
         a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
@@ -178,6 +187,13 @@ __device__ __forceinline__ void conv_epilogue(const float (&acc)[kTilePlanes][2]
   }
 }
 
+// The larger of a and b, or NaN where either is (PTX max.NaN).
+__device__ __forceinline__ float nan_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // The pool's epilogue of a row pair's accumulators (planes 2 pd + zo, rows 2 ph + jj): each window's pick of
 // y = (acc + bias) / divisor rounded as PyTorch rounds the convolution's output and the quotient (to T),
 // written where the window lies inside the pooled output, and this warp's sum of its windows' values per
@@ -187,28 +203,61 @@ __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2]
                                               const Conv3dTiles& p, int tile, int n, int pd, int ph, int pair,
                                               int warp, int lane) {
   float sum[4] = {0.f, 0.f, 0.f, 0.f};  // (fragment elements e % 2 + 2 (e / 4): channels o = 8 (e / 4) + 2 (lane % 4) + e % 2)
+  // window (pd, ph, pw) of channel o at picks[(((n 16 + o) PD + pd) PH + ph) PW + pw]: this lane's row of windows of
+  // its first channel, the others `channel` bytes apart (the index's arithmetic once a call, not once a window)
+  const int64_t channel = int64_t{p.pooled[0]} * p.pooled[1] * p.pooled[2];
+  uint8_t* const row_picks = p.picks + (int64_t{n} * kChannelsOut + 2 * (lane % 4)) * channel +
+                             (int64_t{pd} * p.pooled[1] + ph) * p.pooled[2];
+  uint8_t* channel_picks[4];  // (fragment element k's channel: o = 8 (k / 2) + 2 (lane % 4) + k % 2)
+#pragma unroll
+  for (int k = 0; k < 4; ++k) channel_picks[k] = row_picks + (8 * (k / 2) + k % 2) * channel;
+  const bool row_inside = pd < p.pooled[0] && ph < p.pooled[1];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int w = 16 * warp + lane / 4 + 8 * half, pw = w / 2;
-    const bool inside = pd < p.pooled[0] && ph < p.pooled[1] && pw < p.pooled[2];
+    const bool inside = row_inside && pw < p.pooled[2];
+    // y[k][2 zo + jj]: (acc + bias) rounded to T, times 1 / divisor rounded to T, for fragment elements e, e + 1 =
+    // 2 half + 4 kp + (0, 1) (channels o, o + 1) side by side: their roundings by one conversion a pair; element
+    // 2 zo + jj of this lane's half of the window, offset (2 zo + jj) 2 + w % 2 in it
+    float y[4][2 * kTilePlanes];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int e = 2 * half + k % 2 + 4 * (k / 2), o = 8 * (k / 2) + 2 * (lane % 4) + k % 2;
-      WindowPick<float> pick;
+    for (int kp = 0; kp < 2; ++kp) {
+      const int e = 2 * half + 4 * kp, o = 8 * kp + 2 * (lane % 4);
 #pragma unroll
       for (int zo = 0; zo < kTilePlanes; ++zo)
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj) {
-          pick.update(rounded_to<T>(__fmul_rn(rounded_to<T>(acc[zo][jj][e] + bias[o]), p.reciprocal)),
-                      (zo * 2 + jj) * 2 + w % 2);
+          float a = acc[zo][jj][e] + bias[o], b = acc[zo][jj][e + 1] + bias[o + 1];
+          round_pair_to<T>(a, b);
+          a = __fmul_rn(a, p.reciprocal);
+          b = __fmul_rn(b, p.reciprocal);
+          round_pair_to<T>(a, b);
+          y[2 * kp][2 * zo + jj] = a;
+          y[2 * kp + 1][2 * zo + jj] = b;
         }
-      // (every lane shuffles: the partner's elements of the window)
-      const float other_value = __shfl_xor_sync(0xffffffffu, pick.value, 4);
-      const int other_offset = __shfl_xor_sync(0xffffffffu, pick.offset, 4);
-      pick.merge(other_value, other_offset);
+    }
+    // Each window's pick by PyTorch's rule (the last NaN, else the first maximum in scan order): with no NaN
+    // among the warp's values, by their maximum (max.NaN, which lets a NaN through: the test) and
+    // WindowPick::first_maximum, in about half the instructions of update()'s element by element way, which a
+    // NaN (or an inf - inf in the test's sum) sends the whole warp's windows through.
+    float most[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) most[k] = nan_max(nan_max(y[k][0], y[k][1]), nan_max(y[k][2], y[k][3]));
+    const float any = (most[0] + most[1]) + (most[2] + most[3]);
+    const bool exact = __any_sync(0xffffffffu, any != any);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      WindowPick<float> pick;
+      if (exact) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pick.update(y[k][i], i * 2 + w % 2);
+      } else {
+        pick = WindowPick<float>::first_maximum(y[k], most[k], w % 2, 2);
+      }
+      // (every lane shuffles: the partner's elements of the window, offsets interleaved with this lane's)
+      pick.merge(__shfl_xor_sync(0xffffffffu, pick.value, 4), __shfl_xor_sync(0xffffffffu, pick.offset, 4));
       if (w % 2 == 0 && inside) {
-        p.picks[(((static_cast<int64_t>(n) * kChannelsOut + o) * p.pooled[0] + pd) * p.pooled[1] + ph) *
-                    p.pooled[2] + pw] = static_cast<uint8_t>(pick.offset);
+        channel_picks[k][pw] = static_cast<uint8_t>(pick.offset);
         sum[k] += pick.value;
       }
     }
@@ -285,9 +334,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<232>();
   // ping-pong: consumer c takes the CTA's tiles k = c, c + 2, ... (tile blockIdx.x + k gridDim.x, stages 4k ..
   // 4k + 3 of the ring), all 4 rows, so that one's epilogue runs while the other's wgmma instructions do
-  const int consumer = threadIdx.x / 128 - 1;
+  // (the warp group's index by a shuffle from lane 0: the compiler then knows it, the tile, the stage and the
+  // descriptors warp-uniform, and keeps them in uniform registers, as wgmma reads its descriptors)
+  const int consumer = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0) - 1;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   barrier_wait(weights_landed, 0);
+  const uint64_t b_base = L::b_base(weights);
   for (int k = consumer, tile = blockIdx.x + consumer * gridDim.x; tile < p.tiles; k += 2, tile += 2 * gridDim.x) {
     float acc[2][kTilePlanes][2][8];  // (row pair jj / 2, output plane zo, row jj % 2, the m64 n16 fragment)
 #pragma unroll
@@ -299,17 +351,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int stage = static_cast<int>(item % kStages);
       barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
       const unsigned char* const box = smem + stage * S::kStageStride;
+      const uint64_t a_base = L::a_base(box);
       fence_accumulators(acc);
       cute::warpgroup_arrive();
+      // (each A descriptor, a row's at a step, serves both output planes: tap t = j - zo of each, where in 0 .. 2;
+      // compile-time, j, zo and step unrolled)
 #pragma unroll
-      for (int zo = 0; zo < kTilePlanes; ++zo) {
-        const int t = j - zo;  // (compile-time: j and zo unrolled)
-        if (t < 0 || t > 2) continue;
+      for (int step = 0; step < L::kSteps; ++step) {
 #pragma unroll
-        for (int step = 0; step < L::kSteps; ++step) {
-          const uint64_t b = L::b(weights, t, step);
+        for (int jj = 0; jj < kTileRows; ++jj) {
+          const uint64_t a = a_base + L::a_offset(jj, step);
 #pragma unroll
-          for (int jj = 0; jj < kTileRows; ++jj) L::mma(L::a(box, jj, step), b, acc[jj / 2][zo][jj % 2]);
+          for (int zo = 0; zo < kTilePlanes; ++zo) {
+            const int t = j - zo;
+            if (t >= 0 && t <= 2) L::mma(a, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
+          }
         }
       }
       cute::warpgroup_commit_batch();

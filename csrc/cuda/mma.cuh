@@ -124,4 +124,23 @@ __device__ __forceinline__ float rounded_to(float v) {
   return widened(narrowed<T>(v));
 }
 
+// a and b each rounded_to<T>, by one conversion of the pair (half rounded_to's instructions twice over).
+template <typename T>
+__device__ __forceinline__ void round_pair_to(float& a, float& b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    // (a bfloat16 is a float's upper half: widened by a shift and a mask, exactly)
+    const __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
+    uint32_t bits;
+    memcpy(&bits, &r, sizeof(bits));
+    a = __uint_as_float(bits << 16);
+    b = __uint_as_float(bits & 0xffff0000u);
+  } else if constexpr (std::is_same_v<T, __half>) {
+    const float2 r = __half22float2(__floats2half2_rn(a, b));
+    a = r.x;
+    b = r.y;
+  } else {
+    static_assert(std::is_same_v<T, float>);
+  }
+}
+
 }  // namespace fused_ops
