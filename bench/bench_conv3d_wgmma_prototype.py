@@ -76,13 +76,13 @@ def main():
             means[name] = got
         want = expected[what]
         finite = got.isfinite() & want.isfinite()
-        misplaced = (~finite & ~((got.double() == want) | (got.isnan() & want.isnan()))).sum().item()
+        misplaced = (~finite & ~alike(got.double(), want)).sum().item()
         if misplaced:
             print(f"{name}: {misplaced} non-finite elements unlike the float64 result's")
         errors[name] = ((got.double() - want)[finite].abs().max() / want[finite].abs().max()).item()
         del got
     for name in picks:
-        tag = name.split()[0] if "+ pool" in name else name.split()[2][:4]
+        tag = rows[name][1][0]
         if "+ pool" in name:
             same = (picks[name] == picks[f"fused op {tag}: convolution and tail"]).double().mean().item()
             print(f"{name}: picks equal to the fused op's {same:.6f}")
@@ -112,10 +112,14 @@ def main():
         print(f"{name:<40}{ms:>9.3f}{flop / ms / 1e9:>9.0f}{errors[name]:>10.1e}")
 
 
+def alike(a, b):
+    """Where a and b hold the same value (a NaN is like a NaN)."""
+    return (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
+
+
 def unlike(a, b):
     """How many elements of a and b differ (a NaN is like a NaN)."""
-    same = (a == b) | (a.isnan() & b.isnan()) if a.is_floating_point() else a == b
-    return (~same).sum().item()
+    return (~alike(a, b)).sum().item()
 
 
 def window_offsets(y):

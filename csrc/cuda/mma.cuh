@@ -129,9 +129,7 @@ template <typename T>
 __device__ __forceinline__ void round_pair_to(float& a, float& b) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     // (a bfloat16 is a float's upper half: widened by a shift and a mask, exactly)
-    const __nv_bfloat162 r = __floats2bfloat162_rn(a, b);
-    uint32_t bits;
-    memcpy(&bits, &r, sizeof(bits));
+    const uint32_t bits = Mma16<true>::pack(a, b);
     a = __uint_as_float(bits << 16);
     b = __uint_as_float(bits & 0xffff0000u);
   } else if constexpr (std::is_same_v<T, __half>) {
