@@ -57,7 +57,12 @@ namespace {
 constexpr int kChannelsIn = 8, kChannelsOut = 16, kRow = 64;  // I, O, x's row (W)
 constexpr int kTileRows = 4, kTilePlanes = 2;                   // output rows and planes a tile
 constexpr int kBoxRows = kTileRows + 2, kStagesPerTile = kTilePlanes + 2;
-constexpr int kStages = 6;
+// The ring's stages: a multiple of two tiles' (the consumers', alternating), so that every stage serves one
+// consumer only. An mbarrier tells a phase's parity, not its number: a consumer waiting on a stage whose
+// previous phase was the other consumer's item, not landed yet (TMA loads may land out of order), would see the
+// parity it waits for already complete and read the stage early. Six stages did that (item 4k + 2 in the stage
+// of item 4k - 4): a few tiles wrong in some runs (session 34).
+constexpr int kStages = 2 * kStagesPerTile;
 constexpr int kThreads = 384;  // the producer warp group, two consumers
 constexpr int kPad = 1024;     // past each box: a tap's rows read up to 3 rows beyond it (kept zero)
 
@@ -332,8 +337,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   cutlass::arch::warpgroup_reg_alloc<232>();
-  // ping-pong: consumer c takes the CTA's tiles k = c, c + 2, ... (tile blockIdx.x + k gridDim.x, stages 4k ..
-  // 4k + 3 of the ring), all 4 rows, so that one's epilogue runs while the other's wgmma instructions do
+  // ping-pong: consumer c takes the CTA's tiles k = c, c + 2, ... (tile blockIdx.x + k gridDim.x, items 4k ..
+  // 4k + 3 of the ring, in its stages 4c .. 4c + 3), all 4 rows, so that one's epilogue runs while the other's
+  // wgmma instructions do
   // (the warp group's index by a shuffle from lane 0: the compiler then knows it, the tile, the stage and the
   // descriptors warp-uniform, and keeps them in uniform registers, as wgmma reads its descriptors)
   const int consumer = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0) - 1;
