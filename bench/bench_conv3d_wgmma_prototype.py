@@ -13,7 +13,8 @@ windows sends it through): the error is then over the elements finite in both re
 non-finite elements must lie where the float64 one's do, with the same values; each window with a non-finite
 element must pick as F.max_pool3d picks in the float64 result. A layout's rows from a contiguous x and from
 a channels-last one run the same kernel on the same values: their results must be the same bits (printed, and
-again for a second call).
+again for a second call); bf16's from x float32 NCDHW (A's input, the fused op's call: the producer warp group
+converts each box) too.
 
     cd bench && python3 bench_conv3d_wgmma_prototype.py [--batch N] [--rounds 5] [--nonfinite]
 """
@@ -68,6 +69,9 @@ def main():
                 lambda a=xs_last, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k), (tag, "mean"))
             rows[f"{layout} + pool (x contiguous)"] = (
                 lambda a=xs, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k), (tag, "mean"))
+            # (A's input as it comes, float32 NCDHW, converted by the producer warp group: the fused op's call)
+            rows[f"{layout} + pool (x NCDHW f32)"] = (
+                lambda b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(x, b, c, 2.0, k, True), (tag, "mean"))
     errors, means = {}, {}
     for name, (call, what) in rows.items():
         got = call()
@@ -86,9 +90,10 @@ def main():
         if "+ pool" in name:
             same = (picks[name] == picks[f"fused op {tag}: convolution and tail"]).double().mean().item()
             print(f"{name}: picks equal to the fused op's {same:.6f}")
-        if "(x contiguous)" in name:
-            # (the same kernel on the same values: the results must be the same bits)
-            twin = name.replace("(x contiguous)", "(x channels-last)")
+        if "(x contiguous)" in name or name.startswith("bf16") and "(x NCDHW f32)" in name:
+            # (the same kernel, or bf16's NCDHW one, on the same values: the results must be the same bits; TF32's
+            # NCDHW kernel rounds x to nearest, the others' wgmma truncates it)
+            twin = name.replace("(x contiguous)", "(x channels-last)").replace("(x NCDHW f32)", "(x channels-last)")
             again = rows[name][0]()
             print(f"{name}: picks unlike the channels-last row's {unlike(picks[name], picks[twin])}, means unlike "
                   f"it {unlike(means[name], means[twin])}; called again: picks unlike {unlike(again[1], picks[twin])}, "
@@ -106,10 +111,10 @@ def main():
             times[name].append(median_ms(call, device, reps=args.reps or 20))
     print(f"{torch.cuda.get_device_name(device)}, x {tuple(shape)}, kernel 3, {args.rounds} rounds; errors against "
           "float64 on the same inputs (bf16: x and w rounded)")
-    print(f"{'kernel':<40}{'ms':>9}{'TFLOP/s':>9}{'error':>10}")
+    print(f"{'kernel':<42}{'ms':>9}{'TFLOP/s':>9}{'error':>10}")
     for name in rows:
         ms = statistics.median(times[name])
-        print(f"{name:<40}{ms:>9.3f}{flop / ms / 1e9:>9.0f}{errors[name]:>10.1e}")
+        print(f"{name:<42}{ms:>9.3f}{flop / ms / 1e9:>9.0f}{errors[name]:>10.1e}")
 
 
 def alike(a, b):

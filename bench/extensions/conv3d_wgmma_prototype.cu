@@ -26,6 +26,10 @@
 // bound it: 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192 MACs. With kPool a row pair is one
 // row of pool windows over both planes: a lane holds 4 of a window's elements (column w), lane ^ 4 the other
 // 4 (column w ^ 1); their picks merge by a shuffle.
+//
+// kNcdhw: x float32 NCDHW as A's module passes it (no channels-last copy): TMA boxes of x as it lies (8 channel
+// planes of 6 rows x 64) into two staging slots, which the producer warp group's 128 threads convert into the
+// stage's layout (TF32 rounded to nearest, or bfloat16) with 16-byte stores, fenced for wgmma's async proxy.
 #ifndef NDEBUG
 #define NDEBUG  // before any header (csrc/cuda/cutlass_conv.cuh says why)
 #endif
@@ -78,6 +82,12 @@ __device__ __forceinline__ uint64_t interleaved_tile_descriptor(const void* tile
   return d.desc_;
 }
 
+// v[0 .. 3] rounded to TF32 (to nearest, as cuDNN rounds) as one 16-byte word (kNcdhw's producer).
+__device__ __forceinline__ uint4 tf32_quad(const float* v) {
+  return make_uint4(Tf32Mma::pack(v[0], 0.f), Tf32Mma::pack(v[1], 0.f), Tf32Mma::pack(v[2], 0.f),
+                    Tf32Mma::pack(v[3], 0.f));
+}
+
 struct Tf32Swizzled {
   using T = float;
   static constexpr int kBoxes = 1, kBoxBytes = kBoxRows * kRow * 32, kBoxStride = kBoxBytes + kPad;
@@ -94,6 +104,15 @@ struct Tf32Swizzled {
   static constexpr int b_bytes(int t, int step) { return (t * kSteps + step) * 16 * 32; }
   static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
     cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_SS_TN<>::fma(a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  }
+  // position `row` of a stage's box (h 64 + w) from x's 8 channels v (kNcdhw's producer): rounded to TF32 (to
+  // nearest, as cuDNN rounds), 16-byte chunk c / 4 of the 32-byte row at chunk (c / 4) ^ (row / 4 % 2) (the
+  // 32-byte swizzle: address bit 4 ^= bit 7, the stage 1024-byte aligned)
+  static __device__ void store_position(unsigned char* box, int row, const float (&v)[8]) {
+#pragma unroll
+    for (int chunk = 0; chunk < 2; ++chunk) {
+      *reinterpret_cast<uint4*>(box + row * 32 + ((chunk ^ (row >> 2)) & 1) * 16) = tf32_quad(v + 4 * chunk);
+    }
   }
 };
 
@@ -114,6 +133,13 @@ struct Tf32Planes {
   static constexpr int b_bytes(int t, int step) { return (t * kSteps + step) * 512; }
   static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
     cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_SS_TN<>::fma(a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  }
+  // (channels 0-3 in the first box's row, 4-7 in the second's, rounded to TF32)
+  static __device__ void store_position(unsigned char* box, int row, const float (&v)[8]) {
+#pragma unroll
+    for (int plane = 0; plane < 2; ++plane) {
+      *reinterpret_cast<uint4*>(box + plane * kBoxStride + row * 16) = tf32_quad(v + 4 * plane);
+    }
   }
 };
 
@@ -144,13 +170,25 @@ struct Bf16Pairs {
     cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
         a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
   }
+  // (the 8 channels rounded to bfloat16, to nearest even, as .to() rounds: one 16-byte row)
+  static __device__ void store_position(unsigned char* box, int row, const float (&v)[8]) {
+    using Pack = Mma16<true>;
+    *reinterpret_cast<uint4*>(box + row * 16) =
+        make_uint4(Pack::pack(v[0], v[1]), Pack::pack(v[2], v[3]), Pack::pack(v[4], v[5]), Pack::pack(v[6], v[7]));
+  }
 };
 
-template <class L>
+// kNcdhw: x float32 NCDHW (A's input as it comes), each stage's box from a staging slot of x's box as TMA lays
+// it out, (8 channels, kBoxRows rows, 64 columns), converted into the layout by the producer warp group.
+constexpr int kStagingSlots = 2, kStagingBytes = kChannelsIn * kBoxRows * kRow * 4;
+
+template <class L, bool kNcdhw>
 struct Smem {
   static constexpr int kStageStride = L::kBoxes * L::kBoxStride;  // (multiples of 1024 bytes)
   static constexpr int kWeightStride = (L::kWeightBytes + 1023) / 1024 * 1024;
-  static constexpr int kBytes = kStages * kStageStride + kWeightStride + 2 * kStages * 8 + 8 + 1024;
+  static constexpr int kStaging = kNcdhw ? kStagingSlots * kStagingBytes : 0;
+  static constexpr int kBarriers = 2 * kStages + 1 + (kNcdhw ? 2 * kStagingSlots : 0);
+  static constexpr int kBytes = kStages * kStageStride + kWeightStride + kStaging + kBarriers * 8 + 1024;
 };
 
 struct Conv3dTiles {
@@ -286,27 +324,83 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[2][kTilePlanes][
   for (int e = 0; e < 2 * kTilePlanes * 2 * 8; ++e) cute::warpgroup_fence_operand((&acc[0][0][0][0])[e]);
 }
 
-// x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); w_map: the layout's
-// weights (L::kWeightBytes, one box); y (N, D', H', W', 16) float32, unused with kPool. bias float32.
-template <class L, bool kPool>
+// The producer of kNcdhw: thread 0 loads x's boxes (8 channels, rows h0 .. h0 + 5, 64 columns of plane z) into
+// the staging slots by TMA, 2 items ahead; the warp group's 128 threads convert each into its stage (3 positions
+// a thread: 8 loads a stride apart, conflict-free, and one or two 16-byte stores), fence them for wgmma (the
+// async proxy), and release the stage as full (an arrival each) and the slot as read.
+template <class L>
+__device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& p, unsigned char* smem,
+                                   float* staging, uint64_t* full, uint64_t* empty, uint64_t* staging_full,
+                                   uint64_t* staging_empty) {
+  using S = Smem<L, true>;
+  const int64_t tiles = p.tiles > static_cast<int>(blockIdx.x) ? (p.tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int64_t items = tiles * kStagesPerTile;
+  auto load = [&](int64_t item) {  // (thread 0)
+    const int tile = static_cast<int>(blockIdx.x + item / kStagesPerTile * gridDim.x), j = item % kStagesPerTile;
+    const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
+    const int slot = static_cast<int>(item % kStagingSlots);
+    barrier_arrive_expect(&staging_full[slot], kStagingBytes);
+    tensor_load_5d(staging + slot * (kStagingBytes / 4), x_map, 0, kTileRows * rb, kTilePlanes * pp + j, 0,
+                   tile / p.row_blocks / p.plane_pairs, &staging_full[slot]);
+  };
+  if (threadIdx.x == 0) {
+    for (int64_t item = 0; item < std::min<int64_t>(kStagingSlots, items); ++item) load(item);
+  }
+  for (int64_t item = 0; item < items; ++item) {
+    const int slot = static_cast<int>(item % kStagingSlots), stage = static_cast<int>(item % kStages);
+    barrier_wait(&staging_full[slot], static_cast<uint32_t>(item / kStagingSlots) & 1);
+    barrier_wait(&empty[stage], (static_cast<uint32_t>(item / kStages) & 1) ^ 1);
+    const float* const box = staging + slot * (kStagingBytes / 4);
+    for (int row = threadIdx.x; row < kBoxRows * kRow; row += 128) {
+      float v[8];
+#pragma unroll
+      for (int c = 0; c < kChannelsIn; ++c) v[c] = box[c * kBoxRows * kRow + row];
+      L::store_position(smem + stage * S::kStageStride, row, v);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (the stores, before wgmma reads them)
+    barrier_arrive(&full[stage]);
+    barrier_arrive(&staging_empty[slot]);
+    if (threadIdx.x == 0 && item + kStagingSlots < items) {
+      barrier_wait(&staging_empty[slot], static_cast<uint32_t>(item / kStagingSlots) & 1);
+      load(item + kStagingSlots);
+    }
+  }
+}
+
+// x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); or (kNcdhw) x
+// float32 NCDHW as (64, H, D, 8, N), boxes (64, 6, 1, 8, 1); w_map: the layout's weights (L::kWeightBytes, one
+// box); y (N, D', H', W', 16) float32, unused with kPool. bias float32.
+template <class L, bool kPool, bool kNcdhw>
 __global__ void __launch_bounds__(kThreads, 1)
     conv3d_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                         const float* __restrict__ bias, float* __restrict__ y, const Conv3dTiles p) {
-  using S = Smem<L>;
+  using S = Smem<L, kNcdhw>;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
   unsigned char* const weights = smem + kStages * S::kStageStride;
-  uint64_t* const full = reinterpret_cast<uint64_t*>(weights + S::kWeightStride);
+  float* const staging = reinterpret_cast<float*>(weights + S::kWeightStride);
+  uint64_t* const full = reinterpret_cast<uint64_t*>(weights + S::kWeightStride + S::kStaging);
   uint64_t* const empty = full + kStages;
   uint64_t* const weights_landed = empty + kStages;
+  uint64_t* const staging_full = weights_landed + 1;  // (kNcdhw)
+  uint64_t* const staging_empty = staging_full + kStagingSlots;
 
   // the stages zeroed once: their pads (past each box, which TMA never writes) stay zero
   for (int i = threadIdx.x; i < kStages * S::kStageStride / 16; i += kThreads) {
     reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (before the copy engine writes there)
-  init_stage_barriers(full, empty, kStages, 128);              // (released by one consumer's threads)
-  if (threadIdx.x == 0) barrier_init(weights_landed);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      barrier_init(&full[s], kNcdhw ? 128 : 1);  // (the producer's threads, or its TMA thread's arrival)
+      barrier_init(&empty[s], 128);              // (one consumer's threads)
+    }
+    barrier_init(weights_landed);
+    for (int s = 0; kNcdhw && s < kStagingSlots; ++s) {
+      barrier_init(&staging_full[s]);
+      barrier_init(&staging_empty[s], 128);
+    }
+  }
   __syncthreads();
 
   if (threadIdx.x < 128) {  // the producer
@@ -314,6 +408,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (threadIdx.x == 0) {
       barrier_arrive_expect(weights_landed, L::kWeightBytes);
       tensor_load_4d(weights, w_map, 0, 0, 0, 0, weights_landed);
+    }
+    if constexpr (kNcdhw) {
+      produce_from_ncdhw<L>(x_map, p, smem, staging, full, empty, staging_full, staging_empty);
+    } else if (threadIdx.x == 0) {
       int stage = 0;
       uint32_t phase = 0;
       for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
@@ -412,11 +510,15 @@ void with_layout(int64_t layout, F&& f) {
 }
 
 // Whether the prototype takes the call in `layout`: an sm_90 GPU, x (N, 8, D, H, 64) with D, H >= 3 float32 with
-// TF32 convolutions allowed (Tf32*) or bfloat16 (Bf16Pairs), weight (16, 8, 3, 3, 3) of x's dtype, a bias of 16.
-bool takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t layout) {
+// TF32 convolutions allowed (Tf32*) or bfloat16 (Bf16Pairs), weight (16, 8, 3, 3, 3) of x's dtype, a bias of 16;
+// `ncdhw`: x float32 NCDHW contiguous (A's input as it comes, the fused op's call), the weight float32 (TF32
+// allowed) or bfloat16 (Bf16Pairs: x rounded to bfloat16 as read).
+bool takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t layout, bool ncdhw) {
   const bool bf16 = layout == kBf16Pairs;
-  const bool dtype = bf16 ? x.scalar_type() == at::kBFloat16 : x.scalar_type() == at::kFloat && tf32_convolution(x);
-  return dtype && weight.scalar_type() == x.scalar_type() && x.is_cuda() && x.dim() == 5 &&
+  const auto operand = bf16 ? at::kBFloat16 : at::kFloat;
+  const bool dtype = (ncdhw ? x.scalar_type() == at::kFloat && x.is_contiguous() : x.scalar_type() == operand) &&
+                     weight.scalar_type() == operand && (bf16 || tf32_convolution(x));
+  return dtype && x.is_cuda() && x.dim() == 5 &&
          x.size(1) == kChannelsIn && x.size(4) == kRow && x.size(2) >= 3 && x.size(3) >= 3 &&
          runs_sm90a(x.get_device()) && weight.sizes() == at::IntArrayRef({kChannelsOut, kChannelsIn, 3, 3, 3}) &&
          bias.numel() == kChannelsOut;
@@ -448,23 +550,25 @@ at::Tensor weights_for(const at::Tensor& weight) {
   }
 }
 
-// The kernel's launch on x (read channels-last: a copy unless x is channels_last_3d) with p's pool fields set
-// where kPool; y defined unless kPool.
-template <class L, bool kPool>
+// The kernel's launch on x (kNcdhw: as it is, NCDHW; else read channels-last: a copy unless x is
+// channels_last_3d) with p's pool fields set where kPool; y defined unless kPool.
+template <class L, bool kPool, bool kNcdhw>
 void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Conv3dTiles& p, at::Tensor& y) {
-  const at::Tensor x_ndhwc = x.contiguous(at::MemoryFormat::ChannelsLast3d).permute({0, 2, 3, 4, 1});
+  const at::Tensor x_ndhwc = kNcdhw ? x : x.contiguous(at::MemoryFormat::ChannelsLast3d).permute({0, 2, 3, 4, 1});
   const at::Tensor w = weights_for<L>(weight);
   TORCH_INTERNAL_ASSERT(w.numel() * w.element_size() == L::kWeightBytes);
-  const CUtensorMap x_map = contiguous_tensor_map(x_ndhwc, {L::kBoxChannels, kRow, kBoxRows, 1, 1}, L::kSwizzle);
+  const CUtensorMap x_map =
+      kNcdhw ? contiguous_tensor_map(x, {kRow, kBoxRows, 1, kChannelsIn, 1})
+             : contiguous_tensor_map(x_ndhwc, {L::kBoxChannels, kRow, kBoxRows, 1, 1}, L::kSwizzle);
   std::vector<cuuint32_t> w_box;
   for (int d = w.dim() - 1; d >= 0; --d) w_box.push_back(static_cast<cuuint32_t>(w.size(d)));
   const CUtensorMap w_map = contiguous_tensor_map(w, w_box, L::kSwizzle);
   const at::Tensor bias_values = bias.to(at::kFloat).contiguous();
-  const auto kernel = conv3d_wgmma_kernel<L, kPool>;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<L>::kBytes));
+  const auto kernel = conv3d_wgmma_kernel<L, kPool, kNcdhw>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<L, kNcdhw>::kBytes));
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
   const int blocks = std::min(p.tiles, sms);
-  kernel<<<blocks, kThreads, Smem<L>::kBytes, c10::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<blocks, kThreads, Smem<L, kNcdhw>::kBytes, c10::cuda::getCurrentCUDAStream()>>>(
       x_map, w_map, bias_values.const_data_ptr<float>(), kPool ? nullptr : y.mutable_data_ptr<float>(), p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -486,21 +590,21 @@ Conv3dTiles tiles_of(const at::Tensor& x) {
 // y = conv3d(x, weight, bias) (float32) by the prototype in `layout`, or None where it does not take the call.
 std::optional<at::Tensor> conv3d_wgmma(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                        int64_t layout) {
-  if (!takes(x, weight, bias, layout)) return std::nullopt;
+  if (!takes(x, weight, bias, layout, false)) return std::nullopt;
   Conv3dTiles p = tiles_of(x);
   at::Tensor y = at::empty({x.size(0), kChannelsOut, p.depth_out, p.height_out, p.width_out},
                            x.options().dtype(at::kFloat).memory_format(at::MemoryFormat::ChannelsLast3d));
-  with_layout(layout, [&](auto l) { launch<decltype(l), false>(x, weight, bias, p, y); });
+  with_layout(layout, [&](auto l) { launch<decltype(l), false, false>(x, weight, bias, p, y); });
   return y;
 }
 
 // conv3d_max_pool3d_mean(x, weight, bias, 0, 2, divisor, save_indices=True) by the prototype in `layout`:
 // (mean (N, 16) float32, picks (N, 16, PD, PH, PW) uint8), or None where it does not take the call (takes, D'
-// and H' at least 2).
+// and H' at least 2). `ncdhw`: from x float32 NCDHW as it comes, converted by the producer (takes' ncdhw).
 std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Tensor& x, const at::Tensor& weight,
                                                                     const at::Tensor& bias, double divisor,
-                                                                    int64_t layout) {
-  if (!takes(x, weight, bias, layout) || x.size(2) < 4 || x.size(3) < 4) return std::nullopt;
+                                                                    int64_t layout, bool ncdhw) {
+  if (!takes(x, weight, bias, layout, ncdhw) || x.size(2) < 4 || x.size(3) < 4) return std::nullopt;
   Conv3dTiles p = tiles_of(x);
   p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
   p.pooled[0] = p.depth_out / 2;
@@ -513,7 +617,13 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
   p.picks = picks.mutable_data_ptr<uint8_t>();
   p.partial = partial.mutable_data_ptr<float>();
   at::Tensor unused;
-  with_layout(layout, [&](auto l) { launch<decltype(l), true>(x, weight, bias, p, unused); });
+  with_layout(layout, [&](auto l) {
+    if (ncdhw) {
+      launch<decltype(l), true, true>(x, weight, bias, p, unused);
+    } else {
+      launch<decltype(l), true, false>(x, weight, bias, p, unused);
+    }
+  });
   const double windows = static_cast<double>(p.pooled[0]) * p.pooled[1] * p.pooled[2];
   return std::make_tuple(partial.sum(1).div_(windows), picks);
 }
@@ -527,5 +637,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "pairs; None where it does not take the call)");
   m.def("conv3d_wgmma_pool", &fused_ops::conv3d_wgmma_pool,
         "(mean, picks) of conv3d_max_pool3d_mean(x, weight, bias, 0, 2, divisor) by the wgmma prototype with its "
-        "pool epilogue, in a layout (as conv3d_wgmma's)");
+        "pool epilogue, in a layout (as conv3d_wgmma's); ncdhw: from x float32 NCDHW, converted by the producer",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("divisor"), py::arg("layout"),
+        py::arg("ncdhw") = false);
 }
