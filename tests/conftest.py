@@ -1,4 +1,5 @@
 import contextlib
+import functools
 import importlib.machinery
 import importlib.util
 import os
@@ -91,6 +92,16 @@ def fresh_compile_state():
 @pytest.fixture(params=DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def dtype(request):
     return request.param
+
+
+@functools.cache
+def built_with_cutlass() -> bool:
+    """Whether this build has the CUDA kernels that need CUTLASS's headers (setup.py found them): B's
+    cascade op says so of itself on a GPU (its path ends in "(built without CUTLASS)" where not)."""
+    from fused_ops.ops import conv_transpose3d_cascade_sum_path
+
+    x, weight = torch.zeros(1, 32, 2, 2, 2, device="cuda"), torch.zeros(32, 64, 5, 5, 5, device="cuda")
+    return not conv_transpose3d_cascade_sum_path(x, weight, 2, 2, 0).endswith("(built without CUTLASS)")
 
 
 def cuda_kernel_names(call) -> list:

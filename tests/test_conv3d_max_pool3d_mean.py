@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import (build_pair, check_matches_original, cuda_kernel_names, make_convolution_case,
-                      poison_cuda_allocator, requires_cuda)
+from conftest import (build_pair, built_with_cutlass, check_matches_original, cuda_kernel_names,
+                      make_convolution_case, poison_cuda_allocator, requires_cuda)
 from fused_ops import autotune, conv3d_max_pool3d_mean, reference
 from fused_ops import nn as fnn
 
@@ -35,9 +35,12 @@ CASES = [
     ((1, 8, 6, 8, 16), (17, 8, 3, 3, 3), 0, 2, True, 2.0),           # 17 outputs: PyTorch's ops
     ((2, 8, 8, 16, 16), (16, 8, 2, 3, 3), (0, 1, 1), 2, True, -2.0),  # kernel 2 x 3 x 3: PyTorch's ops
     ((2, 8, 8, 16, 16), (16, 8, 3, 3, 3), 0, (1, 2, 2), True, 2.0),  # pool 1 x 2 x 2: PyTorch's ops
+    ((2, 8, 6, 7, 64), (16, 8, 3, 3, 3), 0, 2, True, 2.0),           # SPEC's rows (64): the wgmma kernel, H' odd
+    ((1, 8, 5, 10, 64), (16, 8, 3, 3, 3), 0, 2, False, -0.7),        # the wgmma kernel: D' odd, no bias
 ]
 IDS = ["A-small", "padding-1", "padding-120", "remainders", "two-tiles", "three-tiles", "5-outputs-no-bias",
-       "3-channels", "11-channels", "16-channels", "unaligned-rows", "17-outputs", "kernel-233", "pool-122"]
+       "3-channels", "11-channels", "16-channels", "unaligned-rows", "17-outputs", "kernel-233", "pool-122",
+       "wgmma", "wgmma-no-bias"]
 
 
 
@@ -90,7 +93,24 @@ def assert_picks_near_max(indices, y_windows, elem_bound):
 
 
 def kernel_ran(call) -> bool:
-    return any("conv3d_max_pool3d_mean_kernel" in name for name in cuda_kernel_names(call))
+    """One of the op's tensor-core kernels ran: the mma.sync one, or the wgmma one (wgmma_takes)."""
+    return any(kernel in name for name in cuda_kernel_names(call)
+               for kernel in ("conv3d_max_pool3d_mean_kernel", "conv3d_wgmma_kernel"))
+
+
+def wgmma_ran(call) -> bool:
+    return any("conv3d_wgmma_kernel" in name for name in cuda_kernel_names(call))
+
+
+def wgmma_takes(x, w, padding, pool) -> bool:
+    """The wgmma kernel's condition (conv3d_max_pool3d_mean.cu's with_wgmma_layout): a build with CUTLASS, an
+    sm_90 GPU, SPEC's shape (8 input and 16 output channels, rows 64 wide, D and H at least 4, no padding, a
+    2 x 2 x 2 pool), a float32 x, TF32 or bfloat16."""
+    precision = w.dtype == torch.bfloat16 or (w.dtype == torch.float32 and torch.backends.cudnn.allow_tf32)
+    return (built_with_cutlass() and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and x.dtype == torch.float32 and precision and x.shape[1] == 8 and x.shape[-1] == 64
+            and min(x.shape[2:4]) >= 4 and tuple(w.shape) == (16, 8, 3, 3, 3) and _triple(padding) == [0, 0, 0]
+            and _triple(pool) == [2, 2, 2])
 
 
 def kernel_takes(x, w, pool) -> bool:
@@ -153,6 +173,8 @@ def test_float32_tf32_kernel(x_shape, w_shape, padding, pool, bias, divisor, tf3
     poison_cuda_allocator()  # (a mean or pick the kernel does not write reads NaN or garbage)
     out, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
     assert kernel_ran(lambda: OP(x, w, b, _triple(padding), _triple(pool), divisor, True)) == kernel_takes(x, w, pool)
+    assert wgmma_ran(lambda: OP(x, w, b, _triple(padding), _triple(pool), divisor, True)) == wgmma_takes(
+        x, w, padding, pool)
     expected, _, y_windows, mags, m, p = reference_of(x, w, b, padding, pool, divisor)
     rel = 2.0 ** -10 + float32_sums(w, p)
     within(out, expected, rel * m + 1e-7)
@@ -173,17 +195,22 @@ def test_integer_valued_exact(x_shape, w_shape, padding, pool, bias, divisor, we
     if device == "cuda":
         assert kernel_ran(lambda: OP(x, w, b, _triple(padding), _triple(pool), divisor, True)) == kernel_takes(x, w,
                                                                                                                 pool)
+        assert wgmma_ran(lambda: OP(x, w, b, _triple(padding), _triple(pool), divisor, True)) == wgmma_takes(
+            x, w, padding, pool)
     expected, picks, y_windows, _, _, p = reference_of(x, w, b, padding, pool, divisor)
     assert y_windows.abs().max() < 16  # (|conv| < 32 in eighths: exact in bfloat16 too)
     within(out, expected, mean_sums(y_windows, p))
     assert torch.equal(indices.long().cpu(), picks)
 
 
+@pytest.mark.parametrize("width", [16, 64])
 @pytest.mark.parametrize("divisor", [2.0, -2.0])
-def test_nan_and_inf_as_pytorch(divisor, device, tf32):
+def test_nan_and_inf_as_pytorch(divisor, width, device, tf32):
     """Integer data, positive weights: a NaN in an item's input makes its means NaN, the windows
-    holding NaNs pick their last NaN; +-inf give +-inf maxima (a window of -inf picks its first)."""
-    x, w, b = make_convolution_case((4, 8, 6, 10, 16), (16, 8, 3, 3, 3), True, torch.float32, device, integers=True)
+    holding NaNs pick their last NaN; +-inf give +-inf maxima (a window of -inf picks its first).
+    (Rows 64 wide: the wgmma kernel, where it takes the call.)"""
+    x, w, b = make_convolution_case((4, 8, 6, 10, width), (16, 8, 3, 3, 3), True, torch.float32, device,
+                                    integers=True)
     w = w.abs() + 0.125  # (one sign, no zeros: an infinite input gives infinite outputs, not inf - inf or 0 * inf)
     x[1, 3, 2, 4, 7] = x[1, 5, 3, 4, 8] = float("nan")
     x[2, 0, 3, 5, 5] = float("inf")

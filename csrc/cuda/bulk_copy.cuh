@@ -74,6 +74,16 @@ __device__ __forceinline__ void barrier_arrive(uint64_t* bar) {
 #endif
 }
 
+// Orders this thread's writes to shared memory (the generic proxy) before the
+// async proxy's accesses after them: the copy engine's writes, wgmma's reads.
+__device__ __forceinline__ void fence_shared_to_async_proxy() {
+#ifdef FUSED_OPS_BULK_COPY
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
 // `bytes` (a multiple of 16) from global memory at `src` into shared memory at
 // `dst` (both 16-byte aligned) in one copy, completing on `bar`; called by one
 // thread, which announced the bytes (barrier_arrive_expect).

@@ -31,6 +31,17 @@
 // deterministic), divided by the number of windows, and the channel bias added
 // and the channels summed where the call asks for them.
 // Where the backward needs them each window's pick is written as one byte.
+//
+// In a build with CUTLASS, on an sm_90 device, calls of SPEC's shape (8 input and 16 output channels, rows 64
+// wide, no padding) in TF32 or bfloat16 take the wgmma kernel instead (conv3d_wgmma_pool.cuh: TMA boxes of x
+// converted into the operand layout by a producer warp group, wgmma accumulators whose rows are x's rows, the
+// same epilogue's arithmetic and rule for the picks), its partial sums read by the same mean_epilogue.
+#ifdef FUSED_OPS_CUTLASS
+#ifndef NDEBUG
+#define NDEBUG  // before any header (cutlass_conv.cuh says why)
+#endif
+#endif
+
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAException.h>
@@ -49,6 +60,10 @@
 #include "conv3d_max_pool3d_mean.cuh"
 #include "mma.cuh"
 #include "plane_rows.cuh"
+#ifdef FUSED_OPS_CUTLASS
+#include "conv3d_wgmma_pool.cuh"
+#include "cutlass_conv.cuh"  // (runs_sm90a, tf32_convolution)
+#endif
 
 namespace fused_ops {
 namespace {
@@ -387,6 +402,114 @@ bool launch_fused(const at::Tensor& x, const at::Tensor& weight, const std::opti
   return true;
 }
 
+// The kernels' picks (N, O, PD, PH, PW), one byte a window, where the call saves them (else empty).
+at::Tensor picks_tensor(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g, bool save) {
+  return save ? at::empty({x.size(0), weight.size(0), g.pooled[0], g.pooled[1], g.pooled[2]},
+                          x.options().dtype(at::kByte))
+              : x.new_empty({0}, at::kByte);
+}
+
+#ifdef FUSED_OPS_CUTLASS
+
+// The wgmma kernel's B operands in layout L (wgmma_conv3d::Tf32Swizzled: (tap, o, c) rows; Bf16Pairs: (t, step,
+// chunk, o, c) rows, a step's chunks taps (r, 0), (r, 1) for steps r < 3, (0, 2), (1, 2) for step 3, (2, 2) and
+// zeros for step 4) from the weight (16, 8, 3, 3, 3) stored as W, each rounded to the operation's type T as the
+// fused kernel's fragments are (TF32 to nearest, 16-bit to nearest even), then the bias rounded alike (floats,
+// zeros without one): one thread an element.
+template <class L, typename W>
+__global__ void wgmma_operands_kernel(const W* __restrict__ weight, const W* __restrict__ bias,
+                                     typename L::T* __restrict__ operands, float* __restrict__ rounded_bias) {
+  using T = typename L::T;
+  using wgmma_conv3d::kChannelsIn, wgmma_conv3d::kChannelsOut;
+  constexpr int kElements = L::kWeightBytes / static_cast<int>(sizeof(T));
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < kElements) {
+    const int c = i % kChannelsIn, o = i / kChannelsIn % kChannelsOut, row = i / (kChannelsIn * kChannelsOut);
+    int tap = row;  // (Tf32Swizzled: the tap)
+    if constexpr (std::is_same_v<L, wgmma_conv3d::Bf16Pairs>) {
+      const int t = row / 10, step = row / 2 % 5, chunk = row % 2;
+      const int r = step < 3 ? step : step == 3 ? chunk : 2, s = step < 3 ? chunk : 2;
+      tap = step == 4 && chunk == 1 ? -1 : t * 9 + r * 3 + s;
+    }
+    const float v = tap < 0 ? 0.f : widened(weight[(o * kChannelsIn + c) * kTaps + tap]);
+    if constexpr (std::is_same_v<T, float>) {
+      operands[i] = round_to_tf32(v);
+    } else {
+      operands[i] = narrowed<T>(v);
+    }
+  } else if (i < kElements + kChannelsOut) {
+    const int o = i - kElements;
+    rounded_bias[o] = bias != nullptr ? rounded_to<T>(widened(bias[o])) : 0.f;
+  }
+}
+
+// The wgmma kernel's layout for this call, if it takes it (f(L{}) called; false if not): an sm_90 device; x
+// float32 contiguous at a 16-byte aligned address, (N, 8, D, H, 64) with D and H at least 4; a (16, 8, 3, 3, 3)
+// weight, no padding, a 2 x 2 x 2 pool; TF32 (a float32 operation: with_weight_operation's rule) or bfloat16;
+// its tiles within int.
+template <typename F>
+bool with_wgmma_layout(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g,
+                       at::ScalarType operand, F&& f) {
+  using namespace wgmma_conv3d;
+  const bool shape = x.size(1) == kChannelsIn && x.size(4) == kRow && x.size(2) >= 4 && x.size(3) >= 4 &&
+                     weight.sizes() == at::IntArrayRef({kChannelsOut, kChannelsIn, 3, 3, 3}) &&
+                     g.padding == std::array<int64_t, 3>{0, 0, 0} && g.pool == std::array<int64_t, 3>{2, 2, 2};
+  if (!shape || x.size(0) == 0 || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
+      reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0 ||
+      x.size(0) * ((x.size(2) - 1) / 2) * ((x.size(3) + 1) / 4) > INT_MAX || !runs_sm90a(x.get_device())) {
+    return false;
+  }
+  if (operand == at::kFloat && at::globalContext().allowTF32CuDNN()) return f(Tf32Swizzled{}), true;
+  if (operand == at::kBFloat16) return f(Bf16Pairs{}), true;
+  return false;
+}
+
+// The wgmma kernel's launch (with_wgmma_layout took the call): partial (N, rows, 16) and picks (or null) as
+// launch_fused writes them.
+template <class L>
+void launch_wgmma(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  double divisor, at::Tensor& partial, uint8_t* picks) {
+  using namespace wgmma_conv3d;
+  using T = typename L::T;
+  Conv3dTiles p = tiles_of(x);
+  p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
+  p.pooled[0] = p.depth_out / 2;
+  p.pooled[1] = p.height_out / 2;
+  p.pooled[2] = p.width_out / 2;
+  p.picks = picks;
+  p.partial = partial.mutable_data_ptr<float>();
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  // (the operands, then the rounded bias: one buffer)
+  const at::Tensor buffer = at::empty({L::kWeightBytes + kChannelsOut * 4}, x.options().dtype(at::kByte));
+  auto* const operands = reinterpret_cast<T*>(buffer.mutable_data_ptr<uint8_t>());
+  auto* const rounded_bias = reinterpret_cast<float*>(buffer.mutable_data_ptr<uint8_t>() + L::kWeightBytes);
+  constexpr int kThreadsEach = 256, kElements = L::kWeightBytes / static_cast<int>(sizeof(T)) + kChannelsOut;
+  with_weight_storage<T>(weight, [&](auto* weight_type) {
+    using W = std::remove_pointer_t<decltype(weight_type)>;
+    wgmma_operands_kernel<L, W><<<(kElements + kThreadsEach - 1) / kThreadsEach, kThreadsEach, 0, stream>>>(
+        static_cast<const W*>(weight.const_data_ptr()),
+        bias.has_value() ? static_cast<const W*>(bias->const_data_ptr()) : nullptr, operands, rounded_bias);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  // (the B box: the whole layout, innermost first: 8 channels, 16 or 32 rows of them, the steps)
+  const at::Tensor operand_rows =
+      buffer.narrow(0, 0, L::kWeightBytes)
+          .view(std::is_same_v<T, float> ? at::kFloat : at::kBFloat16)
+          .view({1, std::is_same_v<T, float> ? 27 : 15, std::is_same_v<T, float> ? 16 : 32, kChannelsIn});
+  const CUtensorMap w_map = contiguous_tensor_map(operand_rows, {kChannelsIn, std::is_same_v<T, float> ? 16u : 32u,
+                                                                 std::is_same_v<T, float> ? 27u : 15u, 1u},
+                                                  L::kSwizzle);
+  const CUtensorMap x_map = contiguous_tensor_map(x, {kRow, wgmma_conv3d::kBoxRows, 1, kChannelsIn, 1});
+  const auto kernel = conv3d_wgmma_kernel<L, true, true>;
+  constexpr int smem = Smem<L, true>::kBytes;
+  allow_dynamic_shared_memory(kernel, smem);
+  const int blocks = std::min(p.tiles, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
+  kernel<<<blocks, wgmma_conv3d::kThreads, smem, stream>>>(x_map, w_map, rounded_bias, nullptr, p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+#endif  // FUSED_OPS_CUTLASS
+
 std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor& x, const at::Tensor& weight,
                                                                const std::optional<at::Tensor>& bias,
                                                                at::IntArrayRef padding, at::IntArrayRef pool,
@@ -403,12 +526,23 @@ std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor&
   const c10::cuda::CUDAGuard guard(x.device());
   std::optional<std::tuple<at::Tensor, at::Tensor>> result;
   const at::Tensor xc = x.contiguous();
+#ifdef FUSED_OPS_CUTLASS
+  with_wgmma_layout(xc, weight, g, operand, [&](auto layout) {
+    const wgmma_conv3d::Conv3dTiles tiles = wgmma_conv3d::tiles_of(xc);
+    at::Tensor partial = at::empty({x.size(0), int64_t{tiles.tiles} / x.size(0) * 8, kChannels}, x.options());
+    at::Tensor picks = picks_tensor(x, weight, g, save_indices);
+    launch_wgmma<decltype(layout)>(xc, weight.contiguous(), bias.has_value() ? std::optional(bias->contiguous())
+                                                                             : std::nullopt,
+                                   divisor, partial, save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr);
+    result.emplace(mean_epilogue(partial, static_cast<int>(weight.size(0)), g, mean_dtype, channel_bias, sum_channels),
+                   picks);
+  });
+  if (result.has_value()) return *result;
+#endif
   with_fused_operation(xc, weight, g, operand, [&](auto mma) {
     const TaskGrid grid = task_grid(xc, weight, g);
     at::Tensor partial = at::empty({x.size(0), grid.tasks / x.size(0) * kWarps, kChannels}, x.options());
-    at::Tensor picks = save_indices ? at::empty({x.size(0), weight.size(0), g.pooled[0], g.pooled[1], g.pooled[2]},
-                                                x.options().dtype(at::kByte))
-                                    : x.new_empty({0}, at::kByte);
+    at::Tensor picks = picks_tensor(x, weight, g, save_indices);
     const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional(bias->contiguous()) : std::nullopt;
     if (launch_fused<decltype(mma)>(xc, weight.contiguous(), bias_c, grid, divisor, partial,
                                     save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr)) {

@@ -1,0 +1,505 @@
+// A's convolution on wgmma (issue 46 item 1): the kernel of conv3d_max_pool3d_mean's calls of SPEC's shape
+// (conv3d_max_pool3d_mean.cu) and of bench/extensions/conv3d_wgmma_prototype.cu's (which times its variants
+// for bench/bench_conv3d_wgmma_prototype.py). y = conv3d(x, w) + bias,
+// x (N, 8, D, H, 64) read channels-last (NDHWC), w (16, 8, 3, 3, 3), sums in float32: float32 by TF32 wgmma
+// (two operand layouts, below) or bfloat16; either y (N, 16, D', H', W') float32 channels_last_3d, or (kPool)
+// conv3d_max_pool3d_mean's result: y / divisor (PyTorch's division by a number, rounded to x's type), 2 x 2 x 2
+// max-pool windows picked by PyTorch's rule (WindowPick), their mean per (n, o) and each window's pick (one
+// byte, its scan-order offset).
+//
+// GEMM rows are x's positions in its own row layout (W = 64: an output row's 64 positions, 62 kept, are one
+// m64 tile), N = the 16 output channels, K = 27 taps x 8 channels. Tap (t, r, s)'s A operand for output row
+// h of plane z is x plane z + t's rows from (h + r) * 64 + s: a staged box of x rows serves all 9 taps (r, s)
+// of its plane through descriptor offsets of (r * 64 + s) rows, no copies. The operand layouts (Layouts):
+// - Tf32Swizzled: rows of 8 channels (32 bytes), 32-byte swizzled; a descriptor at any row (wgmma swizzles by
+//   the shared address, as TMA writes: wgmma_ss.cuh's note, shown there for 128-byte rows), k8 a tap;
+// - Tf32Planes: two planes of 4 channels (rows of 16 bytes, no swizzle: K-major core matrices of 8 rows x 16
+//   bytes at any 16-byte offset), the K chunks a plane apart, k8 a tap;
+// - Bf16Pairs: rows of 8 bfloat16 channels (16 bytes, no swizzle), k16 = two taps a step, their K chunks rows
+//   apart: (r, s), (r, s + 1) one row, (0, 2), (1, 2) 64 rows; (2, 2) with a zero chunk: 5 steps a plane.
+// B = the step's weights, (16 output channels) x K, K-major in the same layout.
+//
+// A CTA (persistent over tiles): a tile is 2 output planes (z0, z0 + 1) x 4 output rows (h0 .. h0 + 3) of one
+// n; its 4 stages are x planes z0 .. z0 + 3, rows h0 .. h0 + 5 (TMA boxes, zeros past x's end); stage j adds
+// tap t = j - zo to output plane z0 + zo. One producer warp group (a thread issues the boxes), two consumer
+// warp groups taking alternate tiles (ping-pong: one's epilogue runs while the other's wgmma instructions do),
+// each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). Shared memory reads
+// bound it: 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192 MACs. With kPool a row pair is one
+// row of pool windows over both planes: a lane holds 4 of a window's elements (column w), lane ^ 4 the other
+// 4 (column w ^ 1); their picks merge by a shuffle.
+//
+// kNcdhw: x float32 NCDHW as A's module passes it (no channels-last copy): TMA boxes of x as it lies (8 channel
+// planes of 6 rows x 64) into two staging slots, which the producer warp group's 128 threads convert into the
+// stage's layout (TF32 rounded to nearest, or bfloat16) with 16-byte stores, fenced for wgmma's async proxy.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <limits>
+
+// (bulk_copy.cuh before CUTLASS's headers, which include cudaTypedefs.h inside their namespace)
+#include "bulk_copy.cuh"
+#include "cutlass/arch/reg_reconfig.h"
+#include "../max_pool3d.h"  // (WindowPick)
+#include "mma.cuh"          // (round_pair_to, Tf32Mma, Mma16)
+#include "wgmma_ss.cuh"
+
+namespace fused_ops::wgmma_conv3d {
+
+constexpr int kChannelsIn = 8, kChannelsOut = 16, kRow = 64;  // I, O, x's row (W)
+constexpr int kTileRows = 4, kTilePlanes = 2;                   // output rows and planes a tile
+constexpr int kBoxRows = kTileRows + 2, kStagesPerTile = kTilePlanes + 2;
+// The ring's stages: a multiple of two tiles' (the consumers', alternating), so that every stage serves one
+// consumer only. An mbarrier tells a phase's parity, not its number: a consumer waiting on a stage whose
+// previous phase was the other consumer's item, not landed yet (TMA loads may land out of order), would see the
+// parity it waits for already complete and read the stage early. Six stages did that (item 4k + 2 in the stage
+// of item 4k - 4): a few tiles wrong in some runs (session 34).
+constexpr int kStages = 2 * kStagesPerTile;
+constexpr int kThreads = 384;  // the producer warp group, two consumers
+constexpr int kPad = 1024;     // past each box: a tap's rows read up to 3 rows beyond it (kept zero)
+
+// A K-major tile without swizzling at `tile`: core matrices of 8 rows x 16 bytes (rows 16 bytes apart), the
+// 8-row groups `sbo` bytes apart, the K chunks `lbo` bytes apart.
+__device__ __forceinline__ uint64_t interleaved_tile_descriptor(const void* tile, uint32_t lbo, uint32_t sbo) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>(shared_address(tile) >> 4);
+  d.bitfield.leading_byte_offset_ = static_cast<uint16_t>(lbo >> 4);
+  d.bitfield.stride_byte_offset_ = static_cast<uint16_t>(sbo >> 4);
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = 0;  // INTERLEAVE: no swizzle
+  return d.desc_;
+}
+
+// v[0 .. 3] rounded to TF32 (to nearest, as cuDNN rounds) as one 16-byte word (kNcdhw's producer).
+__device__ __forceinline__ uint4 tf32_quad(const float* v) {
+  return make_uint4(Tf32Mma::pack(v[0], 0.f), Tf32Mma::pack(v[1], 0.f), Tf32Mma::pack(v[2], 0.f),
+                    Tf32Mma::pack(v[3], 0.f));
+}
+
+struct Tf32Swizzled {
+  using T = float;
+  static constexpr int kBoxes = 1, kBoxBytes = kBoxRows * kRow * 32, kBoxStride = kBoxBytes + kPad;
+  static constexpr int kSteps = 9;                        // a plane's wgmma: the (r, s) taps
+  static constexpr int kWeightBytes = 27 * 16 * 32;       // (tap, o) rows of 8 channels
+  static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_32B;
+  static constexpr int kBoxChannels = 8;
+  // A's descriptor for output row `row` of the tile (0 .. 3) at step `step` of a plane: a_base(box) (a stage's,
+  // once) plus a_offset(row, step) (a constant: the descriptors' arithmetic out of the wgmma loop); B's for tap
+  // t's step: b_base(weights) plus b_bytes(t, step) / 16
+  static __device__ uint64_t a_base(const unsigned char* box) { return swizzled_tile_descriptor<32>(box); }
+  static constexpr uint64_t a_offset(int row, int step) { return ((row + step / 3) * kRow + step % 3) * 32 / 16; }
+  static __device__ uint64_t b_base(const unsigned char* weights) { return swizzled_tile_descriptor<32>(weights); }
+  static constexpr int b_bytes(int t, int step) { return (t * kSteps + step) * 16 * 32; }
+  static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
+    cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_SS_TN<>::fma(a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  }
+  // position `row` of a stage's box (h 64 + w) from x's 8 channels v (kNcdhw's producer): rounded to TF32 (to
+  // nearest, as cuDNN rounds), 16-byte chunk c / 4 of the 32-byte row at chunk (c / 4) ^ (row / 4 % 2) (the
+  // 32-byte swizzle: address bit 4 ^= bit 7, the stage 1024-byte aligned)
+  static __device__ void store_position(unsigned char* box, int row, const float (&v)[8]) {
+#pragma unroll
+    for (int chunk = 0; chunk < 2; ++chunk) {
+      *reinterpret_cast<uint4*>(box + row * 32 + ((chunk ^ (row >> 2)) & 1) * 16) = tf32_quad(v + 4 * chunk);
+    }
+  }
+};
+
+struct Tf32Planes {
+  using T = float;
+  static constexpr int kBoxes = 2, kBoxBytes = kBoxRows * kRow * 16, kBoxStride = kBoxBytes + kPad;
+  static constexpr int kSteps = 9;
+  static constexpr int kWeightBytes = 27 * 2 * 16 * 16;  // (tap, chunk, o) rows of 4 channels
+  static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
+  static constexpr int kBoxChannels = 4;
+  static __device__ uint64_t a_base(const unsigned char* box) {
+    return interleaved_tile_descriptor(box, kBoxStride, 128);
+  }
+  static constexpr uint64_t a_offset(int row, int step) { return ((row + step / 3) * kRow + step % 3) * 16 / 16; }
+  static __device__ uint64_t b_base(const unsigned char* weights) {
+    return interleaved_tile_descriptor(weights, 256, 128);
+  }
+  static constexpr int b_bytes(int t, int step) { return (t * kSteps + step) * 512; }
+  static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
+    cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_SS_TN<>::fma(a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  }
+  // (channels 0-3 in the first box's row, 4-7 in the second's, rounded to TF32)
+  static __device__ void store_position(unsigned char* box, int row, const float (&v)[8]) {
+#pragma unroll
+    for (int plane = 0; plane < 2; ++plane) {
+      *reinterpret_cast<uint4*>(box + plane * kBoxStride + row * 16) = tf32_quad(v + 4 * plane);
+    }
+  }
+};
+
+struct Bf16Pairs {
+  using T = __nv_bfloat16;
+  static constexpr int kBoxes = 1, kBoxBytes = kBoxRows * kRow * 16, kBoxStride = kBoxBytes + kPad;
+  static constexpr int kSteps = 5;                        // tap pairs a plane (pair_first_tap)
+  static constexpr int kWeightBytes = 3 * 5 * 2 * 16 * 16;  // (t, step, chunk, o) rows of 8 channels
+  static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
+  static constexpr int kBoxChannels = 8;
+  // step -> its first tap (r, s) and the rows to its second: (0, 0)(0, 1), (1, 0)(1, 1), (2, 0)(2, 1), (0, 2)(1, 2),
+  // (2, 2)(zero weights: its chunk reads the box's zeroed pad, not x, whose inf or NaN would make 0 x inf a NaN)
+  // a_base(box): the stage's, with no chunk offset (LBO); a_offset(row, step): the row's start and the step's LBO
+  static __device__ uint64_t a_base(const unsigned char* box) { return interleaved_tile_descriptor(box, 0, 128); }
+  static constexpr int a_bytes(int row, int step) {
+    return ((row + (step < 3 ? step : 2 * (step - 3))) * kRow + (step < 3 ? 0 : 2)) * 16;
+  }
+  static constexpr uint64_t a_offset(int row, int step) {
+    const int lbo = step < 3 ? 16 : step == 3 ? kRow * 16 : kBoxBytes - a_bytes(row, step);
+    // (the descriptor's start address, bits 0-13, and LBO, bits 16-29, both in 16-byte units)
+    return static_cast<uint64_t>(a_bytes(row, step) / 16) + (static_cast<uint64_t>(lbo / 16) << 16);
+  }
+  static __device__ uint64_t b_base(const unsigned char* weights) {
+    return interleaved_tile_descriptor(weights, 256, 128);
+  }
+  static constexpr int b_bytes(int t, int step) { return (t * kSteps + step) * 512; }
+  static __device__ void mma(uint64_t a, uint64_t b, float (&d)[8]) {
+    cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
+        a, b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
+  }
+  // (the 8 channels rounded to bfloat16, to nearest even, as .to() rounds: one 16-byte row)
+  static __device__ void store_position(unsigned char* box, int row, const float (&v)[8]) {
+    using Pack = Mma16<true>;
+    *reinterpret_cast<uint4*>(box + row * 16) =
+        make_uint4(Pack::pack(v[0], v[1]), Pack::pack(v[2], v[3]), Pack::pack(v[4], v[5]), Pack::pack(v[6], v[7]));
+  }
+};
+
+// kNcdhw: x float32 NCDHW (A's input as it comes), each stage's box from a staging slot of x's box as TMA lays
+// it out, (8 channels, kBoxRows rows, 64 columns), converted into the layout by the producer warp group.
+constexpr int kStagingSlots = 2, kStagingBytes = kChannelsIn * kBoxRows * kRow * 4;
+
+template <class L, bool kNcdhw>
+struct Smem {
+  static constexpr int kStageStride = L::kBoxes * L::kBoxStride;  // (multiples of 1024 bytes)
+  static constexpr int kWeightStride = (L::kWeightBytes + 1023) / 1024 * 1024;
+  static constexpr int kStaging = kNcdhw ? kStagingSlots * kStagingBytes : 0;
+  static constexpr int kBarriers = 2 * kStages + 1 + (kNcdhw ? 2 * kStagingSlots : 0);
+  static constexpr int kBytes = kStages * kStageStride + kWeightStride + kStaging + kBarriers * 8 + 1024;
+};
+
+struct Conv3dTiles {
+  int depth_out, height_out, width_out;  // D', H', W' (W' = 62)
+  int plane_pairs, row_blocks;           // ceil(D' / 2), ceil(H' / 4)
+  int tiles;                             // N plane_pairs row_blocks
+  float reciprocal;                      // kPool: 1 / divisor, as PyTorch's CUDA division multiplies
+  int pooled[3];                         // kPool: the windows (PD, PH, PW) = floor((D', H', W') / 2)
+  uint8_t* picks;                        // kPool: (N, 16, PD, PH, PW), or null (none saved)
+  float* partial;                        // kPool: (tiles, 8 warps, 16): each warp's sum of its windows
+};
+
+// y's epilogue of a row pair's accumulators (planes z0 + zo, rows h0 + jj): fragment element e is row 16 warp +
+// lane / 4 (+ 8 for e % 4 >= 2) of the m64 tile (the output column w), output channel 8 (e / 4) + 2 (lane % 4) +
+// e % 2; y + bias written where inside y.
+__device__ __forceinline__ void conv_epilogue(const float (&acc)[kTilePlanes][2][8], const float* __restrict__ bias,
+                                              float* __restrict__ y, const Conv3dTiles& p, int n, int z0, int h0,
+                                              int warp, int lane) {
+#pragma unroll
+  for (int zo = 0; zo < kTilePlanes; ++zo) {
+    const int z = z0 + zo;
+#pragma unroll
+    for (int jj = 0; jj < 2; ++jj) {
+      const int h = h0 + jj;
+      if (z >= p.depth_out || h >= p.height_out) continue;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int w = 16 * warp + lane / 4 + 8 * half;
+        if (w >= p.width_out) continue;
+        float* const out = y + ((static_cast<int64_t>(n) * p.depth_out + z) * p.height_out + h) * int64_t{p.width_out} *
+                                   kChannelsOut + int64_t{w} * kChannelsOut;
+#pragma unroll
+        for (int e = 2 * half; e < 8; e += 4) {
+          const int o = 8 * (e / 4) + 2 * (lane % 4);
+          *reinterpret_cast<float2*>(out + o) = make_float2(acc[zo][jj][e] + bias[o], acc[zo][jj][e + 1] + bias[o + 1]);
+        }
+      }
+    }
+  }
+}
+
+// The larger of a and b, or NaN where either is (PTX max.NaN).
+__device__ __forceinline__ float nan_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+// The pool's epilogue of a row pair's accumulators (planes 2 pd + zo, rows 2 ph + jj): each window's pick of
+// y = (acc + bias) / divisor rounded as PyTorch rounds the convolution's output and the quotient (to T),
+// written where the window lies inside the pooled output (where p.picks is not null: a call that saves them),
+// and this warp's sum of its windows' values per output channel into p.partial.
+template <typename T>
+__device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2][8], const float* __restrict__ bias,
+                                              const Conv3dTiles& p, int tile, int n, int pd, int ph, int pair,
+                                              int warp, int lane) {
+  float sum[4] = {0.f, 0.f, 0.f, 0.f};  // (fragment elements e % 2 + 2 (e / 4): channels o = 8 (e / 4) + 2 (lane % 4) + e % 2)
+  // window (pd, ph, pw) of channel o at picks[(((n 16 + o) PD + pd) PH + ph) PW + pw]: this lane's row of windows of
+  // its first channel, the others `channel` bytes apart (the index's arithmetic once a call, not once a window)
+  const int64_t channel = int64_t{p.pooled[0]} * p.pooled[1] * p.pooled[2];
+  const int64_t row_picks = (int64_t{n} * kChannelsOut + 2 * (lane % 4)) * channel +
+                            (int64_t{pd} * p.pooled[1] + ph) * p.pooled[2];
+  int64_t channel_picks[4];  // (fragment element k's channel: o = 8 (k / 2) + 2 (lane % 4) + k % 2)
+#pragma unroll
+  for (int k = 0; k < 4; ++k) channel_picks[k] = row_picks + (8 * (k / 2) + k % 2) * channel;
+  const bool row_inside = pd < p.pooled[0] && ph < p.pooled[1];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int w = 16 * warp + lane / 4 + 8 * half, pw = w / 2;
+    const bool inside = row_inside && pw < p.pooled[2];
+    // y[k][2 zo + jj]: (acc + bias) rounded to T, times 1 / divisor rounded to T, for fragment elements e, e + 1 =
+    // 2 half + 4 kp + (0, 1) (channels o, o + 1) side by side: their roundings by one conversion a pair; element
+    // 2 zo + jj of this lane's half of the window, offset (2 zo + jj) 2 + w % 2 in it
+    float y[4][2 * kTilePlanes];
+#pragma unroll
+    for (int kp = 0; kp < 2; ++kp) {
+      const int e = 2 * half + 4 * kp, o = 8 * kp + 2 * (lane % 4);
+#pragma unroll
+      for (int zo = 0; zo < kTilePlanes; ++zo)
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+          float a = acc[zo][jj][e] + bias[o], b = acc[zo][jj][e + 1] + bias[o + 1];
+          round_pair_to<T>(a, b);
+          a = __fmul_rn(a, p.reciprocal);
+          b = __fmul_rn(b, p.reciprocal);
+          round_pair_to<T>(a, b);
+          y[2 * kp][2 * zo + jj] = a;
+          y[2 * kp + 1][2 * zo + jj] = b;
+        }
+    }
+    // Each window's pick by PyTorch's rule (the last NaN, else the first maximum in scan order): with no NaN
+    // among the warp's values, by their maximum (max.NaN, which lets a NaN through: the test) and
+    // WindowPick::first_maximum, in about half the instructions of update()'s element by element way, which a
+    // NaN (or an inf - inf in the test's sum) sends the whole warp's windows through.
+    float most[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) most[k] = nan_max(nan_max(y[k][0], y[k][1]), nan_max(y[k][2], y[k][3]));
+    const float any = (most[0] + most[1]) + (most[2] + most[3]);
+    const bool exact = __any_sync(0xffffffffu, any != any);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      WindowPick<float> pick;
+      if (exact) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pick.update(y[k][i], i * 2 + w % 2);
+      } else {
+        pick = WindowPick<float>::first_maximum(y[k], most[k], w % 2, 2);
+      }
+      // (every lane shuffles: the partner's elements of the window, offsets interleaved with this lane's)
+      pick.merge(__shfl_xor_sync(0xffffffffu, pick.value, 4), __shfl_xor_sync(0xffffffffu, pick.offset, 4));
+      if (w % 2 == 0 && inside) {
+        if (p.picks != nullptr) p.picks[channel_picks[k] + pw] = static_cast<uint8_t>(pick.offset);
+        sum[k] += pick.value;
+      }
+    }
+  }
+  // the warp's sums: lanes of one lane % 4 hold the same channels
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 4);
+    sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 8);
+    sum[k] += __shfl_xor_sync(0xffffffffu, sum[k], 16);
+    if (lane < 4) {
+      p.partial[(static_cast<int64_t>(tile) * 8 + 4 * pair + warp) * kChannelsOut + 8 * (k / 2) + 2 * lane + k % 2] =
+          sum[k];
+    }
+  }
+}
+
+// The accumulators fenced against the wgmma instructions in flight (their registers not moved across).
+__device__ __forceinline__ void fence_accumulators(float (&acc)[2][kTilePlanes][2][8]) {
+#pragma unroll
+  for (int e = 0; e < 2 * kTilePlanes * 2 * 8; ++e) cute::warpgroup_fence_operand((&acc[0][0][0][0])[e]);
+}
+
+// The producer of kNcdhw: thread 0 loads x's boxes (8 channels, rows h0 .. h0 + 5, 64 columns of plane z) into
+// the staging slots by TMA, 2 items ahead; the warp group's 128 threads convert each into its stage (3 positions
+// a thread: 8 loads a stride apart, conflict-free, and one or two 16-byte stores), fence them for wgmma (the
+// async proxy), and release the stage as full (an arrival each) and the slot as read.
+template <class L>
+__device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& p, unsigned char* smem,
+                                   float* staging, uint64_t* full, uint64_t* empty, uint64_t* staging_full,
+                                   uint64_t* staging_empty) {
+  using S = Smem<L, true>;
+  const int64_t tiles = p.tiles > static_cast<int>(blockIdx.x) ? (p.tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int64_t items = tiles * kStagesPerTile;
+  auto load = [&](int64_t item) {  // (thread 0)
+    const int tile = static_cast<int>(blockIdx.x + item / kStagesPerTile * gridDim.x), j = item % kStagesPerTile;
+    const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
+    const int slot = static_cast<int>(item % kStagingSlots);
+    barrier_arrive_expect(&staging_full[slot], kStagingBytes);
+    tensor_load_5d(staging + slot * (kStagingBytes / 4), x_map, 0, kTileRows * rb, kTilePlanes * pp + j, 0,
+                   tile / p.row_blocks / p.plane_pairs, &staging_full[slot]);
+  };
+  if (threadIdx.x == 0) {
+    for (int64_t item = 0; item < std::min<int64_t>(kStagingSlots, items); ++item) load(item);
+  }
+  for (int64_t item = 0; item < items; ++item) {
+    const int slot = static_cast<int>(item % kStagingSlots), stage = static_cast<int>(item % kStages);
+    barrier_wait(&staging_full[slot], static_cast<uint32_t>(item / kStagingSlots) & 1);
+    barrier_wait(&empty[stage], (static_cast<uint32_t>(item / kStages) & 1) ^ 1);
+    const float* const box = staging + slot * (kStagingBytes / 4);
+    for (int row = threadIdx.x; row < kBoxRows * kRow; row += 128) {
+      float v[8];
+#pragma unroll
+      for (int c = 0; c < kChannelsIn; ++c) v[c] = box[c * kBoxRows * kRow + row];
+      L::store_position(smem + stage * S::kStageStride, row, v);
+    }
+    fence_shared_to_async_proxy();  // (the stores, before wgmma reads them)
+    barrier_arrive(&full[stage]);
+    barrier_arrive(&staging_empty[slot]);
+    if (threadIdx.x == 0 && item + kStagingSlots < items) {
+      barrier_wait(&staging_empty[slot], static_cast<uint32_t>(item / kStagingSlots) & 1);
+      load(item + kStagingSlots);
+    }
+  }
+}
+
+// x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); or (kNcdhw) x
+// float32 NCDHW as (64, H, D, 8, N), boxes (64, 6, 1, 8, 1); w_map: the layout's weights (L::kWeightBytes, one
+// box); y (N, D', H', W', 16) float32, unused with kPool. bias float32.
+template <class L, bool kPool, bool kNcdhw>
+__global__ void __launch_bounds__(kThreads, 1)
+    conv3d_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
+                        const float* __restrict__ bias, float* __restrict__ y, const Conv3dTiles p) {
+#ifdef FUSED_OPS_BULK_COPY  // (sm_90a's: TMA, wgmma; other targets' code traps, and runs_sm90a keeps calls away)
+  using S = Smem<L, kNcdhw>;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
+  unsigned char* const weights = smem + kStages * S::kStageStride;
+  float* const staging = reinterpret_cast<float*>(weights + S::kWeightStride);
+  uint64_t* const full = reinterpret_cast<uint64_t*>(weights + S::kWeightStride + S::kStaging);
+  uint64_t* const empty = full + kStages;
+  uint64_t* const weights_landed = empty + kStages;
+  uint64_t* const staging_full = weights_landed + 1;  // (kNcdhw)
+  uint64_t* const staging_empty = staging_full + kStagingSlots;
+
+  // the stages zeroed once: their pads (past each box, which TMA never writes) stay zero
+  for (int i = threadIdx.x; i < kStages * S::kStageStride / 16; i += kThreads) {
+    reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  }
+  fence_shared_to_async_proxy();  // (before the copy engine writes there)
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      barrier_init(&full[s], kNcdhw ? 128 : 1);  // (the producer's threads, or its TMA thread's arrival)
+      barrier_init(&empty[s], 128);              // (one consumer's threads)
+    }
+    barrier_init(weights_landed);
+    for (int s = 0; kNcdhw && s < kStagingSlots; ++s) {
+      barrier_init(&staging_full[s]);
+      barrier_init(&staging_empty[s], 128);
+    }
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // the producer
+    cutlass::arch::warpgroup_reg_dealloc<40>();
+    if (threadIdx.x == 0) {
+      barrier_arrive_expect(weights_landed, L::kWeightBytes);
+      tensor_load_4d(weights, w_map, 0, 0, 0, 0, weights_landed);
+    }
+    if constexpr (kNcdhw) {
+      produce_from_ncdhw<L>(x_map, p, smem, staging, full, empty, staging_full, staging_empty);
+    } else if (threadIdx.x == 0) {
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
+        const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
+        const int n = tile / p.row_blocks / p.plane_pairs;
+        for (int j = 0; j < kStagesPerTile; ++j) {
+          barrier_wait(&empty[stage], phase ^ 1);
+          barrier_arrive_expect(&full[stage], L::kBoxes * L::kBoxBytes);
+          for (int box = 0; box < L::kBoxes; ++box) {
+            tensor_load_5d(smem + stage * S::kStageStride + box * L::kBoxStride, x_map, box * L::kBoxChannels, 0,
+                           kTileRows * rb, kTilePlanes * pp + j, n, &full[stage]);
+          }
+          if (++stage == kStages) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<232>();
+  // ping-pong: consumer c takes the CTA's tiles k = c, c + 2, ... (tile blockIdx.x + k gridDim.x, items 4k ..
+  // 4k + 3 of the ring, in its stages 4c .. 4c + 3), all 4 rows, so that one's epilogue runs while the other's
+  // wgmma instructions do
+  // (the warp group's index by a shuffle from lane 0: the compiler then knows it, the tile, the stage and the
+  // descriptors warp-uniform, and keeps them in uniform registers, as wgmma reads its descriptors)
+  const int consumer = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0) - 1;
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  barrier_wait(weights_landed, 0);
+  const uint64_t b_base = L::b_base(weights);
+  for (int k = consumer, tile = blockIdx.x + consumer * gridDim.x; tile < p.tiles; k += 2, tile += 2 * gridDim.x) {
+    float acc[2][kTilePlanes][2][8];  // (row pair jj / 2, output plane zo, row jj % 2, the m64 n16 fragment)
+#pragma unroll
+    for (int e = 0; e < 2 * kTilePlanes * 2 * 8; ++e) (&acc[0][0][0][0])[e] = 0.f;
+    int previous = -1;
+#pragma unroll
+    for (int j = 0; j < kStagesPerTile; ++j) {
+      const int64_t item = int64_t{k} * kStagesPerTile + j;
+      const int stage = static_cast<int>(item % kStages);
+      barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
+      const unsigned char* const box = smem + stage * S::kStageStride;
+      const uint64_t a_base = L::a_base(box);
+      fence_accumulators(acc);
+      cute::warpgroup_arrive();
+      // (each A descriptor, a row's at a step, serves both output planes: tap t = j - zo of each, where in 0 .. 2;
+      // compile-time, j, zo and step unrolled)
+#pragma unroll
+      for (int step = 0; step < L::kSteps; ++step) {
+#pragma unroll
+        for (int jj = 0; jj < kTileRows; ++jj) {
+          const uint64_t a = a_base + L::a_offset(jj, step);
+#pragma unroll
+          for (int zo = 0; zo < kTilePlanes; ++zo) {
+            const int t = j - zo;
+            if (t >= 0 && t <= 2) L::mma(a, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
+          }
+        }
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<1>();  // the previous stage's instructions are done: it is free
+      fence_accumulators(acc);
+      if (previous >= 0) barrier_arrive(&empty[previous]);
+      previous = stage;
+    }
+    cute::warpgroup_wait<0>();
+    fence_accumulators(acc);
+    barrier_arrive(&empty[previous]);
+
+    const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
+    const int n = tile / p.row_blocks / p.plane_pairs;
+#pragma unroll
+    for (int pair = 0; pair < 2; ++pair) {
+      if constexpr (kPool) {
+        pool_epilogue<typename L::T>(acc[pair], bias, p, tile, n, pp, 2 * rb + pair, pair, warp, lane);
+      } else {
+        conv_epilogue(acc[pair], bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * pair, warp, lane);
+      }
+    }
+  }
+#else
+  __trap();
+#endif
+}
+
+// The tiles of x's convolution.
+inline Conv3dTiles tiles_of(const at::Tensor& x) {
+  Conv3dTiles p{};
+  p.depth_out = static_cast<int>(x.size(2) - 2);
+  p.height_out = static_cast<int>(x.size(3) - 2);
+  p.width_out = kRow - 2;
+  p.plane_pairs = (p.depth_out + kTilePlanes - 1) / kTilePlanes;
+  p.row_blocks = (p.height_out + kTileRows - 1) / kTileRows;
+  const int64_t tiles = x.size(0) * p.plane_pairs * p.row_blocks;
+  TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "conv3d_wgmma: too many tiles");
+  p.tiles = static_cast<int>(tiles);
+  return p;
+}
+
+}  // namespace fused_ops::wgmma_conv3d
