@@ -100,8 +100,9 @@ def built_with_cutlass() -> bool:
     cascade op says so of itself on a GPU (its path ends in "(built without CUTLASS)" where not)."""
     from fused_ops.ops import conv_transpose3d_cascade_sum_path
 
-    x, weight = torch.zeros(1, 32, 2, 2, 2, device="cuda"), torch.zeros(32, 64, 5, 5, 5, device="cuda")
-    return not conv_transpose3d_cascade_sum_path(x, weight, 2, 2, 0).endswith("(built without CUTLASS)")
+    # (B's geometry, stride 2, padding 2, kernel 5: y 7 along each dim, one second-stage cell)
+    x, weight = torch.zeros(1, 32, 4, 4, 4, device="cuda"), torch.zeros(32, 64, 5, 5, 5, device="cuda")
+    return not conv_transpose3d_cascade_sum_path(x, weight, 2, 2).endswith("(built without CUTLASS)")
 
 
 def cuda_kernel_names(call) -> list:
