@@ -4,8 +4,9 @@ torch extension of its own: about a minute of nvcc) against cuDNN's, float32 wit
 TF32 channel planes, bf16 tap pairs): the prototype writing y = conv3d(x, w) + bias, and with its pool
 epilogue (conv3d_max_pool3d_mean's result: y / 2, 2 x 2 x 2 max-pool picks, their mean per (n, o)) from a
 channels-last x and from a contiguous one (its channels-last copy timed with it). Beside them cuDNN's
-convolution and the fused op conv3d_max_pool3d_mean (A's convolution and its whole tail in one kernel:
-0.427 ms on an H200 in session 27, 0.316 with bf16 weights), the times to beat. Each result's error against
+convolution and the fused op conv3d_max_pool3d_mean (A's convolution and its whole tail: in a build with
+CUTLASS, SPEC's shape takes this kernel from x NCDHW, then the op's mean kernel; elsewhere the mma.sync
+kernel, 0.464 ms TF32 and 0.372 bf16 on an H200 in session 34). Each result's error against
 the float64 one (normwise: max|got - ref| / max|ref|), the share of the prototype's picks equal to the
 fused op's, CUDA-event medians of --reps calls queued back to back in --rounds interleaved rounds, TFLOP/s
 of the 47.6 GFLOP. --nonfinite plants NaN, inf and -inf in x (the pool's exact path, the one a NaN in a warp's
