@@ -6,6 +6,9 @@ output channels and rows of whole 16-byte chunks: its cases take every path (pad
 leaving a remainder, several 64-column tiles, fewer outputs, one and two channel blocks, no bias,
 negative and inexact divisors); the others take PyTorch's convolution then max_pool3d_mean."""
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -218,6 +221,9 @@ def test_nan_and_inf_as_pytorch(divisor, width, device, tf32):
     out, indices = OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, True)
     if device == "cuda":
         assert kernel_ran(lambda: OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, True))
+    # (without the picks: the same means, NaNs where they are)
+    torch.testing.assert_close(OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, False)[0], out, rtol=0, atol=0,
+                               equal_nan=True)
     expected, picks, y_windows, _, _, p = reference_of(x, w, b, 0, 2, divisor)
     assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
     assert expected[2:].isinf().all() and torch.equal(out[2:].cpu().double(), expected[2:])
@@ -227,24 +233,56 @@ def test_nan_and_inf_as_pytorch(divisor, width, device, tf32):
 
 @requires_cuda
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width", [16, 72])
-def test_deterministic_and_strided(width, weight_dtype, tf32):
-    """Repeated calls bit for bit; the mean the same with or without saved picks; a channels-last
-    or sliced x gives the contiguous x's result."""
+@pytest.mark.parametrize("width,padding", [(16, [1, 0, 1]), (72, [1, 0, 1]), (64, [0, 0, 0])])
+def test_deterministic_and_strided(width, padding, weight_dtype, tf32):
+    """Repeated calls bit for bit; the mean the same with or without saved picks (the wgmma kernel's
+    epilogue without them takes each window's maximum, not its pick); a channels-last or sliced x
+    gives the contiguous x's result. (Rows 64 wide, no padding: the wgmma kernel, where it takes the
+    call.)"""
     x, w, b = make_convolution_case((2, 8, 8, 12, width), (16, 8, 3, 3, 3), True, torch.float32, "cuda")
     w, b = w.to(weight_dtype), b.to(weight_dtype)
-    out, indices = OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, True)
-    assert kernel_ran(lambda: OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, True))
+    out, indices = OP(x, w, b, padding, [2, 2, 2], -2.0, True)
+    assert kernel_ran(lambda: OP(x, w, b, padding, [2, 2, 2], -2.0, True))
+    assert wgmma_ran(lambda: OP(x, w, b, padding, [2, 2, 2], -2.0, False)) == wgmma_takes(x, w, padding, 2)
     for _ in range(3):
-        again, again_indices = OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, True)
+        again, again_indices = OP(x, w, b, padding, [2, 2, 2], -2.0, True)
         assert torch.equal(again, out) and torch.equal(again_indices, indices)
-    assert torch.equal(OP(x, w, b, [1, 0, 1], [2, 2, 2], -2.0, False)[0], out)
+    assert torch.equal(OP(x, w, b, padding, [2, 2, 2], -2.0, False)[0], out)
     wide = torch.zeros(2, 8, 8, 12, width + 8, device="cuda")
     wide[..., 4:4 + width] = x
     for strided in (x.contiguous(memory_format=torch.channels_last_3d), wide[..., 4:4 + width]):
-        assert kernel_ran(lambda: OP(strided, w, b, [1, 0, 1], [2, 2, 2], -2.0, True))
-        mean, picks = OP(strided, w, b, [1, 0, 1], [2, 2, 2], -2.0, True)
+        assert kernel_ran(lambda: OP(strided, w, b, padding, [2, 2, 2], -2.0, True))
+        mean, picks = OP(strided, w, b, padding, [2, 2, 2], -2.0, True)
         assert torch.equal(mean, out) and torch.equal(picks, indices)
+
+
+# (a process of its own: the library reads FUSED_OPS_CONV3D_WGMMA once)
+WITHOUT_WGMMA = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from conftest import cuda_kernel_names, make_convolution_case
+OP = torch.ops.fused_ops.conv3d_max_pool3d_mean.default
+x, w, b = make_convolution_case((2, 8, 6, 7, 64), (16, 8, 3, 3, 3), True, torch.float32, "cuda", integers=True)
+names = cuda_kernel_names(lambda: OP(x, w, b, [0, 0, 0], [2, 2, 2], -2.0, True))
+assert any("conv3d_max_pool3d_mean_kernel" in n for n in names) and not any("wgmma" in n for n in names), names
+torch.save([t.cpu() for t in OP(x, w, b, [0, 0, 0], [2, 2, 2], -2.0, True)], sys.argv[2])
+"""
+
+
+@requires_cuda
+def test_wgmma_switched_off(tmp_path, tf32):
+    """FUSED_OPS_CONV3D_WGMMA=0 keeps SPEC's rows on the mma.sync kernel: integer-valued data, exact in
+    both, gives the wgmma kernel's means and picks bit for bit."""
+    if not wgmma_takes(torch.empty(2, 8, 6, 7, 64, device="cuda"), torch.empty(16, 8, 3, 3, 3), 0, 2):
+        pytest.skip("the wgmma kernel does not run here (a build without CUTLASS, or not an sm_90 GPU)")
+    saved = tmp_path / "without_wgmma.pt"
+    done = subprocess.run([sys.executable, "-c", WITHOUT_WGMMA, os.path.dirname(__file__), str(saved)],
+                          capture_output=True, text=True, env={**os.environ, "FUSED_OPS_CONV3D_WGMMA": "0"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    x, w, b = make_convolution_case((2, 8, 6, 7, 64), (16, 8, 3, 3, 3), True, torch.float32, "cuda", integers=True)
+    assert wgmma_ran(lambda: OP(x, w, b, [0, 0, 0], [2, 2, 2], -2.0, True))
+    for got, want in zip(OP(x, w, b, [0, 0, 0], [2, 2, 2], -2.0, True), torch.load(saved)):
+        assert torch.equal(got.cpu(), want)
 
 
 def test_gradcheck(device):

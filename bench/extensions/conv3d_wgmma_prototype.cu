@@ -83,8 +83,8 @@ at::Tensor weights_for(const at::Tensor& weight) {
 }
 
 // The kernel's launch on x (kNcdhw: as it is, NCDHW; else read channels-last: a copy unless x is
-// channels_last_3d) with p's pool fields set where kPool; y defined unless kPool.
-template <class L, bool kPool, bool kNcdhw>
+// channels_last_3d) with p's pool fields set where pooled; y defined where not.
+template <class L, Epilogue kEpilogue, bool kNcdhw>
 void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Conv3dTiles& p, at::Tensor& y) {
   const at::Tensor x_ndhwc = kNcdhw ? x : x.contiguous(at::MemoryFormat::ChannelsLast3d).permute({0, 2, 3, 4, 1});
   const at::Tensor w = weights_for<L>(weight);
@@ -96,12 +96,13 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bia
   for (int d = w.dim() - 1; d >= 0; --d) w_box.push_back(static_cast<cuuint32_t>(w.size(d)));
   const CUtensorMap w_map = contiguous_tensor_map(w, w_box, L::kSwizzle);
   const at::Tensor bias_values = bias.to(at::kFloat).contiguous();
-  const auto kernel = conv3d_wgmma_kernel<L, kPool, kNcdhw>;
+  const auto kernel = conv3d_wgmma_kernel<L, kEpilogue, kNcdhw>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<L, kNcdhw>::kBytes));
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
   const int blocks = std::min(p.tiles, sms);
   kernel<<<blocks, kThreads, Smem<L, kNcdhw>::kBytes, c10::cuda::getCurrentCUDAStream()>>>(
-      x_map, w_map, bias_values.const_data_ptr<float>(), kPool ? nullptr : y.mutable_data_ptr<float>(), p);
+      x_map, w_map, bias_values.const_data_ptr<float>(), kEpilogue == Epilogue::kY ? y.mutable_data_ptr<float>() : nullptr,
+      p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -112,7 +113,7 @@ std::optional<at::Tensor> conv3d_wgmma(const at::Tensor& x, const at::Tensor& we
   Conv3dTiles p = tiles_of(x);
   at::Tensor y = at::empty({x.size(0), kChannelsOut, p.depth_out, p.height_out, p.width_out},
                            x.options().dtype(at::kFloat).memory_format(at::MemoryFormat::ChannelsLast3d));
-  with_layout(layout, [&](auto l) { launch<decltype(l), false, false>(x, weight, bias, p, y); });
+  with_layout(layout, [&](auto l) { launch<decltype(l), Epilogue::kY, false>(x, weight, bias, p, y); });
   return y;
 }
 
@@ -137,9 +138,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
   at::Tensor unused;
   with_layout(layout, [&](auto l) {
     if (ncdhw) {
-      launch<decltype(l), true, true>(x, weight, bias, p, unused);
+      launch<decltype(l), Epilogue::kMeanAndPicks, true>(x, weight, bias, p, unused);
     } else {
-      launch<decltype(l), true, false>(x, weight, bias, p, unused);
+      launch<decltype(l), Epilogue::kMeanAndPicks, false>(x, weight, bias, p, unused);
     }
   });
   const double windows = static_cast<double>(p.pooled[0]) * p.pooled[1] * p.pooled[2];

@@ -52,6 +52,8 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "../conv3d_max_pool3d_mean.h"
 #include "../max_pool3d.h"
@@ -443,14 +445,25 @@ __global__ void wgmma_operands_kernel(const W* __restrict__ weight, const W* __r
   }
 }
 
-// The wgmma kernel's layout for this call, if it takes it (f(L{}) called; false if not): an sm_90 device; x
-// float32 contiguous at a 16-byte aligned address, (N, 8, D, H, 64) with D and H at least 4; a (16, 8, 3, 3, 3)
-// weight, no padding, a 2 x 2 x 2 pool; TF32 (a float32 operation: with_weight_operation's rule) or bfloat16;
-// its tiles within int.
+// Whether calls may take the wgmma kernel: unless FUSED_OPS_CONV3D_WGMMA=0 in the environment (read once), which
+// keeps them on the mma.sync kernel (a way out, and the other side of an A/B timing).
+bool wgmma_allowed() {
+  static const bool allowed = [] {
+    const char* value = std::getenv("FUSED_OPS_CONV3D_WGMMA");
+    return value == nullptr || std::string_view(value) != "0";
+  }();
+  return allowed;
+}
+
+// The wgmma kernel's layout for this call, if it takes it (f(L{}) called; false if not): wgmma_allowed(), an
+// sm_90 device; x float32 contiguous at a 16-byte aligned address, (N, 8, D, H, 64) with D and H at least 4; a
+// (16, 8, 3, 3, 3) weight, no padding, a 2 x 2 x 2 pool; TF32 (a float32 operation: with_weight_operation's
+// rule) or bfloat16; its tiles within int.
 template <typename F>
 bool with_wgmma_layout(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g,
                        at::ScalarType operand, F&& f) {
   using namespace wgmma_conv3d;
+  if (!wgmma_allowed()) return false;
   const bool shape = x.size(1) == kChannelsIn && x.size(4) == kRow && x.size(2) >= 4 && x.size(3) >= 4 &&
                      weight.sizes() == at::IntArrayRef({kChannelsOut, kChannelsIn, 3, 3, 3}) &&
                      g.padding == std::array<int64_t, 3>{0, 0, 0} && g.pool == std::array<int64_t, 3>{2, 2, 2};
@@ -500,7 +513,8 @@ void launch_wgmma(const at::Tensor& x, const at::Tensor& weight, const std::opti
                                                                  std::is_same_v<T, float> ? 27u : 15u, 1u},
                                                   L::kSwizzle);
   const CUtensorMap x_map = contiguous_tensor_map(x, {kRow, wgmma_conv3d::kBoxRows, 1, kChannelsIn, 1});
-  const auto kernel = conv3d_wgmma_kernel<L, true, true>;
+  const auto kernel = picks != nullptr ? conv3d_wgmma_kernel<L, Epilogue::kMeanAndPicks, true>
+                                       : conv3d_wgmma_kernel<L, Epilogue::kMean, true>;
   constexpr int smem = Smem<L, true>::kBytes;
   allow_dynamic_shared_memory(kernel, smem);
   const int blocks = std::min(p.tiles, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));

@@ -2,10 +2,10 @@
 // (conv3d_max_pool3d_mean.cu) and of bench/extensions/conv3d_wgmma_prototype.cu's (which times its variants
 // for bench/bench_conv3d_wgmma_prototype.py). y = conv3d(x, w) + bias,
 // x (N, 8, D, H, 64) read channels-last (NDHWC), w (16, 8, 3, 3, 3), sums in float32: float32 by TF32 wgmma
-// (two operand layouts, below) or bfloat16; either y (N, 16, D', H', W') float32 channels_last_3d, or (kPool)
-// conv3d_max_pool3d_mean's result: y / divisor (PyTorch's division by a number, rounded to x's type), 2 x 2 x 2
-// max-pool windows picked by PyTorch's rule (WindowPick), their mean per (n, o) and each window's pick (one
-// byte, its scan-order offset).
+// (two operand layouts, below) or bfloat16; its epilogue (Epilogue) writes either y (N, 16, D', H', W') float32
+// channels_last_3d, or conv3d_max_pool3d_mean's result: y / divisor (PyTorch's division by a number, rounded to
+// x's type), 2 x 2 x 2 max-pool windows, their maxima's mean per (n, o), and (kMeanAndPicks) each window's pick
+// by PyTorch's rule (WindowPick: one byte, its scan-order offset).
 //
 // GEMM rows are x's positions in its own row layout (W = 64: an output row's 64 positions, 62 kept, are one
 // m64 tile), N = the 16 output channels, K = 27 taps x 8 channels. Tap (t, r, s)'s A operand for output row
@@ -24,7 +24,7 @@
 // tap t = j - zo to output plane z0 + zo. One producer warp group (a thread issues the boxes), two consumer
 // warp groups taking alternate tiles (ping-pong: one's epilogue runs while the other's wgmma instructions do),
 // each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). Shared memory reads
-// bound it: 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192 MACs. With kPool a row pair is one
+// bound it: 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192 MACs. Pooled, a row pair is one
 // row of pool windows over both planes: a lane holds 4 of a window's elements (column w), lane ^ 4 the other
 // 4 (column w ^ 1); their picks merge by a shuffle.
 //
@@ -180,14 +180,17 @@ struct Smem {
   static constexpr int kBytes = kStages * kStageStride + kWeightStride + kStaging + kBarriers * 8 + 1024;
 };
 
+// What the kernel writes: y; the pool's partial sums (its mean's); those and each window's pick.
+enum class Epilogue { kY, kMean, kMeanAndPicks };
+
 struct Conv3dTiles {
   int depth_out, height_out, width_out;  // D', H', W' (W' = 62)
   int plane_pairs, row_blocks;           // ceil(D' / 2), ceil(H' / 4)
   int tiles;                             // N plane_pairs row_blocks
-  float reciprocal;                      // kPool: 1 / divisor, as PyTorch's CUDA division multiplies
-  int pooled[3];                         // kPool: the windows (PD, PH, PW) = floor((D', H', W') / 2)
-  uint8_t* picks;                        // kPool: (N, 16, PD, PH, PW), or null (none saved)
-  float* partial;                        // kPool: (tiles, 8 warps, 16): each warp's sum of its windows
+  float reciprocal;                      // pooled: 1 / divisor, as PyTorch's CUDA division multiplies
+  int pooled[3];                         // pooled: the windows (PD, PH, PW) = floor((D', H', W') / 2)
+  uint8_t* picks;                        // kMeanAndPicks: (N, 16, PD, PH, PW)
+  float* partial;                        // pooled: (tiles, 8 warps, 16): each warp's sum of its windows
 };
 
 // y's epilogue of a row pair's accumulators (planes z0 + zo, rows h0 + jj): fragment element e is row 16 warp +
@@ -226,11 +229,12 @@ __device__ __forceinline__ float nan_max(float a, float b) {
   return r;
 }
 
-// The pool's epilogue of a row pair's accumulators (planes 2 pd + zo, rows 2 ph + jj): each window's pick of
-// y = (acc + bias) / divisor rounded as PyTorch rounds the convolution's output and the quotient (to T),
-// written where the window lies inside the pooled output (where p.picks is not null: a call that saves them),
-// and this warp's sum of its windows' values per output channel into p.partial.
-template <typename T>
+// The pool's epilogue of a row pair's accumulators (planes 2 pd + zo, rows 2 ph + jj): of y = (acc + bias) /
+// divisor rounded as PyTorch rounds the convolution's output and the quotient (to T), this warp's sum of its
+// windows' maxima per output channel into p.partial, and (kPicks) each window's pick, written where the window
+// lies inside the pooled output. Without the picks a window's value is its maximum by max.NaN: PyTorch's pick's
+// value (a NaN where the window holds one; of equal values, +-0, either adds the same to a sum begun at +0).
+template <typename T, bool kPicks>
 __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2][8], const float* __restrict__ bias,
                                               const Conv3dTiles& p, int tile, int n, int pd, int ph, int pair,
                                               int warp, int lane) {
@@ -275,6 +279,15 @@ __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2]
     float most[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) most[k] = nan_max(nan_max(y[k][0], y[k][1]), nan_max(y[k][2], y[k][3]));
+    if constexpr (!kPicks) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        // (every lane shuffles: the partner's half of the window)
+        const float value = nan_max(most[k], __shfl_xor_sync(0xffffffffu, most[k], 4));
+        if (w % 2 == 0 && inside) sum[k] += value;
+      }
+      continue;
+    }
     const float any = (most[0] + most[1]) + (most[2] + most[3]);
     const bool exact = __any_sync(0xffffffffu, any != any);
 #pragma unroll
@@ -289,7 +302,7 @@ __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2]
       // (every lane shuffles: the partner's elements of the window, offsets interleaved with this lane's)
       pick.merge(__shfl_xor_sync(0xffffffffu, pick.value, 4), __shfl_xor_sync(0xffffffffu, pick.offset, 4));
       if (w % 2 == 0 && inside) {
-        if (p.picks != nullptr) p.picks[channel_picks[k] + pw] = static_cast<uint8_t>(pick.offset);
+        p.picks[channel_picks[k] + pw] = static_cast<uint8_t>(pick.offset);
         sum[k] += pick.value;
       }
     }
@@ -358,8 +371,8 @@ __device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& 
 
 // x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); or (kNcdhw) x
 // float32 NCDHW as (64, H, D, 8, N), boxes (64, 6, 1, 8, 1); w_map: the layout's weights (L::kWeightBytes, one
-// box); y (N, D', H', W', 16) float32, unused with kPool. bias float32.
-template <class L, bool kPool, bool kNcdhw>
+// box); y (N, D', H', W', 16) float32, unused when pooled. bias float32.
+template <class L, Epilogue kEpilogue, bool kNcdhw>
 __global__ void __launch_bounds__(kThreads, 1)
     conv3d_wgmma_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap w_map,
                         const float* __restrict__ bias, float* __restrict__ y, const Conv3dTiles p) {
@@ -476,8 +489,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int n = tile / p.row_blocks / p.plane_pairs;
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair) {
-      if constexpr (kPool) {
-        pool_epilogue<typename L::T>(acc[pair], bias, p, tile, n, pp, 2 * rb + pair, pair, warp, lane);
+      if constexpr (kEpilogue != Epilogue::kY) {
+        pool_epilogue<typename L::T, kEpilogue == Epilogue::kMeanAndPicks>(acc[pair], bias, p, tile, n, pp, 2 * rb + pair, pair, warp, lane);
       } else {
         conv_epilogue(acc[pair], bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * pair, warp, lane);
       }
