@@ -101,8 +101,8 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bia
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
   const int blocks = std::min(p.tiles, sms);
   kernel<<<blocks, kThreads, Smem<L, kNcdhw>::kBytes, c10::cuda::getCurrentCUDAStream()>>>(
-      x_map, w_map, bias_values.const_data_ptr<float>(), kEpilogue == Epilogue::kY ? y.mutable_data_ptr<float>() : nullptr,
-      p);
+      x_map, w_map, bias_values.const_data_ptr<float>(),
+      kEpilogue == Epilogue::kY ? y.mutable_data_ptr<float>() : nullptr, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -238,7 +238,8 @@ template <typename T, bool kPicks>
 __device__ __forceinline__ void pool_epilogue(const float (&acc)[kTilePlanes][2][8], const float* __restrict__ bias,
                                               const Conv3dTiles& p, int tile, int n, int pd, int ph, int pair,
                                               int warp, int lane) {
-  float sum[4] = {0.f, 0.f, 0.f, 0.f};  // (fragment elements e % 2 + 2 (e / 4): channels o = 8 (e / 4) + 2 (lane % 4) + e % 2)
+  // (fragment elements e % 2 + 2 (e / 4): channels o = 8 (e / 4) + 2 (lane % 4) + e % 2)
+  float sum[4] = {0.f, 0.f, 0.f, 0.f};
   // window (pd, ph, pw) of channel o at picks[(((n 16 + o) PD + pd) PH + ph) PW + pw]: this lane's row of windows of
   // its first channel, the others `channel` bytes apart (the index's arithmetic once a call, not once a window)
   const int64_t channel = int64_t{p.pooled[0]} * p.pooled[1] * p.pooled[2];
@@ -490,7 +491,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int pair = 0; pair < 2; ++pair) {
       if constexpr (kEpilogue != Epilogue::kY) {
-        pool_epilogue<typename L::T, kEpilogue == Epilogue::kMeanAndPicks>(acc[pair], bias, p, tile, n, pp, 2 * rb + pair, pair, warp, lane);
+        pool_epilogue<typename L::T, kEpilogue == Epilogue::kMeanAndPicks>(acc[pair], bias, p, tile, n, pp,
+                                                                           2 * rb + pair, pair, warp, lane);
       } else {
         conv_epilogue(acc[pair], bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * pair, warp, lane);
       }
