@@ -15,7 +15,6 @@
 #include <limits>
 #include <optional>
 #include <tuple>
-#include <vector>
 
 #include "conv3d_wgmma_pool.cuh"  // (first: its bulk_copy.cuh before CUTLASS's headers)
 #include "cutlass_conv.cuh"       // (runs_sm90a, tf32_convolution)
@@ -71,14 +70,13 @@ at::Tensor weights_for(const at::Tensor& weight) {
     pairs.select(1, 3).select(1, 0).copy_(w.select(1, 0).select(1, 2));
     pairs.select(1, 3).select(1, 1).copy_(w.select(1, 1).select(1, 2));
     pairs.select(1, 4).select(1, 0).copy_(w.select(1, 2).select(1, 2));
-    return pairs.view({1, 15, 2 * kChannelsOut, kChannelsIn});
+    return pairs.view({1, L::kWeightSteps, L::kWeightRows, L::kBoxChannels});
   } else {
     w = rounded_to_tf32(w);
     if constexpr (std::is_same_v<L, Tf32Planes>) {  // (tap, chunk, o, 4 channels)
-      return w.view({27, kChannelsOut, 2, 4}).transpose(1, 2).contiguous().view({1, 27, 2 * kChannelsOut, 4});
-    } else {
-      return w.view({1, 27, kChannelsOut, kChannelsIn});  // (boxes of at most 256 along each dimension)
+      w = w.view({27, kChannelsOut, 2, 4}).transpose(1, 2).contiguous();
     }
+    return w.view({1, L::kWeightSteps, L::kWeightRows, L::kBoxChannels});  // (boxes of at most 256 along each)
   }
 }
 
@@ -92,9 +90,8 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bia
   const CUtensorMap x_map =
       kNcdhw ? contiguous_tensor_map(x, {kRow, kBoxRows, 1, kChannelsIn, 1})
              : contiguous_tensor_map(x_ndhwc, {L::kBoxChannels, kRow, kBoxRows, 1, 1}, L::kSwizzle);
-  std::vector<cuuint32_t> w_box;
-  for (int d = w.dim() - 1; d >= 0; --d) w_box.push_back(static_cast<cuuint32_t>(w.size(d)));
-  const CUtensorMap w_map = contiguous_tensor_map(w, w_box, L::kSwizzle);
+  const CUtensorMap w_map =
+      contiguous_tensor_map(w, {L::kBoxChannels, L::kWeightRows, L::kWeightSteps, 1}, L::kSwizzle);
   const at::Tensor bias_values = bias.to(at::kFloat).contiguous();
   const auto kernel = conv3d_wgmma_kernel<L, kEpilogue, kNcdhw>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<L, kNcdhw>::kBytes));

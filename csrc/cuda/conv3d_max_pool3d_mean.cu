@@ -468,8 +468,8 @@ bool with_wgmma_layout(const at::Tensor& x, const at::Tensor& weight, const Conv
                      weight.sizes() == at::IntArrayRef({kChannelsOut, kChannelsIn, 3, 3, 3}) &&
                      g.padding == std::array<int64_t, 3>{0, 0, 0} && g.pool == std::array<int64_t, 3>{2, 2, 2};
   if (!shape || x.size(0) == 0 || x.scalar_type() != at::kFloat || !x.is_contiguous() ||
-      reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0 ||
-      x.size(0) * ((x.size(2) - 1) / 2) * ((x.size(3) + 1) / 4) > INT_MAX || !runs_sm90a(x.get_device())) {
+      reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 != 0 || tile_count(x) > INT_MAX ||
+      !runs_sm90a(x.get_device())) {
     return false;
   }
   if (operand == at::kFloat && at::globalContext().allowTF32CuDNN()) return f(Tf32Swizzled{}), true;
@@ -477,14 +477,15 @@ bool with_wgmma_layout(const at::Tensor& x, const at::Tensor& weight, const Conv
   return false;
 }
 
-// The wgmma kernel's launch (with_wgmma_layout took the call): partial (N, rows, 16) and picks (or null) as
-// launch_fused writes them.
+// The wgmma kernel's launch (with_wgmma_layout took the call): its partial sums (N, rows, 16), and the picks
+// (where not null), as launch_fused writes them.
 template <class L>
-void launch_wgmma(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                  double divisor, at::Tensor& partial, uint8_t* picks) {
+at::Tensor launch_wgmma(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        double divisor, uint8_t* picks) {
   using namespace wgmma_conv3d;
   using T = typename L::T;
   Conv3dTiles p = tiles_of(x);
+  at::Tensor partial = at::empty({x.size(0), int64_t{p.tiles} / x.size(0) * 8, kChannelsOut}, x.options());
   p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
   p.pooled[0] = p.depth_out / 2;
   p.pooled[1] = p.height_out / 2;
@@ -504,14 +505,12 @@ void launch_wgmma(const at::Tensor& x, const at::Tensor& weight, const std::opti
         bias.has_value() ? static_cast<const W*>(bias->const_data_ptr()) : nullptr, operands, rounded_bias);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  // (the B box: the whole layout, innermost first: 8 channels, 16 or 32 rows of them, the steps)
-  const at::Tensor operand_rows =
-      buffer.narrow(0, 0, L::kWeightBytes)
-          .view(std::is_same_v<T, float> ? at::kFloat : at::kBFloat16)
-          .view({1, std::is_same_v<T, float> ? 27 : 15, std::is_same_v<T, float> ? 16 : 32, kChannelsIn});
-  const CUtensorMap w_map = contiguous_tensor_map(operand_rows, {kChannelsIn, std::is_same_v<T, float> ? 16u : 32u,
-                                                                 std::is_same_v<T, float> ? 27u : 15u, 1u},
-                                                  L::kSwizzle);
+  // (the B box: the whole layout, innermost first)
+  const at::Tensor operand_rows = buffer.narrow(0, 0, L::kWeightBytes)
+                                      .view(std::is_same_v<T, float> ? at::kFloat : at::kBFloat16)
+                                      .view({1, L::kWeightSteps, L::kWeightRows, L::kBoxChannels});
+  const CUtensorMap w_map =
+      contiguous_tensor_map(operand_rows, {L::kBoxChannels, L::kWeightRows, L::kWeightSteps, 1}, L::kSwizzle);
   const CUtensorMap x_map = contiguous_tensor_map(x, {kRow, wgmma_conv3d::kBoxRows, 1, kChannelsIn, 1});
   const auto kernel = picks != nullptr ? conv3d_wgmma_kernel<L, Epilogue::kMeanAndPicks, true>
                                        : conv3d_wgmma_kernel<L, Epilogue::kMean, true>;
@@ -520,6 +519,7 @@ void launch_wgmma(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const int blocks = std::min(p.tiles, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
   kernel<<<blocks, wgmma_conv3d::kThreads, smem, stream>>>(x_map, w_map, rounded_bias, nullptr, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return partial;
 }
 
 #endif  // FUSED_OPS_CUTLASS
@@ -539,30 +539,29 @@ std::tuple<at::Tensor, at::Tensor> conv3d_max_pool3d_mean_cuda(const at::Tensor&
   const at::ScalarType mean_dtype = result_dtype(what, operand, dtype);
   const c10::cuda::CUDAGuard guard(x.device());
   std::optional<std::tuple<at::Tensor, at::Tensor>> result;
-  const at::Tensor xc = x.contiguous();
-#ifdef FUSED_OPS_CUTLASS
-  with_wgmma_layout(xc, weight, g, operand, [&](auto layout) {
-    const wgmma_conv3d::Conv3dTiles tiles = wgmma_conv3d::tiles_of(xc);
-    at::Tensor partial = at::empty({x.size(0), int64_t{tiles.tiles} / x.size(0) * 8, kChannels}, x.options());
-    at::Tensor picks = picks_tensor(x, weight, g, save_indices);
-    launch_wgmma<decltype(layout)>(xc, weight.contiguous(), bias.has_value() ? std::optional(bias->contiguous())
-                                                                             : std::nullopt,
-                                   divisor, partial, save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional(bias->contiguous()) : std::nullopt;
+  // (either kernel's partial sums into the result, beside its picks)
+  const auto finish = [&](const at::Tensor& partial, const at::Tensor& picks) {
     result.emplace(mean_epilogue(partial, static_cast<int>(weight.size(0)), g, mean_dtype, channel_bias, sum_channels),
                    picks);
+  };
+#ifdef FUSED_OPS_CUTLASS
+  with_wgmma_layout(xc, wc, g, operand, [&](auto layout) {
+    at::Tensor picks = picks_tensor(x, weight, g, save_indices);
+    finish(launch_wgmma<decltype(layout)>(xc, wc, bias_c, divisor,
+                                          save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr),
+           picks);
   });
   if (result.has_value()) return *result;
 #endif
-  with_fused_operation(xc, weight, g, operand, [&](auto mma) {
-    const TaskGrid grid = task_grid(xc, weight, g);
+  with_fused_operation(xc, wc, g, operand, [&](auto mma) {
+    const TaskGrid grid = task_grid(xc, wc, g);
     at::Tensor partial = at::empty({x.size(0), grid.tasks / x.size(0) * kWarps, kChannels}, x.options());
     at::Tensor picks = picks_tensor(x, weight, g, save_indices);
-    const std::optional<at::Tensor> bias_c = bias.has_value() ? std::optional(bias->contiguous()) : std::nullopt;
-    if (launch_fused<decltype(mma)>(xc, weight.contiguous(), bias_c, grid, divisor, partial,
+    if (launch_fused<decltype(mma)>(xc, wc, bias_c, grid, divisor, partial,
                                     save_indices ? picks.mutable_data_ptr<uint8_t>() : nullptr)) {
-      result.emplace(
-          mean_epilogue(partial, static_cast<int>(weight.size(0)), g, mean_dtype, channel_bias, sum_channels),
-          picks);
+      finish(partial, picks);
     }
   });
   if (result.has_value()) return *result;

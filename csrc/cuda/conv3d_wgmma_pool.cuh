@@ -80,10 +80,12 @@ __device__ __forceinline__ uint4 tf32_quad(const float* v) {
 struct Tf32Swizzled {
   using T = float;
   static constexpr int kBoxes = 1, kBoxBytes = kBoxRows * kRow * 32, kBoxStride = kBoxBytes + kPad;
-  static constexpr int kSteps = 9;                        // a plane's wgmma: the (r, s) taps
-  static constexpr int kWeightBytes = 27 * 16 * 32;       // (tap, o) rows of 8 channels
+  static constexpr int kSteps = 9;  // a plane's wgmma: the (r, s) taps
   static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_32B;
   static constexpr int kBoxChannels = 8;
+  // the weights: kWeightSteps x kWeightRows rows of kBoxChannels (the TMA box's order): (tap, o) rows
+  static constexpr int kWeightSteps = 27, kWeightRows = 16;
+  static constexpr int kWeightBytes = kWeightSteps * kWeightRows * kBoxChannels * sizeof(T);
   // A's descriptor for output row `row` of the tile (0 .. 3) at step `step` of a plane: a_base(box) (a stage's,
   // once) plus a_offset(row, step) (a constant: the descriptors' arithmetic out of the wgmma loop); B's for tap
   // t's step: b_base(weights) plus b_bytes(t, step) / 16
@@ -109,9 +111,10 @@ struct Tf32Planes {
   using T = float;
   static constexpr int kBoxes = 2, kBoxBytes = kBoxRows * kRow * 16, kBoxStride = kBoxBytes + kPad;
   static constexpr int kSteps = 9;
-  static constexpr int kWeightBytes = 27 * 2 * 16 * 16;  // (tap, chunk, o) rows of 4 channels
   static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
   static constexpr int kBoxChannels = 4;
+  static constexpr int kWeightSteps = 27, kWeightRows = 2 * 16;  // (tap, chunk, o) rows of 4 channels
+  static constexpr int kWeightBytes = kWeightSteps * kWeightRows * kBoxChannels * sizeof(T);
   static __device__ uint64_t a_base(const unsigned char* box) {
     return interleaved_tile_descriptor(box, kBoxStride, 128);
   }
@@ -135,10 +138,11 @@ struct Tf32Planes {
 struct Bf16Pairs {
   using T = __nv_bfloat16;
   static constexpr int kBoxes = 1, kBoxBytes = kBoxRows * kRow * 16, kBoxStride = kBoxBytes + kPad;
-  static constexpr int kSteps = 5;                        // tap pairs a plane (pair_first_tap)
-  static constexpr int kWeightBytes = 3 * 5 * 2 * 16 * 16;  // (t, step, chunk, o) rows of 8 channels
+  static constexpr int kSteps = 5;  // tap pairs a plane
   static constexpr CUtensorMapSwizzle kSwizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
   static constexpr int kBoxChannels = 8;
+  static constexpr int kWeightSteps = 3 * 5, kWeightRows = 2 * 16;  // ((t, step), (chunk, o)) rows of 8 channels
+  static constexpr int kWeightBytes = kWeightSteps * kWeightRows * kBoxChannels * sizeof(T);
   // step -> its first tap (r, s) and the rows to its second: (0, 0)(0, 1), (1, 0)(1, 1), (2, 0)(2, 1), (0, 2)(1, 2),
   // (2, 2)(zero weights: its chunk reads the box's zeroed pad, not x, whose inf or NaN would make 0 x inf a NaN)
   // a_base(box): the stage's, with no chunk offset (LBO); a_offset(row, step): the row's start and the step's LBO
@@ -503,16 +507,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+// The number of tiles of x's convolution, in 64 bits: N ceil(D' / 2) ceil(H' / 4).
+inline int64_t tile_count(const at::Tensor& x) {
+  return x.size(0) * ((x.size(2) - 2 + kTilePlanes - 1) / kTilePlanes) * ((x.size(3) - 2 + kTileRows - 1) / kTileRows);
+}
+
 // The tiles of x's convolution.
 inline Conv3dTiles tiles_of(const at::Tensor& x) {
+  const int64_t tiles = tile_count(x);
+  TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "conv3d_wgmma: too many tiles");
   Conv3dTiles p{};
   p.depth_out = static_cast<int>(x.size(2) - 2);
   p.height_out = static_cast<int>(x.size(3) - 2);
   p.width_out = kRow - 2;
   p.plane_pairs = (p.depth_out + kTilePlanes - 1) / kTilePlanes;
   p.row_blocks = (p.height_out + kTileRows - 1) / kTileRows;
-  const int64_t tiles = x.size(0) * p.plane_pairs * p.row_blocks;
-  TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "conv3d_wgmma: too many tiles");
   p.tiles = static_cast<int>(tiles);
   return p;
 }
