@@ -1,21 +1,22 @@
-"""A's convolution by a wgmma prototype (bench/extensions/conv3d_wgmma_prototype.cu, built here as a
-torch extension of its own: about a minute of nvcc) against cuDNN's, float32 with TF32, SPEC's A
-(x (128, 8, 16, 64, 64), 8 -> 16 channels, kernel 3), in each of its operand layouts (TF32 swizzled rows,
-TF32 channel planes, bf16 tap pairs): the prototype writing y = conv3d(x, w) + bias, and with its pool
+"""A's convolution by a wgmma prototype (bench/extensions/conv3d_wgmma_prototype.cu, built here as a torch
+extension of its own: about a minute of nvcc) against cuDNN's, float32 with TF32, SPEC's A (x (128, 8, 16, 64,
+64), 8 -> 16 channels, kernel 3), in each of its operand layouts (TF32 swizzled rows, TF32 channel planes,
+bf16 tap pairs, and the TF32 swizzled rows and bf16 pairs with A from registers: "rs", whose results must be
+the same layout's bits from shared memory): the prototype writing y = conv3d(x, w) + bias, and with its pool
 epilogue (conv3d_max_pool3d_mean's result: y / 2, 2 x 2 x 2 max-pool picks, their mean per (n, o)) from a
 channels-last x and from a contiguous one (its channels-last copy timed with it). Beside them cuDNN's
 convolution and the fused op conv3d_max_pool3d_mean (A's convolution and its whole tail: in a build with
 CUTLASS, SPEC's shape takes this kernel from x NCDHW, then the op's mean kernel; elsewhere the mma.sync
-kernel, 0.464 ms TF32 and 0.372 bf16 on an H200 in session 34). Each result's error against
-the float64 one (normwise: max|got - ref| / max|ref|), the share of the prototype's picks equal to the
-fused op's, CUDA-event medians of --reps calls queued back to back in --rounds interleaved rounds, TFLOP/s
-of the 47.6 GFLOP. --nonfinite plants NaN, inf and -inf in x (the pool's exact path, the one a NaN in a warp's
-windows sends it through): the error is then over the elements finite in both results, and each result's
-non-finite elements must lie where the float64 one's do, with the same values; each window with a non-finite
-element must pick as F.max_pool3d picks in the float64 result. A layout's rows from a contiguous x and from
-a channels-last one run the same kernel on the same values: their results must be the same bits (printed, and
-again for a second call); bf16's from x float32 NCDHW (A's input, the fused op's call: the producer warp group
-converts each box) too.
+kernel, 0.464 ms TF32 and 0.372 bf16 on an H200 in session 34). Each result's error against the float64 one
+(normwise: max|got - ref| / max|ref|), the share of the prototype's picks equal to the fused op's, CUDA-event
+medians of --reps calls queued back to back in --rounds interleaved rounds, TFLOP/s of the 47.6 GFLOP.
+--nonfinite plants NaN, inf and -inf in x (the pool's exact path, the one a NaN in a warp's windows sends it
+through): the error is then over the elements finite in both results, and each result's non-finite elements
+must lie where the float64 one's do, with the same values; each window with a non-finite element must pick as
+F.max_pool3d picks in the float64 result. A layout's rows from a contiguous x and from a channels-last one run
+the same kernel on the same values: their results must be the same bits (printed, and again for a second
+call); bf16's from x float32 NCDHW (A's input, the fused op's call: the producer warp group converts each box)
+too.
 
     cd bench && python3 bench_conv3d_wgmma_prototype.py [--batch N] [--rounds 5] [--nonfinite]
 """
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from fused_ops._timing import median_ms
 from timing import build_extension, convolution_arguments
 
-LAYOUTS = {"tf32 swizzled": 0, "tf32 planes": 1, "bf16 pairs": 2}  # (conv3d_wgmma's layouts)
+LAYOUTS = {"tf32 swizzled": 0, "tf32 planes": 1, "bf16 pairs": 2, "tf32 swizzled rs": 3, "bf16 pairs rs": 4}
 
 
 def main():
@@ -99,6 +100,11 @@ def main():
             print(f"{name}: picks unlike the channels-last row's {unlike(picks[name], picks[twin])}, means unlike "
                   f"it {unlike(means[name], means[twin])}; called again: picks unlike {unlike(again[1], picks[twin])}, "
                   f"means {unlike(again[0], means[twin])}")
+        if " rs " in name:
+            # (A from registers: the same products and sums as from shared memory)
+            twin = name.replace(" rs ", " ")
+            print(f"{name}: picks unlike the A-from-shared-memory row's {unlike(picks[name], picks[twin])}, means "
+                  f"{unlike(means[name], means[twin])}")
         if args.nonfinite:
             # (a window with a non-finite element picks by its NaNs and infs, which the roundings keep: PyTorch's
             # pick of the float64 result's window is then every kernel's)

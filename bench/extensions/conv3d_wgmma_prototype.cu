@@ -26,7 +26,13 @@ namespace {
 
 using namespace wgmma_conv3d;
 
-enum Layout : int64_t { kTf32Swizzled = 0, kTf32Planes = 1, kBf16Pairs = 2 };
+enum Layout : int64_t {
+  kTf32Swizzled = 0,
+  kTf32Planes = 1,
+  kBf16Pairs = 2,
+  kTf32SwizzledRegisterA = 3,
+  kBf16PairsRegisterA = 4
+};
 
 template <class F>
 void with_layout(int64_t layout, F&& f) {
@@ -34,6 +40,10 @@ void with_layout(int64_t layout, F&& f) {
     f(Tf32Swizzled{});
   } else if (layout == kTf32Planes) {
     f(Tf32Planes{});
+  } else if (layout == kTf32SwizzledRegisterA) {
+    f(Tf32SwizzledRegisterA{});
+  } else if (layout == kBf16PairsRegisterA) {
+    f(Bf16PairsRegisterA{});
   } else {
     TORCH_CHECK_VALUE(layout == kBf16Pairs, "conv3d_wgmma: layout ", layout, " out of range");
     f(Bf16Pairs{});
@@ -45,7 +55,7 @@ void with_layout(int64_t layout, F&& f) {
 // `ncdhw`: x float32 NCDHW contiguous (A's input as it comes, the fused op's call), the weight float32 (TF32
 // allowed) or bfloat16 (Bf16Pairs: x rounded to bfloat16 as read).
 bool takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t layout, bool ncdhw) {
-  const bool bf16 = layout == kBf16Pairs;
+  const bool bf16 = layout == kBf16Pairs || layout == kBf16PairsRegisterA;
   const auto operand = bf16 ? at::kBFloat16 : at::kFloat;
   const bool dtype = (ncdhw ? x.scalar_type() == at::kFloat && x.is_contiguous() : x.scalar_type() == operand) &&
                      weight.scalar_type() == operand && (bf16 || tf32_convolution(x));
@@ -60,7 +70,7 @@ bool takes(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias
 template <class L>
 at::Tensor weights_for(const at::Tensor& weight) {
   at::Tensor w = weight.permute({2, 3, 4, 0, 1}).contiguous();  // (t, r, s, o, c)
-  if constexpr (std::is_same_v<L, Bf16Pairs>) {
+  if constexpr (std::is_base_of_v<Bf16Pairs, L>) {
     // (t, step, chunk, o, c): step 0..2 = (r = step, s = 0 | 1); 3 = ((0, 2) | (1, 2)); 4 = ((2, 2) | zeros)
     at::Tensor pairs = at::zeros({3, 5, 2, kChannelsOut, kChannelsIn}, w.options());
     for (int r = 0; r < 3; ++r) {
@@ -150,7 +160,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv3d_wgmma", &fused_ops::conv3d_wgmma,
         "y = conv3d(x, weight, bias) by the wgmma prototype in a layout (0: TF32 swizzled, 1: TF32 planes, 2: bf16 "
-        "pairs; None where it does not take the call)");
+        "pairs, 3 and 4: TF32 swizzled and bf16 pairs with A from registers; None where it does not take the call)");
   m.def("conv3d_wgmma_pool", &fused_ops::conv3d_wgmma_pool,
         "(mean, picks) of conv3d_max_pool3d_mean(x, weight, bias, 0, 2, divisor) by the wgmma prototype with its "
         "pool epilogue, in a layout (as conv3d_wgmma's); ncdhw: from x float32 NCDHW, converted by the producer",

@@ -86,6 +86,7 @@ struct Tf32Swizzled {
   // the weights: kWeightSteps x kWeightRows rows of kBoxChannels (the TMA box's order): (tap, o) rows
   static constexpr int kWeightSteps = 27, kWeightRows = 16;
   static constexpr int kWeightBytes = kWeightSteps * kWeightRows * kBoxChannels * sizeof(T);
+  static constexpr bool kRegisterA = false;  // (A from shared memory: wgmma's SS form)
   // A's descriptor for output row `row` of the tile (0 .. 3) at step `step` of a plane: a_base(box) (a stage's,
   // once) plus a_offset(row, step) (a constant: the descriptors' arithmetic out of the wgmma loop); B's for tap
   // t's step: b_base(weights) plus b_bytes(t, step) / 16
@@ -115,6 +116,7 @@ struct Tf32Planes {
   static constexpr int kBoxChannels = 4;
   static constexpr int kWeightSteps = 27, kWeightRows = 2 * 16;  // (tap, chunk, o) rows of 4 channels
   static constexpr int kWeightBytes = kWeightSteps * kWeightRows * kBoxChannels * sizeof(T);
+  static constexpr bool kRegisterA = false;
   static __device__ uint64_t a_base(const unsigned char* box) {
     return interleaved_tile_descriptor(box, kBoxStride, 128);
   }
@@ -135,6 +137,43 @@ struct Tf32Planes {
   }
 };
 
+// A's fragment for wgmma's RS form by one ldmatrix.x4 (four 8 x 16-byte matrices, each lane one row's
+// address: matrix lane / 8): register i from matrix i.
+__device__ __forceinline__ void load_a_fragment(uint32_t address, uint32_t (&a)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(address));
+}
+
+// Tf32Swizzled's stages and weights with A from registers (wgmma's RS form): each consumer warp loads its 16
+// rows of a row's A (a tap's 64 positions x 8 channels) by one ldmatrix.x4 (8 x 16-byte rows a matrix: rows
+// 0-7 and 8-15 of channels 0-3, then of channels 4-7, as wgmma's TF32 A fragment lies: (row lane / 4 (+ 8),
+// channel lane % 4 (+ 4))), and the fragment serves both output planes' instructions. Shared memory read a
+// pair of m64 n16 k8 instructions: A 2 KB once, B 0.5 KB each (3 KB for 16384 MACs, against SS's 5 KB), and a
+// stage is free as soon as its fragments are loaded.
+struct Tf32SwizzledRegisterA : Tf32Swizzled {
+  static constexpr bool kRegisterA = true;
+  // This lane's ldmatrix address of output row `row`'s A at step `step` (tap (r, s) = (step / 3, step % 3)) in
+  // a stage at shared address `box` (1024-byte aligned): matrix lane / 8's row lane % 8, i.e. box position
+  // (row + r) 64 + s + 16 warp + lane % 8 + 8 (lane / 8 % 2), its 16-byte chunk lane / 16, swizzled as TMA
+  // writes 32-byte rows (address bit 4 ^= bit 7). The swizzle depends on s and the lane only (the rest moves
+  // the address by multiples of 256 bytes): lanes() once a tile, a_address() a constant added.
+  static __device__ void lanes(int warp, int lane, uint32_t (&l)[3]) {
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+      const uint32_t address = (16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1) + s) * 32 + (lane >> 4) * 16;
+      l[s] = address ^ ((address >> 3) & 16);
+    }
+  }
+  static __device__ uint32_t a_address(uint32_t box, const uint32_t (&l)[3], int row, int step) {
+    return box + l[step % 3] + (row + step / 3) * kRow * 32;
+  }
+  static __device__ void mma(const uint32_t (&a)[4], uint64_t b, float (&d)[8]) {
+    cute::SM90::GMMA::MMA_64x16x8_F32TF32TF32_RS_TN<>::fma(a[0], a[1], a[2], a[3], b, d[0], d[1], d[2], d[3], d[4],
+                                                             d[5], d[6], d[7]);
+  }
+};
+
 struct Bf16Pairs {
   using T = __nv_bfloat16;
   static constexpr int kBoxes = 1, kBoxBytes = kBoxRows * kRow * 16, kBoxStride = kBoxBytes + kPad;
@@ -143,6 +182,7 @@ struct Bf16Pairs {
   static constexpr int kBoxChannels = 8;
   static constexpr int kWeightSteps = 3 * 5, kWeightRows = 2 * 16;  // ((t, step), (chunk, o)) rows of 8 channels
   static constexpr int kWeightBytes = kWeightSteps * kWeightRows * kBoxChannels * sizeof(T);
+  static constexpr bool kRegisterA = false;
   // step -> its first tap (r, s) and the rows to its second: (0, 0)(0, 1), (1, 0)(1, 1), (2, 0)(2, 1), (0, 2)(1, 2),
   // (2, 2)(zero weights: its chunk reads the box's zeroed pad, not x, whose inf or NaN would make 0 x inf a NaN)
   // a_base(box): the stage's, with no chunk offset (LBO); a_offset(row, step): the row's start and the step's LBO
@@ -168,6 +208,29 @@ struct Bf16Pairs {
     using Pack = Mma16<true>;
     *reinterpret_cast<uint4*>(box + row * 16) =
         make_uint4(Pack::pack(v[0], v[1]), Pack::pack(v[2], v[3]), Pack::pack(v[4], v[5]), Pack::pack(v[6], v[7]));
+  }
+};
+
+// Bf16Pairs' stages and weights with A from registers: bf16's A fragment (row lane / 4 (+ 8), K pair 2 (lane % 4)
+// (+ 8)) by one ldmatrix.x4 a warp, matrices 0 and 1 the step's first tap (rows 0-7, 8-15), 2 and 3 its second:
+// one row on for steps 0-2, 64 rows on for step 3, the box's zeroed pad for step 4 (its zero-weight chunk).
+struct Bf16PairsRegisterA : Bf16Pairs {
+  static constexpr bool kRegisterA = true;
+  // l[0]: position 16 warp + lane % 8 + 8 (lane / 8 % 2), one on for lanes 16-31; l[1]: 64 on for them; l[2]: the
+  // pad's rows for lanes 16-31 (0 for the others)
+  static __device__ void lanes(int warp, int lane, uint32_t (&l)[3]) {
+    const uint32_t position = 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1), second = lane >> 4;
+    l[0] = (position + second) * 16;
+    l[1] = (position + 64 * second) * 16;
+    l[2] = second ? kBoxBytes + (lane & 15) * 16 : 0;
+  }
+  static __device__ uint32_t a_address(uint32_t box, const uint32_t (&l)[3], int row, int step) {
+    if (step == 4 && l[2] != 0) return box + l[2];
+    return box + l[step == 3 ? 1 : 0] + a_bytes(row, step);
+  }
+  static __device__ void mma(const uint32_t (&a)[4], uint64_t b, float (&d)[8]) {
+    cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>::fma(
+        a[0], a[1], a[2], a[3], b, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
   }
 };
 
@@ -374,6 +437,92 @@ __device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& 
   }
 }
 
+// A consumer's tile k (items 4k .. 4k + 3 of the ring) with A from shared memory: a stage's 36 wgmma as one
+// batch, the previous stage released once that batch's predecessor is done (wait<1>).
+template <class L, bool kNcdhw>
+__device__ __forceinline__ void consume_tile_shared_a(const unsigned char* smem, uint64_t b_base, uint64_t* full,
+                                                      uint64_t* empty, int k, float (&acc)[2][kTilePlanes][2][8]) {
+  int previous = -1;
+#pragma unroll
+  for (int j = 0; j < kStagesPerTile; ++j) {
+    const int64_t item = int64_t{k} * kStagesPerTile + j;
+    const int stage = static_cast<int>(item % kStages);
+    barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
+    const uint64_t a_base = L::a_base(smem + stage * Smem<L, kNcdhw>::kStageStride);
+    fence_accumulators(acc);
+    cute::warpgroup_arrive();
+    // (each A descriptor, a row's at a step, serves both output planes: tap t = j - zo of each, where in 0 .. 2;
+    // compile-time, j, zo and step unrolled)
+#pragma unroll
+    for (int step = 0; step < L::kSteps; ++step) {
+#pragma unroll
+      for (int jj = 0; jj < kTileRows; ++jj) {
+        const uint64_t a = a_base + L::a_offset(jj, step);
+#pragma unroll
+        for (int zo = 0; zo < kTilePlanes; ++zo) {
+          const int t = j - zo;
+          if (t >= 0 && t <= 2) L::mma(a, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
+        }
+      }
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();  // the previous stage's instructions are done: it is free
+    fence_accumulators(acc);
+    if (previous >= 0) barrier_arrive(&empty[previous]);
+    previous = stage;
+  }
+  cute::warpgroup_wait<0>();
+  fence_accumulators(acc);
+  barrier_arrive(&empty[previous]);
+}
+
+// A consumer's tile k with A from registers (L::kRegisterA): per stage and step, each warp's ldmatrix of its
+// rows' fragments for the 4 output rows, then their wgmma for both output planes as one batch; the fragments
+// double-buffered by step (a batch's registers stay untouched until wait<1> after the next batch's commit
+// says it is done), a stage released after its last step's loads (wgmma reads only B, the weights, there).
+template <class L, bool kNcdhw>
+__device__ __forceinline__ void consume_tile_register_a(const unsigned char* smem, uint64_t b_base, uint64_t* full,
+                                                        uint64_t* empty, int k, int warp, int lane,
+                                                        float (&acc)[2][kTilePlanes][2][8]) {
+  using S = Smem<L, kNcdhw>;
+  uint32_t lanes[3];
+  L::lanes(warp, lane, lanes);
+  uint32_t a[2][kTileRows][4];
+#pragma unroll
+  for (int j = 0; j < kStagesPerTile; ++j) {
+    const int64_t item = int64_t{k} * kStagesPerTile + j;
+    const int stage = static_cast<int>(item % kStages);
+    barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
+    const uint32_t box = shared_address(smem + stage * S::kStageStride);
+#pragma unroll
+    for (int step = 0; step < L::kSteps; ++step) {
+      const int n = j * L::kSteps + step, buffer = n % 2;
+      if (n >= 2) cute::warpgroup_wait<1>();  // (batch n - 2, the last to read this buffer, is done)
+#pragma unroll
+      for (int jj = 0; jj < kTileRows; ++jj) {
+        load_a_fragment(L::a_address(box, lanes, jj, step), a[buffer][jj]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(a[buffer][jj][r]);
+      }
+      if (step == L::kSteps - 1) barrier_arrive(&empty[stage]);  // (its fragments are in registers)
+      fence_accumulators(acc);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int jj = 0; jj < kTileRows; ++jj) {
+#pragma unroll
+        for (int zo = 0; zo < kTilePlanes; ++zo) {
+          const int t = j - zo;
+          if (t >= 0 && t <= 2) L::mma(a[buffer][jj], b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
+        }
+      }
+      cute::warpgroup_commit_batch();
+      fence_accumulators(acc);
+    }
+  }
+  cute::warpgroup_wait<0>();
+  fence_accumulators(acc);
+}
+
 // x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); or (kNcdhw) x
 // float32 NCDHW as (64, H, D, 8, N), boxes (64, 6, 1, 8, 1); w_map: the layout's weights (L::kWeightBytes, one
 // box); y (N, D', H', W', 16) float32, unused when pooled. bias float32.
@@ -456,39 +605,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[2][kTilePlanes][2][8];  // (row pair jj / 2, output plane zo, row jj % 2, the m64 n16 fragment)
 #pragma unroll
     for (int e = 0; e < 2 * kTilePlanes * 2 * 8; ++e) (&acc[0][0][0][0])[e] = 0.f;
-    int previous = -1;
-#pragma unroll
-    for (int j = 0; j < kStagesPerTile; ++j) {
-      const int64_t item = int64_t{k} * kStagesPerTile + j;
-      const int stage = static_cast<int>(item % kStages);
-      barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
-      const unsigned char* const box = smem + stage * S::kStageStride;
-      const uint64_t a_base = L::a_base(box);
-      fence_accumulators(acc);
-      cute::warpgroup_arrive();
-      // (each A descriptor, a row's at a step, serves both output planes: tap t = j - zo of each, where in 0 .. 2;
-      // compile-time, j, zo and step unrolled)
-#pragma unroll
-      for (int step = 0; step < L::kSteps; ++step) {
-#pragma unroll
-        for (int jj = 0; jj < kTileRows; ++jj) {
-          const uint64_t a = a_base + L::a_offset(jj, step);
-#pragma unroll
-          for (int zo = 0; zo < kTilePlanes; ++zo) {
-            const int t = j - zo;
-            if (t >= 0 && t <= 2) L::mma(a, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
-          }
-        }
-      }
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<1>();  // the previous stage's instructions are done: it is free
-      fence_accumulators(acc);
-      if (previous >= 0) barrier_arrive(&empty[previous]);
-      previous = stage;
+    if constexpr (L::kRegisterA) {
+      consume_tile_register_a<L, kNcdhw>(smem, b_base, full, empty, k, warp, lane, acc);
+    } else {
+      consume_tile_shared_a<L, kNcdhw>(smem, b_base, full, empty, k, acc);
     }
-    cute::warpgroup_wait<0>();
-    fence_accumulators(acc);
-    barrier_arrive(&empty[previous]);
 
     const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
     const int n = tile / p.row_blocks / p.plane_pairs;
