@@ -23,8 +23,10 @@
 // n; its 4 stages are x planes z0 .. z0 + 3, rows h0 .. h0 + 5 (TMA boxes, zeros past x's end); stage j adds
 // tap t = j - zo to output plane z0 + zo. One producer warp group (a thread issues the boxes), two consumer
 // warp groups taking alternate tiles (ping-pong: one's epilogue runs while the other's wgmma instructions do),
-// each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). Shared memory reads
-// bound it: 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192 MACs. Pooled, a row pair is one
+// each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). Shared memory's
+// bandwidth bounds it: A from shared memory reads 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192
+// MACs; the RS layouts load A into registers once for both planes (and, one tap a step, once for the 3 taps of
+// a column shift: consume_tile_row_fragments). Pooled, a row pair is one
 // row of pool windows over both planes: a lane holds 4 of a window's elements (column w), lane ^ 4 the other
 // 4 (column w ^ 1); their picks merge by a shuffle.
 //
@@ -476,18 +478,23 @@ __device__ __forceinline__ void consume_tile_shared_a(const unsigned char* smem,
   barrier_arrive(&empty[previous]);
 }
 
-// A consumer's tile k with A from registers (L::kRegisterA): per stage and step, each warp's ldmatrix of its
-// rows' fragments for the 4 output rows, then their wgmma for both output planes as one batch; the fragments
-// double-buffered by step (a batch's registers stay untouched until wait<1> after the next batch's commit
-// says it is done), a stage released after its last step's loads (wgmma reads only B, the weights, there).
+// A consumer's tile k with A from registers, for a layout of one tap a step (step 3 r + s: Tf32SwizzledRegisterA):
+// each warp's ldmatrix of x row q's fragment at column shift s serves every tap (r, s) that reads it, for output
+// row q - r and both output planes, so a stage loads its 6 rows x 3 shifts (18 ldmatrix a warp) instead of 4
+// output rows x 9 taps (36): shared memory's bandwidth bounds the kernel (ncu, session 36: L1 73 % busy, the
+// tensor pipe 29 %). One batch a shift: 6 fragments, then up to 24 wgmma in (r, row, plane) order (8
+// accumulators apart before one is reused); the fragments double-buffered by batch (a batch's registers stay
+// untouched until wait<1> after the next batch's commit says it is done); a stage released after its last
+// loads (wgmma reads only B, the weights, from shared memory).
 template <class L, bool kNcdhw>
-__device__ __forceinline__ void consume_tile_register_a(const unsigned char* smem, uint64_t b_base, uint64_t* full,
-                                                        uint64_t* empty, int k, int warp, int lane,
-                                                        float (&acc)[2][kTilePlanes][2][8]) {
+__device__ __forceinline__ void consume_tile_row_fragments(const unsigned char* smem, uint64_t b_base, uint64_t* full,
+                                                           uint64_t* empty, int k, int warp, int lane,
+                                                           float (&acc)[2][kTilePlanes][2][8]) {
+  static_assert(L::kSteps == 9, "one tap a step");
   using S = Smem<L, kNcdhw>;
   uint32_t lanes[3];
   L::lanes(warp, lane, lanes);
-  uint32_t a[2][kTileRows][4];
+  uint32_t a[2][kBoxRows][4];
 #pragma unroll
   for (int j = 0; j < kStagesPerTile; ++j) {
     const int64_t item = int64_t{k} * kStagesPerTile + j;
@@ -495,24 +502,91 @@ __device__ __forceinline__ void consume_tile_register_a(const unsigned char* sme
     barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
     const uint32_t box = shared_address(smem + stage * S::kStageStride);
 #pragma unroll
-    for (int step = 0; step < L::kSteps; ++step) {
-      const int n = j * L::kSteps + step, buffer = n % 2;
+    for (int shift = 0; shift < 3; ++shift) {
+      const int n = j * 3 + shift, buffer = n % 2;
       if (n >= 2) cute::warpgroup_wait<1>();  // (batch n - 2, the last to read this buffer, is done)
 #pragma unroll
-      for (int jj = 0; jj < kTileRows; ++jj) {
-        load_a_fragment(L::a_address(box, lanes, jj, step), a[buffer][jj]);
+      for (int q = 0; q < kBoxRows; ++q) {
+        load_a_fragment(L::a_address(box, lanes, q, shift), a[buffer][q]);
 #pragma unroll
-        for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(a[buffer][jj][r]);
+        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(a[buffer][q][e]);
       }
-      if (step == L::kSteps - 1) barrier_arrive(&empty[stage]);  // (its fragments are in registers)
+      if (shift == 2) barrier_arrive(&empty[stage]);  // (its fragments are in registers)
       fence_accumulators(acc);
       cute::warpgroup_arrive();
 #pragma unroll
-      for (int jj = 0; jj < kTileRows; ++jj) {
+      for (int r = 0; r < 3; ++r) {
 #pragma unroll
-        for (int zo = 0; zo < kTilePlanes; ++zo) {
-          const int t = j - zo;
-          if (t >= 0 && t <= 2) L::mma(a[buffer][jj], b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
+        for (int jj = 0; jj < kTileRows; ++jj) {
+#pragma unroll
+          for (int zo = 0; zo < kTilePlanes; ++zo) {
+            const int t = j - zo;
+            if (t >= 0 && t <= 2) {
+              L::mma(a[buffer][jj + r], b_base + L::b_bytes(t, 3 * r + shift) / 16, acc[jj / 2][zo][jj % 2]);
+            }
+          }
+        }
+      }
+      cute::warpgroup_commit_batch();
+      fence_accumulators(acc);
+    }
+  }
+  cute::warpgroup_wait<0>();
+  fence_accumulators(acc);
+}
+
+// consume_tile_row_fragments for Bf16PairsRegisterA (two taps a step), each fragment loaded once a stage: its
+// taps in two batches, (r, 0)(r, 1) for steps r = 0 .. 2 (x row q's fragment, matrices 2-3 one position on,
+// serves output row q - r at step r: 6 ldmatrix), then the column shift 2 (x rows 2p and 2p + 1 at shift 2 by
+// one ldmatrix, p = 0 .. 2; step 3's fragment of output row jj is rows jj and jj + 1's matrices, step 4's row
+// jj + 2's beside zeros, the zero-weight chunk's): 9 ldmatrix a stage instead of 20.
+template <class L, bool kNcdhw>
+__device__ __forceinline__ void consume_tile_bf16_row_fragments(const unsigned char* smem, uint64_t b_base,
+                                                                uint64_t* full, uint64_t* empty, int k, int warp,
+                                                                int lane, float (&acc)[2][kTilePlanes][2][8]) {
+  static_assert(L::kSteps == 5, "Bf16Pairs' steps");
+  using S = Smem<L, kNcdhw>;
+  uint32_t lanes[3];
+  L::lanes(warp, lane, lanes);
+  uint32_t a[2][kBoxRows][4];
+  // (matrices 0-1 of x row q at shift 2, of the second batch's fragments: pair q / 2's first or second half)
+  const auto shift2 = [&](int buffer, int q, int i) -> uint32_t& { return a[buffer][q / 2][2 * (q % 2) + i]; };
+#pragma unroll
+  for (int j = 0; j < kStagesPerTile; ++j) {
+    const int64_t item = int64_t{k} * kStagesPerTile + j;
+    const int stage = static_cast<int>(item % kStages);
+    barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
+    const uint32_t box = shared_address(smem + stage * S::kStageStride);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int n = 2 * j + half, buffer = n % 2;
+      if (n >= 2) cute::warpgroup_wait<1>();  // (batch n - 2, the last to read this buffer, is done)
+#pragma unroll
+      for (int q = 0; q < (half == 0 ? kBoxRows : kBoxRows / 2); ++q) {
+        load_a_fragment(L::a_address(box, lanes, half == 0 ? q : 2 * q, half == 0 ? 0 : 3), a[buffer][q]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(a[buffer][q][e]);
+      }
+      if (half == 1) barrier_arrive(&empty[stage]);  // (its fragments are in registers)
+      fence_accumulators(acc);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int r = 0; r < (half == 0 ? 3 : 2); ++r) {
+#pragma unroll
+        for (int jj = 0; jj < kTileRows; ++jj) {
+          uint32_t step3[4], step4[4];
+          if (half == 1) {
+            step3[0] = shift2(buffer, jj, 0), step3[1] = shift2(buffer, jj, 1);
+            step3[2] = shift2(buffer, jj + 1, 0), step3[3] = shift2(buffer, jj + 1, 1);
+            step4[0] = shift2(buffer, jj + 2, 0), step4[1] = shift2(buffer, jj + 2, 1), step4[2] = 0, step4[3] = 0;
+          }
+          const uint32_t(&fragment)[4] = half == 0 ? a[buffer][jj + r] : r == 0 ? step3 : step4;
+#pragma unroll
+          for (int zo = 0; zo < kTilePlanes; ++zo) {
+            const int t = j - zo;
+            const int step = half == 0 ? r : 3 + r;
+            if (t >= 0 && t <= 2) L::mma(fragment, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
+          }
         }
       }
       cute::warpgroup_commit_batch();
@@ -605,10 +679,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[2][kTilePlanes][2][8];  // (row pair jj / 2, output plane zo, row jj % 2, the m64 n16 fragment)
 #pragma unroll
     for (int e = 0; e < 2 * kTilePlanes * 2 * 8; ++e) (&acc[0][0][0][0])[e] = 0.f;
-    if constexpr (L::kRegisterA) {
-      consume_tile_register_a<L, kNcdhw>(smem, b_base, full, empty, k, warp, lane, acc);
-    } else {
+    if constexpr (!L::kRegisterA) {
       consume_tile_shared_a<L, kNcdhw>(smem, b_base, full, empty, k, acc);
+    } else if constexpr (L::kSteps == 9) {
+      consume_tile_row_fragments<L, kNcdhw>(smem, b_base, full, empty, k, warp, lane, acc);
+    } else {
+      consume_tile_bf16_row_fragments<L, kNcdhw>(smem, b_base, full, empty, k, warp, lane, acc);
     }
 
     const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
