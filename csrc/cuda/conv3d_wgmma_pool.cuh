@@ -140,11 +140,13 @@ struct Tf32Planes {
 };
 
 // A's fragment for wgmma's RS form by one ldmatrix.x4 (four 8 x 16-byte matrices, each lane one row's
-// address: matrix lane / 8): register i from matrix i.
+// address: matrix lane / 8): register i from matrix i, fenced for the wgmma instructions that read it.
 __device__ __forceinline__ void load_a_fragment(uint32_t address, uint32_t (&a)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(address));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(a[i]);
 }
 
 // Tf32Swizzled's stages and weights with A from registers (wgmma's RS form): each consumer warp loads its 16
@@ -478,55 +480,43 @@ __device__ __forceinline__ void consume_tile_shared_a(const unsigned char* smem,
   barrier_arrive(&empty[previous]);
 }
 
-// A consumer's tile k with A from registers, for a layout of one tap a step (step 3 r + s: Tf32SwizzledRegisterA):
-// each warp's ldmatrix of x row q's fragment at column shift s serves every tap (r, s) that reads it, for output
-// row q - r and both output planes, so a stage loads its 6 rows x 3 shifts (18 ldmatrix a warp) instead of 4
-// output rows x 9 taps (36): shared memory's bandwidth bounds the kernel (ncu, session 36: L1 73 % busy, the
-// tensor pipe 29 %). One batch a shift: 6 fragments, then up to 24 wgmma in (r, row, plane) order (8
-// accumulators apart before one is reused); the fragments double-buffered by batch (a batch's registers stay
-// untouched until wait<1> after the next batch's commit says it is done); a stage released after its last
-// loads (wgmma reads only B, the weights, from shared memory).
-template <class L, bool kNcdhw>
-__device__ __forceinline__ void consume_tile_row_fragments(const unsigned char* smem, uint64_t b_base, uint64_t* full,
-                                                           uint64_t* empty, int k, int warp, int lane,
-                                                           float (&acc)[2][kTilePlanes][2][8]) {
-  static_assert(L::kSteps == 9, "one tap a step");
-  using S = Smem<L, kNcdhw>;
-  uint32_t lanes[3];
-  L::lanes(warp, lane, lanes);
+// Output row jj's wgmma at `step` for stage j from an A fragment in registers, for each output plane zo whose tap
+// t = j - zo lies in 0 .. 2.
+template <class L>
+__device__ __forceinline__ void mma_planes(const uint32_t (&fragment)[4], uint64_t b_base, int step, int j, int jj,
+                                           float (&acc)[2][kTilePlanes][2][8]) {
+#pragma unroll
+  for (int zo = 0; zo < kTilePlanes; ++zo) {
+    const int t = j - zo;
+    if (t >= 0 && t <= 2) L::mma(fragment, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
+  }
+}
+
+// A consumer's tile k with A from registers (wgmma's RS form): each stage's taps in kBatches batches, batch n's
+// fragments loaded by load(box, a, batch) into buffer n % 2 of a, then queued by issue(a, j, batch) as one
+// wgmma batch. A buffer is reloaded only after wait<1> says batch n - 2, the last to read it, is done; a stage
+// is released once its last batch's fragments are in registers (wgmma reads only B, the weights, from shared
+// memory).
+template <class L, bool kNcdhw, int kBatches, class Load, class Issue>
+__device__ __forceinline__ void consume_tile_in_batches(const unsigned char* smem, uint64_t* full, uint64_t* empty,
+                                                        int k, float (&acc)[2][kTilePlanes][2][8], Load&& load,
+                                                        Issue&& issue) {
   uint32_t a[2][kBoxRows][4];
 #pragma unroll
   for (int j = 0; j < kStagesPerTile; ++j) {
     const int64_t item = int64_t{k} * kStagesPerTile + j;
     const int stage = static_cast<int>(item % kStages);
     barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
-    const uint32_t box = shared_address(smem + stage * S::kStageStride);
+    const uint32_t box = shared_address(smem + stage * Smem<L, kNcdhw>::kStageStride);
 #pragma unroll
-    for (int shift = 0; shift < 3; ++shift) {
-      const int n = j * 3 + shift, buffer = n % 2;
-      if (n >= 2) cute::warpgroup_wait<1>();  // (batch n - 2, the last to read this buffer, is done)
-#pragma unroll
-      for (int q = 0; q < kBoxRows; ++q) {
-        load_a_fragment(L::a_address(box, lanes, q, shift), a[buffer][q]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(a[buffer][q][e]);
-      }
-      if (shift == 2) barrier_arrive(&empty[stage]);  // (its fragments are in registers)
+    for (int batch = 0; batch < kBatches; ++batch) {
+      const int n = j * kBatches + batch;
+      if (n >= 2) cute::warpgroup_wait<1>();
+      load(box, a[n % 2], batch);
+      if (batch == kBatches - 1) barrier_arrive(&empty[stage]);
       fence_accumulators(acc);
       cute::warpgroup_arrive();
-#pragma unroll
-      for (int r = 0; r < 3; ++r) {
-#pragma unroll
-        for (int jj = 0; jj < kTileRows; ++jj) {
-#pragma unroll
-          for (int zo = 0; zo < kTilePlanes; ++zo) {
-            const int t = j - zo;
-            if (t >= 0 && t <= 2) {
-              L::mma(a[buffer][jj + r], b_base + L::b_bytes(t, 3 * r + shift) / 16, acc[jj / 2][zo][jj % 2]);
-            }
-          }
-        }
-      }
+      issue(a[n % 2], j, batch);
       cute::warpgroup_commit_batch();
       fence_accumulators(acc);
     }
@@ -535,66 +525,70 @@ __device__ __forceinline__ void consume_tile_row_fragments(const unsigned char* 
   fence_accumulators(acc);
 }
 
-// consume_tile_row_fragments for Bf16PairsRegisterA (two taps a step), each fragment loaded once a stage: its
-// taps in two batches, (r, 0)(r, 1) for steps r = 0 .. 2 (x row q's fragment, matrices 2-3 one position on,
-// serves output row q - r at step r: 6 ldmatrix), then the column shift 2 (x rows 2p and 2p + 1 at shift 2 by
-// one ldmatrix, p = 0 .. 2; step 3's fragment of output row jj is rows jj and jj + 1's matrices, step 4's row
-// jj + 2's beside zeros, the zero-weight chunk's): 9 ldmatrix a stage instead of 20.
+// consume_tile_in_batches for a layout of one tap a step (step 3 r + s: Tf32SwizzledRegisterA): x row q's
+// fragment at column shift s serves every tap (r, s) that reads it, for output row q - r and both output planes,
+// so a stage loads its 6 rows x 3 shifts (18 ldmatrix a warp) instead of 4 output rows x 9 taps (36): shared
+// memory's bandwidth bounds the kernel (ncu, session 36: L1 73 % busy, the tensor pipe 29 %). A batch a shift: 6
+// fragments, then up to 24 wgmma in (r, row, plane) order (8 accumulators apart before one is reused).
+template <class L, bool kNcdhw>
+__device__ __forceinline__ void consume_tile_row_fragments(const unsigned char* smem, uint64_t b_base, uint64_t* full,
+                                                           uint64_t* empty, int k, int warp, int lane,
+                                                           float (&acc)[2][kTilePlanes][2][8]) {
+  static_assert(L::kSteps == 9, "one tap a step");
+  uint32_t lanes[3];
+  L::lanes(warp, lane, lanes);
+  const auto load = [&](uint32_t box, uint32_t(&a)[kBoxRows][4], int shift) {
+#pragma unroll
+    for (int q = 0; q < kBoxRows; ++q) load_a_fragment(L::a_address(box, lanes, q, shift), a[q]);
+  };
+  const auto issue = [&](const uint32_t(&a)[kBoxRows][4], int j, int shift) {
+#pragma unroll
+    for (int r = 0; r < 3; ++r) {
+#pragma unroll
+      for (int jj = 0; jj < kTileRows; ++jj) mma_planes<L>(a[jj + r], b_base, 3 * r + shift, j, jj, acc);
+    }
+  };
+  consume_tile_in_batches<L, kNcdhw, 3>(smem, full, empty, k, acc, load, issue);
+}
+
+// consume_tile_in_batches for Bf16PairsRegisterA (two taps a step), each fragment loaded once a stage: its taps in
+// two batches, (r, 0)(r, 1) for steps r = 0 .. 2 (x row q's fragment, matrices 2-3 one position on, serves output
+// row q - r at step r: 6 ldmatrix), then the column shift 2 (x rows 2p and 2p + 1 at shift 2 by one ldmatrix, p =
+// 0 .. 2; step 3's fragment of output row jj is rows jj and jj + 1's matrices, step 4's row jj + 2's beside zeros,
+// the zero-weight chunk's): 9 ldmatrix a stage instead of 20.
 template <class L, bool kNcdhw>
 __device__ __forceinline__ void consume_tile_bf16_row_fragments(const unsigned char* smem, uint64_t b_base,
                                                                 uint64_t* full, uint64_t* empty, int k, int warp,
                                                                 int lane, float (&acc)[2][kTilePlanes][2][8]) {
   static_assert(L::kSteps == 5, "Bf16Pairs' steps");
-  using S = Smem<L, kNcdhw>;
   uint32_t lanes[3];
   L::lanes(warp, lane, lanes);
-  uint32_t a[2][kBoxRows][4];
-  // (matrices 0-1 of x row q at shift 2, of the second batch's fragments: pair q / 2's first or second half)
-  const auto shift2 = [&](int buffer, int q, int i) -> uint32_t& { return a[buffer][q / 2][2 * (q % 2) + i]; };
+  const auto load = [&](uint32_t box, uint32_t(&a)[kBoxRows][4], int half) {
 #pragma unroll
-  for (int j = 0; j < kStagesPerTile; ++j) {
-    const int64_t item = int64_t{k} * kStagesPerTile + j;
-    const int stage = static_cast<int>(item % kStages);
-    barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
-    const uint32_t box = shared_address(smem + stage * S::kStageStride);
+    for (int q = 0; q < (half == 0 ? kBoxRows : kBoxRows / 2); ++q) {
+      load_a_fragment(L::a_address(box, lanes, half == 0 ? q : 2 * q, half == 0 ? 0 : 3), a[q]);
+    }
+  };
+  const auto issue = [&](const uint32_t(&a)[kBoxRows][4], int j, int half) {
+    // (matrices 0-1 of x row q at shift 2, in the second batch: pair q / 2's first or second half)
+    const auto shift2 = [&](int q, int i) { return a[q / 2][2 * (q % 2) + i]; };
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int n = 2 * j + half, buffer = n % 2;
-      if (n >= 2) cute::warpgroup_wait<1>();  // (batch n - 2, the last to read this buffer, is done)
+    for (int r = 0; r < (half == 0 ? 3 : 2); ++r) {
 #pragma unroll
-      for (int q = 0; q < (half == 0 ? kBoxRows : kBoxRows / 2); ++q) {
-        load_a_fragment(L::a_address(box, lanes, half == 0 ? q : 2 * q, half == 0 ? 0 : 3), a[buffer][q]);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) cute::warpgroup_fence_operand(a[buffer][q][e]);
-      }
-      if (half == 1) barrier_arrive(&empty[stage]);  // (its fragments are in registers)
-      fence_accumulators(acc);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int r = 0; r < (half == 0 ? 3 : 2); ++r) {
-#pragma unroll
-        for (int jj = 0; jj < kTileRows; ++jj) {
-          uint32_t step3[4], step4[4];
-          if (half == 1) {
-            step3[0] = shift2(buffer, jj, 0), step3[1] = shift2(buffer, jj, 1);
-            step3[2] = shift2(buffer, jj + 1, 0), step3[3] = shift2(buffer, jj + 1, 1);
-            step4[0] = shift2(buffer, jj + 2, 0), step4[1] = shift2(buffer, jj + 2, 1), step4[2] = 0, step4[3] = 0;
-          }
-          const uint32_t(&fragment)[4] = half == 0 ? a[buffer][jj + r] : r == 0 ? step3 : step4;
-#pragma unroll
-          for (int zo = 0; zo < kTilePlanes; ++zo) {
-            const int t = j - zo;
-            const int step = half == 0 ? r : 3 + r;
-            if (t >= 0 && t <= 2) L::mma(fragment, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
-          }
+      for (int jj = 0; jj < kTileRows; ++jj) {
+        if (half == 0) {
+          mma_planes<L>(a[jj + r], b_base, r, j, jj, acc);
+        } else if (r == 0) {  // (step 3: rows jj and jj + 1)
+          const uint32_t rows[4] = {shift2(jj, 0), shift2(jj, 1), shift2(jj + 1, 0), shift2(jj + 1, 1)};
+          mma_planes<L>(rows, b_base, 3, j, jj, acc);
+        } else {  // (step 4: row jj + 2, zeros)
+          const uint32_t row[4] = {shift2(jj + 2, 0), shift2(jj + 2, 1), 0, 0};
+          mma_planes<L>(row, b_base, 4, j, jj, acc);
         }
       }
-      cute::warpgroup_commit_batch();
-      fence_accumulators(acc);
     }
-  }
-  cute::warpgroup_wait<0>();
-  fence_accumulators(acc);
+  };
+  consume_tile_in_batches<L, kNcdhw, 2>(smem, full, empty, k, acc, load, issue);
 }
 
 // x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); or (kNcdhw) x
