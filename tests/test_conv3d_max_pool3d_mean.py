@@ -206,24 +206,28 @@ def test_integer_valued_exact(x_shape, w_shape, padding, pool, bias, divisor, we
     assert torch.equal(indices.long().cpu(), picks)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [16, 64])
 @pytest.mark.parametrize("divisor", [2.0, -2.0])
-def test_nan_and_inf_as_pytorch(divisor, width, device, tf32):
+def test_nan_and_inf_as_pytorch(divisor, width, weight_dtype, device, tf32):
     """Integer data, positive weights: a NaN in an item's input makes its means NaN, the windows
     holding NaNs pick their last NaN; +-inf give +-inf maxima (a window of -inf picks its first).
-    (Rows 64 wide: the wgmma kernel, where it takes the call.)"""
+    (Rows 64 wide: the wgmma kernel, where it takes the call; in bf16 its steps' zero-weight chunk
+    must meet zeros, not x's inf: 0 x inf would make a NaN.)"""
     x, w, b = make_convolution_case((4, 8, 6, 10, width), (16, 8, 3, 3, 3), True, torch.float32, device,
                                     integers=True)
     w = w.abs() + 0.125  # (one sign, no zeros: an infinite input gives infinite outputs, not inf - inf or 0 * inf)
+    w, b = w.to(weight_dtype), b.to(weight_dtype)
     x[1, 3, 2, 4, 7] = x[1, 5, 3, 4, 8] = float("nan")
     x[2, 0, 3, 5, 5] = float("inf")
     x[3, 7, 2, 2, 9] = float("-inf")
-    out, indices = OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, True)
+    out, indices = OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, True, torch.float32)
     if device == "cuda":
         assert kernel_ran(lambda: OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, True))
+        assert wgmma_ran(lambda: OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, True)) == wgmma_takes(x, w, 0, 2)
     # (without the picks: the same means, NaNs where they are)
-    torch.testing.assert_close(OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, False)[0], out, rtol=0, atol=0,
-                               equal_nan=True)
+    torch.testing.assert_close(OP(x, w, b, [0, 0, 0], [2, 2, 2], divisor, False, torch.float32)[0], out, rtol=0,
+                               atol=0, equal_nan=True)
     expected, picks, y_windows, _, _, p = reference_of(x, w, b, 0, 2, divisor)
     assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
     assert expected[2:].isinf().all() and torch.equal(out[2:].cpu().double(), expected[2:])
