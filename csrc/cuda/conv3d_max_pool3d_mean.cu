@@ -415,9 +415,9 @@ at::Tensor picks_tensor(const at::Tensor& x, const at::Tensor& weight, const Con
 
 // The wgmma kernel's B operands in layout L (wgmma_conv3d::Tf32Swizzled and its RS form: (tap, o, c) rows;
 // Bf16Pairs and its RS form: (t, step, chunk, o, c) rows, a step's chunks taps (r, 0), (r, 1) for steps r < 3,
-// (0, 2), (1, 2) for step 3, (2, 2) and zeros for step 4) from the weight (16, 8, 3, 3, 3) stored as W, each rounded to the operation's type T as the
-// fused kernel's fragments are (TF32 to nearest, 16-bit to nearest even), then the bias rounded alike (floats,
-// zeros without one): one thread an element.
+// (0, 2), (1, 2) for step 3, (2, 2) and zeros for step 4) from the weight (16, 8, 3, 3, 3) stored as W, each
+// rounded to the operation's type T as the fused kernel's fragments are (TF32 to nearest, 16-bit to nearest
+// even), then the bias rounded alike (floats, zeros without one): one thread an element.
 template <class L, typename W>
 __global__ void wgmma_operands_kernel(const W* __restrict__ weight, const W* __restrict__ bias,
                                      typename L::T* __restrict__ operands, float* __restrict__ rounded_bias) {
@@ -458,8 +458,8 @@ bool wgmma_allowed() {
 // The wgmma kernel's layout for this call, if it takes it (f(L{}) called; false if not): wgmma_allowed(), an
 // sm_90 device; x float32 contiguous at a 16-byte aligned address, (N, 8, D, H, 64) with D and H at least 4; a
 // (16, 8, 3, 3, 3) weight, no padding, a 2 x 2 x 2 pool; TF32 (a float32 operation: with_weight_operation's
-// rule) or bfloat16; its tiles within int. A from registers (wgmma's RS form: H200, SPEC's A, the kernel alone
-// TF32 0.424 ms against 0.468 from shared memory, bf16 0.382 against 0.394).
+// rule) or bfloat16; its tiles within int. A from registers (wgmma's RS form: H200, SPEC's A, TF32 eval, the kernel
+// 0.345 ms against 0.418 from shared memory).
 template <typename F>
 bool with_wgmma_layout(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g,
                        at::ScalarType operand, F&& f) {

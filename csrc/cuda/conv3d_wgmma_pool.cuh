@@ -10,7 +10,8 @@
 // GEMM rows are x's positions in its own row layout (W = 64: an output row's 64 positions, 62 kept, are one
 // m64 tile), N = the 16 output channels, K = 27 taps x 8 channels. Tap (t, r, s)'s A operand for output row
 // h of plane z is x plane z + t's rows from (h + r) * 64 + s: a staged box of x rows serves all 9 taps (r, s)
-// of its plane through descriptor offsets of (r * 64 + s) rows, no copies. The operand layouts (Layouts):
+// of its plane at offsets of (r * 64 + s) rows (descriptors, or with A in registers ldmatrix addresses), no
+// im2col copies. The operand layouts (Layouts):
 // - Tf32Swizzled: rows of 8 channels (32 bytes), 32-byte swizzled; a descriptor at any row (wgmma swizzles by
 //   the shared address, as TMA writes: wgmma_ss.cuh's note, shown there for 128-byte rows), k8 a tap;
 // - Tf32Planes: two planes of 4 channels (rows of 16 bytes, no swizzle: K-major core matrices of 8 rows x 16
@@ -23,16 +24,17 @@
 // n; its 4 stages are x planes z0 .. z0 + 3, rows h0 .. h0 + 5 (TMA boxes, zeros past x's end); stage j adds
 // tap t = j - zo to output plane z0 + zo. One producer warp group (a thread issues the boxes), two consumer
 // warp groups taking alternate tiles (ping-pong: one's epilogue runs while the other's wgmma instructions do),
-// each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). Shared memory's
-// bandwidth bounds it: A from shared memory reads 2.5 KB a TF32 m64 n16 k8 instruction (A 2 KB, B 0.5) for 8192
-// MACs; the RS layouts load A into registers once for both planes (and, one tap a step, once for the 3 taps of
-// a column shift: consume_tile_row_fragments). Pooled, a row pair is one
-// row of pool windows over both planes: a lane holds 4 of a window's elements (column w), lane ^ 4 the other
-// 4 (column w ^ 1); their picks merge by a shuffle.
+// each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). With A from shared
+// memory a TF32 m64 n16 k8 instruction reads 2.5 KB (A 2 KB, B 0.5) for 8192 MACs, over what shared memory
+// serves; the RS layouts (the library's) load each A fragment into registers once a stage, for every tap and
+// output plane that reads it (consume_tile_row_fragments, consume_tile_bf16_row_fragments). Pooled, a row pair
+// is one row of pool windows over both planes: a lane holds 4 of a window's elements (column w), lane ^ 4 the
+// other 4 (column w ^ 1); their picks merge by a shuffle.
 //
 // kNcdhw: x float32 NCDHW as A's module passes it (no channels-last copy): TMA boxes of x as it lies (8 channel
 // planes of 6 rows x 64) into two staging slots, which the producer warp group's 128 threads convert into the
-// stage's layout (TF32 rounded to nearest, or bfloat16) with 16-byte stores, fenced for wgmma's async proxy.
+// stage's layout (TF32 rounded to nearest, or bfloat16) with 16-byte stores, fenced for the async proxy (wgmma's
+// reads of the SS layouts' stages).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -152,9 +154,8 @@ __device__ __forceinline__ void load_a_fragment(uint32_t address, uint32_t (&a)[
 // Tf32Swizzled's stages and weights with A from registers (wgmma's RS form): each consumer warp loads its 16
 // rows of a row's A (a tap's 64 positions x 8 channels) by one ldmatrix.x4 (8 x 16-byte rows a matrix: rows
 // 0-7 and 8-15 of channels 0-3, then of channels 4-7, as wgmma's TF32 A fragment lies: (row lane / 4 (+ 8),
-// channel lane % 4 (+ 4))), and the fragment serves both output planes' instructions. Shared memory read a
-// pair of m64 n16 k8 instructions: A 2 KB once, B 0.5 KB each (3 KB for 16384 MACs, against SS's 5 KB), and a
-// stage is free as soon as its fragments are loaded.
+// channel lane % 4 (+ 4))); one fragment serves the instructions of every tap and output plane that read it
+// (consume_tile_row_fragments), and a stage is free as soon as its fragments are loaded.
 struct Tf32SwizzledRegisterA : Tf32Swizzled {
   static constexpr bool kRegisterA = true;
   // This lane's ldmatrix address of output row `row`'s A at step `step` (tap (r, s) = (step / 3, step % 3)) in
@@ -217,19 +218,20 @@ struct Bf16Pairs {
 
 // Bf16Pairs' stages and weights with A from registers: bf16's A fragment (row lane / 4 (+ 8), K pair 2 (lane % 4)
 // (+ 8)) by one ldmatrix.x4 a warp, matrices 0 and 1 the step's first tap (rows 0-7, 8-15), 2 and 3 its second:
-// one row on for steps 0-2, 64 rows on for step 3, the box's zeroed pad for step 4 (its zero-weight chunk).
+// one position on for steps 0-2, one x row (64 positions) on for step 3; step 4's second tap is the zero-weight
+// chunk, whose A registers are zeros (consume_tile_bf16_row_fragments composes steps 3 and 4's fragments).
 struct Bf16PairsRegisterA : Bf16Pairs {
   static constexpr bool kRegisterA = true;
-  // l[0]: position 16 warp + lane % 8 + 8 (lane / 8 % 2), one on for lanes 16-31; l[1]: 64 on for them; l[2]: the
-  // pad's rows for lanes 16-31 (0 for the others)
+  // l[0]: position 16 warp + lane % 8 + 8 (lane / 8 % 2), one on for lanes 16-31; l[1]: 64 on for them (l[2]
+  // unused: Tf32SwizzledRegisterA's three shifts)
   static __device__ void lanes(int warp, int lane, uint32_t (&l)[3]) {
     const uint32_t position = 16 * warp + (lane & 7) + 8 * ((lane >> 3) & 1), second = lane >> 4;
     l[0] = (position + second) * 16;
     l[1] = (position + 64 * second) * 16;
-    l[2] = second ? kBoxBytes + (lane & 15) * 16 : 0;
+    l[2] = 0;
   }
+  // (steps 0 .. 3)
   static __device__ uint32_t a_address(uint32_t box, const uint32_t (&l)[3], int row, int step) {
-    if (step == 4 && l[2] != 0) return box + l[2];
     return box + l[step == 3 ? 1 : 0] + a_bytes(row, step);
   }
   static __device__ void mma(const uint32_t (&a)[4], uint64_t b, float (&d)[8]) {
@@ -441,7 +443,7 @@ __device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& 
   }
 }
 
-// A consumer's tile k (items 4k .. 4k + 3 of the ring) with A from shared memory: a stage's 36 wgmma as one
+// A consumer's tile k (items 4k .. 4k + 3 of the ring) with A from shared memory: a stage's wgmma as one
 // batch, the previous stage released once that batch's predecessor is done (wait<1>).
 template <class L, bool kNcdhw>
 __device__ __forceinline__ void consume_tile_shared_a(const unsigned char* smem, uint64_t b_base, uint64_t* full,
@@ -528,8 +530,8 @@ __device__ __forceinline__ void consume_tile_in_batches(const unsigned char* sme
 // consume_tile_in_batches for a layout of one tap a step (step 3 r + s: Tf32SwizzledRegisterA): x row q's
 // fragment at column shift s serves every tap (r, s) that reads it, for output row q - r and both output planes,
 // so a stage loads its 6 rows x 3 shifts (18 ldmatrix a warp) instead of 4 output rows x 9 taps (36): shared
-// memory's bandwidth bounds the kernel (ncu, session 36: L1 73 % busy, the tensor pipe 29 %). A batch a shift: 6
-// fragments, then up to 24 wgmma in (r, row, plane) order (8 accumulators apart before one is reused).
+// memory was 73 % busy with a load a tap, the tensor pipe 29 % (ncu, session 36). A batch a shift: 6 fragments,
+// then up to 24 wgmma in (r, row, plane) order (up to 8 accumulators apart before one is reused).
 template <class L, bool kNcdhw>
 __device__ __forceinline__ void consume_tile_row_fragments(const unsigned char* smem, uint64_t b_base, uint64_t* full,
                                                            uint64_t* empty, int k, int warp, int lane,
@@ -578,7 +580,9 @@ __device__ __forceinline__ void consume_tile_bf16_row_fragments(const unsigned c
       for (int jj = 0; jj < kTileRows; ++jj) {
         if (half == 0) {
           mma_planes<L>(a[jj + r], b_base, r, j, jj, acc);
-        } else if (r == 0) {  // (step 3: rows jj and jj + 1)
+        } else if (r == 0) {  // (step 3: rows jj and jj + 1; composed fragments are copies that wgmma reads
+          // asynchronously: ptxas keeps them until the wait that retires it, or serializes the wgmma with a warning,
+          // which tools/check_cuda_compile.py fails on)
           const uint32_t rows[4] = {shift2(jj, 0), shift2(jj, 1), shift2(jj + 1, 0), shift2(jj + 1, 1)};
           mma_planes<L>(rows, b_base, 3, j, jj, acc);
         } else {  // (step 4: row jj + 2, zeros)
