@@ -443,6 +443,18 @@ __device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& 
   }
 }
 
+// Output row jj's wgmma at `step` for stage j from A (a descriptor in shared memory, or a fragment in registers),
+// for each output plane zo whose tap t = j - zo lies in 0 .. 2.
+template <class L, class A>
+__device__ __forceinline__ void mma_planes(const A& a, uint64_t b_base, int step, int j, int jj,
+                                           float (&acc)[2][kTilePlanes][2][8]) {
+#pragma unroll
+  for (int zo = 0; zo < kTilePlanes; ++zo) {
+    const int t = j - zo;
+    if (t >= 0 && t <= 2) L::mma(a, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
+  }
+}
+
 // A consumer's tile k (items 4k .. 4k + 3 of the ring) with A from shared memory: a stage's wgmma as one
 // batch, the previous stage released once that batch's predecessor is done (wait<1>).
 template <class L, bool kNcdhw>
@@ -457,19 +469,11 @@ __device__ __forceinline__ void consume_tile_shared_a(const unsigned char* smem,
     const uint64_t a_base = L::a_base(smem + stage * Smem<L, kNcdhw>::kStageStride);
     fence_accumulators(acc);
     cute::warpgroup_arrive();
-    // (each A descriptor, a row's at a step, serves both output planes: tap t = j - zo of each, where in 0 .. 2;
-    // compile-time, j, zo and step unrolled)
+    // (each A descriptor, a row's at a step, serves both output planes; compile-time, j, zo and step unrolled)
 #pragma unroll
     for (int step = 0; step < L::kSteps; ++step) {
 #pragma unroll
-      for (int jj = 0; jj < kTileRows; ++jj) {
-        const uint64_t a = a_base + L::a_offset(jj, step);
-#pragma unroll
-        for (int zo = 0; zo < kTilePlanes; ++zo) {
-          const int t = j - zo;
-          if (t >= 0 && t <= 2) L::mma(a, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
-        }
-      }
+      for (int jj = 0; jj < kTileRows; ++jj) mma_planes<L>(a_base + L::a_offset(jj, step), b_base, step, j, jj, acc);
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();  // the previous stage's instructions are done: it is free
@@ -480,18 +484,6 @@ __device__ __forceinline__ void consume_tile_shared_a(const unsigned char* smem,
   cute::warpgroup_wait<0>();
   fence_accumulators(acc);
   barrier_arrive(&empty[previous]);
-}
-
-// Output row jj's wgmma at `step` for stage j from an A fragment in registers, for each output plane zo whose tap
-// t = j - zo lies in 0 .. 2.
-template <class L>
-__device__ __forceinline__ void mma_planes(const uint32_t (&fragment)[4], uint64_t b_base, int step, int j, int jj,
-                                           float (&acc)[2][kTilePlanes][2][8]) {
-#pragma unroll
-  for (int zo = 0; zo < kTilePlanes; ++zo) {
-    const int t = j - zo;
-    if (t >= 0 && t <= 2) L::mma(fragment, b_base + L::b_bytes(t, step) / 16, acc[jj / 2][zo][jj % 2]);
-  }
 }
 
 // A consumer's tile k with A from registers (wgmma's RS form): each stage's taps in kBatches batches, batch n's
