@@ -32,7 +32,7 @@
 // other 4 (column w ^ 1); their picks merge by a shuffle.
 //
 // kNcdhw: x float32 NCDHW as A's module passes it (no channels-last copy): TMA boxes of x as it lies (8 channel
-// planes of 6 rows x 64) into two staging slots, which the producer warp group's 128 threads convert into the
+// planes of 6 rows x 64) into four staging slots, which the producer warp group's 128 threads convert into the
 // stage's layout (TF32 rounded to nearest, or bfloat16) with 16-byte stores, fenced for the async proxy (wgmma's
 // reads of the SS layouts' stages).
 #pragma once
@@ -242,7 +242,9 @@ struct Bf16PairsRegisterA : Bf16Pairs {
 
 // kNcdhw: x float32 NCDHW (A's input as it comes), each stage's box from a staging slot of x's box as TMA lays
 // it out, (8 channels, kBoxRows rows, 64 columns), converted into the layout by the producer warp group.
-constexpr int kStagingSlots = 2, kStagingBytes = kChannelsIn * kBoxRows * kRow * 4;
+constexpr int kStagingSlots = 4, kStagingBytes = kChannelsIn * kBoxRows * kRow * 4;
+constexpr int kPositionsPerThread = kBoxRows * kRow / 128;  // (the producer warp group's share of a box)
+static_assert(kBoxRows * kRow % 128 == 0, "a box's positions a multiple of the producer's threads");
 
 template <class L, bool kNcdhw>
 struct Smem {
@@ -401,9 +403,9 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[2][kTilePlanes][
 }
 
 // The producer of kNcdhw: thread 0 loads x's boxes (8 channels, rows h0 .. h0 + 5, 64 columns of plane z) into
-// the staging slots by TMA, 2 items ahead; the warp group's 128 threads convert each into its stage (3 positions
-// a thread: 8 loads a stride apart, conflict-free, and one or two 16-byte stores), fence them for wgmma (the
-// async proxy), and release the stage as full (an arrival each) and the slot as read.
+// the staging slots by TMA, kStagingSlots items ahead; the warp group's 128 threads convert each into its stage
+// (3 positions a thread: 8 loads each a stride apart, conflict-free, then one or two 16-byte stores each), fence
+// them for wgmma (the async proxy), and release the stage as full (an arrival each) and the slot as read.
 template <class L>
 __device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& p, unsigned char* smem,
                                    float* staging, uint64_t* full, uint64_t* empty, uint64_t* staging_full,
@@ -427,11 +429,16 @@ __device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& 
     barrier_wait(&staging_full[slot], static_cast<uint32_t>(item / kStagingSlots) & 1);
     barrier_wait(&empty[stage], (static_cast<uint32_t>(item / kStages) & 1) ^ 1);
     const float* const box = staging + slot * (kStagingBytes / 4);
-    for (int row = threadIdx.x; row < kBoxRows * kRow; row += 128) {
-      float v[8];
+    // (every load of the thread's positions before its first store: one warp a scheduler converts, and a
+    // position at a time left it waiting on each load's latency, the consumers on it: ncu, session 37)
+    float v[kPositionsPerThread][kChannelsIn];
 #pragma unroll
-      for (int c = 0; c < kChannelsIn; ++c) v[c] = box[c * kBoxRows * kRow + row];
-      L::store_position(smem + stage * S::kStageStride, row, v);
+    for (int i = 0; i < kPositionsPerThread; ++i)
+#pragma unroll
+      for (int c = 0; c < kChannelsIn; ++c) v[i][c] = box[c * kBoxRows * kRow + threadIdx.x + 128 * i];
+#pragma unroll
+    for (int i = 0; i < kPositionsPerThread; ++i) {
+      L::store_position(smem + stage * S::kStageStride, threadIdx.x + 128 * i, v[i]);
     }
     fence_shared_to_async_proxy();  // (the stores, before wgmma reads them)
     barrier_arrive(&full[stage]);
@@ -625,7 +632,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (threadIdx.x < 128) {  // the producer
-    cutlass::arch::warpgroup_reg_dealloc<40>();
+    cutlass::arch::warpgroup_reg_dealloc<56>();
     if (threadIdx.x == 0) {
       barrier_arrive_expect(weights_landed, L::kWeightBytes);
       tensor_load_4d(weights, w_map, 0, 0, 0, 0, weights_landed);
@@ -655,7 +662,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
 
-  cutlass::arch::warpgroup_reg_alloc<232>();
+  cutlass::arch::warpgroup_reg_alloc<224>();
   // ping-pong: consumer c takes the CTA's tiles k = c, c + 2, ... (tile blockIdx.x + k gridDim.x, items 4k ..
   // 4k + 3 of the ring, in its stages 4c .. 4c + 3), all 4 rows, so that one's epilogue runs while the other's
   // wgmma instructions do
