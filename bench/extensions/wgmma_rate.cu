@@ -1,7 +1,7 @@
 // How fast wgmma runs at small N (issue 46, A's kernel: its m64n16k8 TF32 instructions ran the tensor pipe at 29 %
 // of its elapsed cycles): each CTA (one an SM) runs `warpgroups` warp groups, each `batches` batches of kAcc
-// independent TF32 m64nNk8 instructions, A from registers (RS, as A's kernel), B from shared memory (nonzero: never time zeros), at
-// most two batches in flight (wait<1> before each next batch, as A's consumers run). Each CTA's thread 0 writes
+// independent TF32 m64nNk8 instructions, A from registers (RS, as A's kernel), B from shared memory (nonzero:
+// never time zeros), at most two batches in flight (wait<1> before each next batch, as A's consumers run). Each CTA's thread 0 writes
 // the clock64 cycles from its first batch to its last wait; the bench divides by the instructions.
 #ifndef NDEBUG
 #define NDEBUG  // before any header (csrc/cuda/cutlass_conv.cuh says why)
@@ -14,8 +14,7 @@
 #include <cstdint>
 #include <utility>
 
-#include "cute/arch/mma_sm90_desc.hpp"
-#include "cute/arch/mma_sm90_gmma.hpp"
+#include "conv3d_wgmma_pool.cuh"  // (interleaved_tile_descriptor; CuTe's wgmma, bulk_copy.cuh before it)
 #include "cute/arch/mma_sm90_gmma_ext.hpp"
 
 namespace {
@@ -43,17 +42,12 @@ __global__ void __launch_bounds__(256, 1) wgmma_rate_kernel(int batches, int64_t
   for (int i = threadIdx.x; i < N * 8; i += blockDim.x) reinterpret_cast<float*>(smem)[i] = 1.f / (1 + i % 7);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
-  // B: N rows x 8 TF32 (two 16-byte K chunks), K-major without swizzle: core matrices of 8 rows x 16 bytes,
-  // the 8-row groups 128 bytes apart (SBO), the K chunks N x 16 bytes apart (LBO)
-  cute::GmmaDescriptor desc;
-  desc.bitfield.start_address_ = static_cast<uint16_t>(static_cast<uint32_t>(__cvta_generic_to_shared(smem)) >> 4);
-  desc.bitfield.leading_byte_offset_ = static_cast<uint16_t>(N * 16 >> 4);
-  desc.bitfield.stride_byte_offset_ = 128 >> 4;
-  desc.bitfield.base_offset_ = 0;
-  desc.bitfield.layout_type_ = 0;
-  const uint64_t b = desc.desc_;
+  // B: N rows x 8 TF32 (two 16-byte K chunks), K-major without swizzle: the 8-row groups 128 bytes apart, the K
+  // chunks N x 16 bytes apart
+  const uint64_t b = fused_ops::wgmma_conv3d::interleaved_tile_descriptor(smem, N * 16, 128);
   const float a0 = 1.f + 1e-3f * threadIdx.x;
-  uint32_t a[4] = {__float_as_uint(a0), __float_as_uint(-a0), __float_as_uint(a0 * 0.5f), __float_as_uint(a0 * 0.25f)};
+  const uint32_t a[4] = {__float_as_uint(a0), __float_as_uint(-a0), __float_as_uint(a0 * 0.5f),
+                         __float_as_uint(a0 * 0.25f)};
   float acc[kAcc][N / 2];
 #pragma unroll
   for (int i = 0; i < kAcc; ++i)

@@ -631,6 +631,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
+  // (registers: 56 x 128 producer threads + 224 x 256 consumer threads = the 168 x 384 the launch holds, so the
+  // consumers' setmaxnreg.inc is always served; the producer's conversion spilled at 40)
   if (threadIdx.x < 128) {  // the producer
     cutlass::arch::warpgroup_reg_dealloc<56>();
     if (threadIdx.x == 0) {
