@@ -1,8 +1,9 @@
 // How fast wgmma runs at small N (issue 46, A's kernel: its m64n16k8 TF32 instructions ran the tensor pipe at 29 %
 // of its elapsed cycles): each CTA (one an SM) runs `warpgroups` warp groups, each `batches` batches of kAcc
 // independent TF32 m64nNk8 instructions, A from registers (RS, as A's kernel), B from shared memory (nonzero:
-// never time zeros), at most two batches in flight (wait<1> before each next batch, as A's consumers run). Each CTA's thread 0 writes
-// the clock64 cycles from its first batch to its last wait; the bench divides by the instructions.
+// never time zeros), at most two batches in flight (wait<1> before each next batch, as A's consumers run). Each
+// CTA's thread 0 writes the clock64 cycles from its first batch to its last wait; the bench divides by the
+// instructions.
 #ifndef NDEBUG
 #define NDEBUG  // before any header (csrc/cuda/cutlass_conv.cuh says why)
 #endif
