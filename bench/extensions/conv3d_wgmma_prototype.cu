@@ -105,8 +105,7 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bia
   const at::Tensor bias_values = bias.to(at::kFloat).contiguous();
   const auto kernel = conv3d_wgmma_kernel<L, kEpilogue, kNcdhw>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<L, kNcdhw>::kBytes));
-  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
-  const int blocks = std::min(p.tiles, sms);
+  const int blocks = std::min(p.columns, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
   kernel<<<blocks, kThreads, Smem<L, kNcdhw>::kBytes, c10::cuda::getCurrentCUDAStream()>>>(
       x_map, w_map, bias_values.const_data_ptr<float>(),
       kEpilogue == Epilogue::kY ? y.mutable_data_ptr<float>() : nullptr, p);
@@ -117,7 +116,7 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bia
 std::optional<at::Tensor> conv3d_wgmma(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                        int64_t layout) {
   if (!takes(x, weight, bias, layout, false)) return std::nullopt;
-  Conv3dTiles p = tiles_of(x);
+  Conv3dTiles p = tiles_of(x, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
   at::Tensor y = at::empty({x.size(0), kChannelsOut, p.depth_out, p.height_out, p.width_out},
                            x.options().dtype(at::kFloat).memory_format(at::MemoryFormat::ChannelsLast3d));
   with_layout(layout, [&](auto l) { launch<decltype(l), Epilogue::kY, false>(x, weight, bias, p, y); });
@@ -131,7 +130,7 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
                                                                     const at::Tensor& bias, double divisor,
                                                                     int64_t layout, bool ncdhw) {
   if (!takes(x, weight, bias, layout, ncdhw) || x.size(2) < 4 || x.size(3) < 4) return std::nullopt;
-  Conv3dTiles p = tiles_of(x);
+  Conv3dTiles p = tiles_of(x, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
   p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
   p.pooled[0] = p.depth_out / 2;
   p.pooled[1] = p.height_out / 2;
