@@ -419,8 +419,8 @@ __device__ __forceinline__ int64_t cta_items(const Conv3dTiles& p) { return cta_
 struct Column {
   int n, rb, pp0;
 };
-__device__ __forceinline__ Column cta_column(const Conv3dTiles& p, int64_t local) {
-  const int column = static_cast<int>(blockIdx.x + local * gridDim.x), rows = column / p.segments;
+__device__ __forceinline__ Column cta_column(const Conv3dTiles& p, int local) {
+  const int column = static_cast<int>(blockIdx.x) + local * static_cast<int>(gridDim.x), rows = column / p.segments;
   return {rows / p.row_blocks, rows % p.row_blocks, column % p.segments * p.column_tiles};
 }
 
@@ -429,8 +429,9 @@ struct ItemBox {
   int n, z, h0;
 };
 __device__ __forceinline__ ItemBox item_box(const Conv3dTiles& p, int64_t item) {
-  const Column c = cta_column(p, item / p.column_items);
-  return {c.n, kTilePlanes * c.pp0 + static_cast<int>(item % p.column_items), kTileRows * c.rb};
+  const int i = static_cast<int>(item);  // (a CTA's items fit in int: 32-bit divisions)
+  const Column c = cta_column(p, i / p.column_items);
+  return {c.n, kTilePlanes * c.pp0 + i % p.column_items, kTileRows * c.rb};
 }
 
 // The producer of kNcdhw: thread 0 loads x's boxes (8 channels, rows h0 .. h0 + 5, 64 columns of plane z) into
@@ -702,14 +703,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   barrier_wait(weights_landed, 0);
   const uint64_t b_base = L::b_base(weights);
-  const int64_t tiles = cta_columns(p) * p.column_tiles, items = cta_items(p);
+  const int tiles = static_cast<int>(cta_columns(p) * p.column_tiles);
+  const int64_t items = cta_items(p);
   int64_t next = 0;  // (the first item this consumer has not waited on)
-  for (int64_t k = consumer; k < tiles; k += 2) {
+  for (int k = consumer; k < tiles; k += 2) {  // (a CTA's tiles and items fit in int)
     const Column c = cta_column(p, k / p.column_tiles);
-    const int pp = c.pp0 + static_cast<int>(k % p.column_tiles), rb = c.rb, n = c.n;
+    const int pp = c.pp0 + k % p.column_tiles, rb = c.rb, n = c.n;
     if (pp >= p.plane_pairs) continue;  // (the last segment's tiles past D': their items passed with the rest)
     const int tile = (n * p.plane_pairs + pp) * p.row_blocks + rb;  // (tiles_of's numbering: p.partial's rows)
-    const int64_t first = k / p.column_tiles * p.column_items + kTilePlanes * (pp - c.pp0);
+    const int64_t first = int64_t{k / p.column_tiles} * p.column_items + kTilePlanes * (pp - c.pp0);
     for (; next < first; ++next) pass_stage(full, empty, next);
     next = first + kStagesPerTile;
     float acc[2][kTilePlanes][2][8];  // (row pair jj / 2, output plane zo, row jj % 2, the m64 n16 fragment)
