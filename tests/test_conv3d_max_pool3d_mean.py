@@ -40,12 +40,14 @@ CASES = [
     ((2, 8, 8, 16, 16), (16, 8, 3, 3, 3), 0, (1, 2, 2), True, 2.0),  # pool 1 x 2 x 2: PyTorch's ops
     ((2, 8, 6, 7, 64), (16, 8, 3, 3, 3), 0, 2, True, 2.0),           # SPEC's rows (64): the wgmma kernel, H' odd
     ((1, 8, 5, 10, 64), (16, 8, 3, 3, 3), 0, 2, False, -0.7),        # the wgmma kernel: D' odd, no bias
-    # the wgmma kernel's columns of 3 tiles sharing x planes (9 x 16 row blocks: a column each, up to 144 SMs)
+    # the wgmma kernel's columns of tiles sharing x planes (tiles_of, 132 SMs): 3 tiles a column, one a CTA or
+    # two; then segments of 2 plane pairs, the last one's second tile past D' (skipped)
     ((9, 8, 8, 64, 64), (16, 8, 3, 3, 3), 0, 2, True, 2.0),
+    ((2, 8, 16, 64, 64), (16, 8, 3, 3, 3), 0, 2, False, -0.7),
 ]
 IDS = ["A-small", "padding-1", "padding-120", "remainders", "two-tiles", "three-tiles", "5-outputs-no-bias",
        "3-channels", "11-channels", "16-channels", "unaligned-rows", "17-outputs", "kernel-233", "pool-122",
-       "wgmma", "wgmma-no-bias", "wgmma-columns"]
+       "wgmma", "wgmma-no-bias", "wgmma-columns", "wgmma-segments"]
 
 
 

@@ -22,9 +22,10 @@
 //
 // A CTA (persistent over columns): a tile is 2 output planes (z0, z0 + 1) x 4 output rows (h0 .. h0 + 3) of one
 // n; its 4 stages are x planes z0 .. z0 + 3, rows h0 .. h0 + 5 (TMA boxes, zeros past x's end); stage j adds
-// tap t = j - zo to output plane z0 + zo. A column is an (n, row block)'s tiles, z0 = 0, 2, ...: its x planes are
-// staged once each, in order (the ring's items), and two consecutive tiles share two of them, so x is staged
-// 1.5 times (its rows) where a tile's own 4 planes staged it 3 times. One producer warp group (a thread issues
+// tap t = j - zo to output plane z0 + zo. A column is T consecutive tiles of an (n, row block), z0 = 2 pp0, 2 pp0 +
+// 2, ...: its x planes are staged once each, in order (the ring's items), two consecutive tiles sharing two of
+// them, so x is staged 1.5 (T + 1) / T times (1.71 at SPEC's shape, T = 7) where a tile's own 4 planes staged it 3
+// times (T = 1 still: small batches, spread over the SMs; tiles_of). One producer warp group (a thread issues
 // the boxes), two consumer warp groups taking alternate tiles (ping-pong: one's epilogue runs while the other's
 // wgmma instructions do),
 // each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). With A from shared
@@ -745,9 +746,10 @@ inline int64_t tile_count(const at::Tensor& x) {
   return x.size(0) * ((x.size(2) - 2 + kTilePlanes - 1) / kTilePlanes) * ((x.size(3) - 2 + kTileRows - 1) / kTileRows);
 }
 
-// The tiles of x's convolution and their columns for a GPU of `sms` SMs: whole (n, row block)s where there are
-// as many as SMs, else segments of fewer plane pairs (each staging two planes more than its tiles' own), so that
-// a small batch still spreads over the SMs.
+// The tiles of x's convolution and their columns for a GPU of `sms` SMs: T (column_tiles) of the plane pairs
+// whose busiest CTA stages the fewest plane pairs, ceil(columns / sms) (T + 1) (a column stages T + 1; ties to the
+// longer columns, which stage less in all): whole (n, row block)s at SPEC's shape, shorter segments where a
+// small batch would leave SMs idle or a few CTAs with a column more than the rest.
 inline Conv3dTiles tiles_of(const at::Tensor& x, int sms) {
   const int64_t tiles = tile_count(x);
   TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "conv3d_wgmma: too many tiles");
@@ -759,11 +761,18 @@ inline Conv3dTiles tiles_of(const at::Tensor& x, int sms) {
   p.row_blocks = (p.height_out + kTileRows - 1) / kTileRows;
   p.tiles = static_cast<int>(tiles);
   const int64_t rows = x.size(0) * p.row_blocks;
-  const int64_t wanted = std::min<int64_t>(p.plane_pairs, (sms + rows - 1) / rows);
-  p.column_tiles = static_cast<int>((p.plane_pairs + wanted - 1) / wanted);
-  p.segments = (p.plane_pairs + p.column_tiles - 1) / p.column_tiles;
+  int64_t best = std::numeric_limits<int64_t>::max();
+  for (int t = std::max(p.plane_pairs, 1); t >= 1; --t) {
+    const int64_t segments = (p.plane_pairs + t - 1) / t, columns = rows * segments;
+    const int64_t staged = (columns + sms - 1) / sms * (t + 1);
+    if (staged < best) {
+      best = staged;
+      p.column_tiles = t;
+      p.segments = static_cast<int>(segments);
+      p.columns = static_cast<int>(columns);  // (at most tiles)
+    }
+  }
   p.column_items = kTilePlanes * p.column_tiles + 2;
-  p.columns = static_cast<int>(rows * p.segments);  // (at most tiles)
   return p;
 }
 
