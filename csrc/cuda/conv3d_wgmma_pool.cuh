@@ -25,10 +25,10 @@
 // tap t = j - zo to output plane z0 + zo. A column is T consecutive tiles of an (n, row block), z0 = 2 pp0, 2 pp0 +
 // 2, ...: its x planes are staged once each, in order (the ring's items), two consecutive tiles sharing two of
 // them, so x is staged 1.5 (T + 1) / T times (1.71 at SPEC's shape, T = 7) where a tile's own 4 planes staged it 3
-// times (T = 1 still: small batches, spread over the SMs; tiles_of). One producer warp group (a thread issues
-// the boxes), two consumer warp groups taking alternate tiles (ping-pong: one's epilogue runs while the other's
-// wgmma instructions do),
-// each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). With A from shared
+// times (T = 1 still: small batches spread over the SMs, and the launches that keep tiles apart; tiles_of). One
+// producer warp group (a thread issues the boxes), two consumer warp groups taking alternate tiles (ping-pong:
+// one's epilogue runs while the other's wgmma instructions do), each all 4 rows of its tile (8 m64 n16
+// accumulators of 8 floats: 2 planes x 4 rows). With A from shared
 // memory a TF32 m64 n16 k8 instruction reads 2.5 KB (A 2 KB, B 0.5) for 8192 MACs, over what shared memory
 // serves; the RS layouts (the library's) load each A fragment into registers once a stage, for every tap and
 // output plane that reads it (consume_tile_row_fragments, consume_tile_bf16_row_fragments). Pooled, a row pair
@@ -58,11 +58,14 @@ namespace fused_ops::wgmma_conv3d {
 constexpr int kChannelsIn = 8, kChannelsOut = 16, kRow = 64;  // I, O, x's row (W)
 constexpr int kTileRows = 4, kTilePlanes = 2;                   // output rows and planes a tile
 constexpr int kBoxRows = kTileRows + 2, kStagesPerTile = kTilePlanes + 2;
-// The ring's stages. Both consumers wait on every item's full phase, in order, and release every item (passing
-// those their tiles do not read: pass_stage): an mbarrier tells a phase's parity, not its number, and a
-// consumer waiting on a stage whose previous phase (an item it had not waited on) had not completed would see
-// the parity it waits for already complete and read the stage early (session 34: six stages, each consumer
-// waiting on its own tiles' items only, got a few tiles wrong in some runs).
+// The ring's stages: two tiles' (T = 1: consumer c's tiles' items always in stages 4c .. 4c + 3, so that each
+// waits on and releases its own items only). Columns (T > 1) share items: both consumers wait on every item's
+// full phase, in order, and release every item (passing those their tiles do not read: pass_stage). An mbarrier
+// tells a phase's parity, not its number: a consumer waiting on a stage whose previous phase (an item it had not
+// waited on) had not completed would see the parity it waits for already complete and read the stage early
+// (session 34: six stages, each consumer waiting on its own tiles' items only, got a few tiles wrong in some
+// runs). Passing costs where tiles are apart: a consumer's epilogue then holds the other's next stages (H200,
+// SPEC's A, TF32 with picks: 321 -> 485 us).
 constexpr int kStages = 2 * kStagesPerTile;
 constexpr int kThreads = 384;  // the producer warp group, two consumers
 constexpr int kPad = 1024;     // past each box: a tap's rows read up to 3 rows beyond it (kept zero)
@@ -421,8 +424,8 @@ struct Column {
   int n, rb, pp0;
 };
 __device__ __forceinline__ Column cta_column(const Conv3dTiles& p, int local) {
-  const int column = static_cast<int>(blockIdx.x) + local * static_cast<int>(gridDim.x), rows = column / p.segments;
-  return {rows / p.row_blocks, rows % p.row_blocks, column % p.segments * p.column_tiles};
+  const int column = static_cast<int>(blockIdx.x) + local * static_cast<int>(gridDim.x), rest = column / p.row_blocks;
+  return {rest / p.segments, column % p.row_blocks, rest % p.segments * p.column_tiles};
 }
 
 // Item `item`'s box: x plane z, rows h0 .. h0 + 5 of sample n.
@@ -660,7 +663,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       barrier_init(&full[s], kNcdhw ? 128 : 1);  // (the producer's threads, or its TMA thread's arrival)
-      barrier_init(&empty[s], 256);              // (both consumers' threads: each releases every item)
+      barrier_init(&empty[s], p.column_tiles > 1 ? 256 : 128);  // (both consumers' threads, or one's: kStages)
     }
     barrier_init(weights_landed);
     for (int s = 0; kNcdhw && s < kStagingSlots; ++s) {
@@ -697,7 +700,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   cutlass::arch::warpgroup_reg_alloc<224>();
   // ping-pong: consumer c takes the CTA's tiles k = c, c + 2, ... (tile k % T of column k / T, T = column_tiles:
   // the ring's items first = column_items (k / T) + 2 (k % T) .. first + 3), all 4 rows, so that one's epilogue
-  // runs while the other's wgmma instructions do; it passes the items between (pass_stage)
+  // runs while the other's wgmma instructions do; columns (T > 1): it passes the items between (pass_stage)
   // (the warp group's index by a shuffle from lane 0: the compiler then knows it, the tile, the stage and the
   // descriptors warp-uniform, and keeps them in uniform registers, as wgmma reads its descriptors)
   const int consumer = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0) - 1;
@@ -713,7 +716,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (pp >= p.plane_pairs) continue;  // (the last segment's tiles past D': their items passed with the rest)
     const int tile = (n * p.plane_pairs + pp) * p.row_blocks + rb;  // (tiles_of's numbering: p.partial's rows)
     const int64_t first = int64_t{k / p.column_tiles} * p.column_items + kTilePlanes * (pp - c.pp0);
-    for (; next < first; ++next) pass_stage(full, empty, next);
+    for (; p.column_tiles > 1 && next < first; ++next) pass_stage(full, empty, next);
     next = first + kStagesPerTile;
     float acc[2][kTilePlanes][2][8];  // (row pair jj / 2, output plane zo, row jj % 2, the m64 n16 fragment)
 #pragma unroll
@@ -735,7 +738,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
-  for (; next < items; ++next) pass_stage(full, empty, next);
+  for (; p.column_tiles > 1 && next < items; ++next) pass_stage(full, empty, next);
 #else
   __trap();
 #endif
@@ -746,11 +749,14 @@ inline int64_t tile_count(const at::Tensor& x) {
   return x.size(0) * ((x.size(2) - 2 + kTilePlanes - 1) / kTilePlanes) * ((x.size(3) - 2 + kTileRows - 1) / kTileRows);
 }
 
-// The tiles of x's convolution and their columns for a GPU of `sms` SMs: T (column_tiles) of the plane pairs
-// whose busiest CTA stages the fewest plane pairs, ceil(columns / sms) (T + 1) (a column stages T + 1; ties to the
-// longer columns, which stage less in all): whole (n, row block)s at SPEC's shape, shorter segments where a
-// small batch would leave SMs idle or a few CTAs with a column more than the rest.
-inline Conv3dTiles tiles_of(const at::Tensor& x, int sms) {
+// The tiles of x's convolution and their columns for a GPU of `sms` SMs. share_planes: T (column_tiles) of the
+// plane pairs whose busiest CTA stages the fewest plane pairs, ceil(columns / sms) (T + 1) (a column stages T + 1;
+// ties to the longer columns, which stage less in all): whole (n, row block)s at SPEC's shape, shorter segments
+// where a small batch would leave SMs idle or a few CTAs with a column more than the rest. Otherwise T = 1: the
+// launch's choice (where the consumers, not the producer's deliveries, limit the kernel, columns gain nothing and
+// the consumers' shared stages cost a little; H200, SPEC's A: TF32 300 -> 306 us, with picks 321 -> 341, bf16
+// 245 -> 204, bf16 with picks 274 -> 277).
+inline Conv3dTiles tiles_of(const at::Tensor& x, int sms, bool share_planes) {
   const int64_t tiles = tile_count(x);
   TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "conv3d_wgmma: too many tiles");
   Conv3dTiles p{};
@@ -762,7 +768,7 @@ inline Conv3dTiles tiles_of(const at::Tensor& x, int sms) {
   p.tiles = static_cast<int>(tiles);
   const int64_t rows = x.size(0) * p.row_blocks;
   int64_t best = std::numeric_limits<int64_t>::max();
-  for (int t = std::max(p.plane_pairs, 1); t >= 1; --t) {
+  for (int t = share_planes ? std::max(p.plane_pairs, 1) : 1; t >= 1; --t) {
     const int64_t segments = (p.plane_pairs + t - 1) / t, columns = rows * segments;
     const int64_t staged = (columns + sms - 1) / sms * (t + 1);
     if (staged < best) {
