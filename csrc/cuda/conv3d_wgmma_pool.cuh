@@ -428,15 +428,23 @@ __device__ __forceinline__ Column cta_column(const Conv3dTiles& p, int local) {
   return {rest / p.segments, column % p.row_blocks, rest % p.segments * p.column_tiles};
 }
 
-// Item `item`'s box: x plane z, rows h0 .. h0 + 5 of sample n.
-struct ItemBox {
-  int n, z, h0;
+// The producer's walk over its CTA's items in order (the ring's boxes): x plane z = 2 pp0 + plane, rows h0 .. h0 + 5
+// of sample n, for item `plane` of the CTA's column `local`: cta_column's divisions once a column, not on the TMA
+// thread's path an item (its warp converts the next box only after it).
+struct ItemWalk {
+  int local = 0, plane = 0;
+  Column c;
+  __device__ explicit ItemWalk(const Conv3dTiles& p) : c(cta_column(p, 0)) {}
+  __device__ int n() const { return c.n; }
+  __device__ int z() const { return kTilePlanes * c.pp0 + plane; }
+  __device__ int h0() const { return kTileRows * c.rb; }
+  __device__ void advance(const Conv3dTiles& p) {
+    if (++plane == p.column_items) {
+      plane = 0;
+      c = cta_column(p, ++local);
+    }
+  }
 };
-__device__ __forceinline__ ItemBox item_box(const Conv3dTiles& p, int64_t item) {
-  const int i = static_cast<int>(item);  // (a CTA's items fit in int: 32-bit divisions)
-  const Column c = cta_column(p, i / p.column_items);
-  return {c.n, kTilePlanes * c.pp0 + i % p.column_items, kTileRows * c.rb};
-}
 
 // The producer of kNcdhw: thread 0 loads x's boxes (8 channels, rows h0 .. h0 + 5, 64 columns of plane z) into
 // the staging slots by TMA, kStagingSlots items ahead; the warp group's 128 threads convert each into its stage
@@ -448,11 +456,13 @@ __device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& 
                                    uint64_t* staging_empty) {
   using S = Smem<L, true>;
   const int64_t items = cta_items(p);
-  auto load = [&](int64_t item) {  // (thread 0)
-    const ItemBox box = item_box(p, item);
+  ItemWalk walk(p);
+  auto load = [&](int64_t item) {  // (thread 0, items in order)
     const int slot = static_cast<int>(item % kStagingSlots);
     barrier_arrive_expect(&staging_full[slot], kStagingBytes);
-    tensor_load_5d(staging + slot * (kStagingBytes / 4), x_map, 0, box.h0, box.z, 0, box.n, &staging_full[slot]);
+    tensor_load_5d(staging + slot * (kStagingBytes / 4), x_map, 0, walk.h0(), walk.z(), 0, walk.n(),
+                   &staging_full[slot]);
+    walk.advance(p);
   };
   if (threadIdx.x == 0) {
     for (int64_t item = 0; item < std::min<int64_t>(kStagingSlots, items); ++item) load(item);
@@ -683,14 +693,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       produce_from_ncdhw<L>(x_map, p, smem, staging, full, empty, staging_full, staging_empty);
     } else if (threadIdx.x == 0) {
       const int64_t items = cta_items(p);
-      for (int64_t item = 0; item < items; ++item) {
+      ItemWalk walk(p);
+      for (int64_t item = 0; item < items; ++item, walk.advance(p)) {
         const int stage = static_cast<int>(item % kStages);
         barrier_wait(&empty[stage], (static_cast<uint32_t>(item / kStages) & 1) ^ 1);
         barrier_arrive_expect(&full[stage], L::kBoxes * L::kBoxBytes);
-        const ItemBox at = item_box(p, item);
         for (int box = 0; box < L::kBoxes; ++box) {
           tensor_load_5d(smem + stage * S::kStageStride + box * L::kBoxStride, x_map, box * L::kBoxChannels, 0,
-                         at.h0, at.z, at.n, &full[stage]);
+                         walk.h0(), walk.z(), walk.n(), &full[stage]);
         }
       }
     }
@@ -707,15 +717,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   barrier_wait(weights_landed, 0);
   const uint64_t b_base = L::b_base(weights);
-  const int tiles = static_cast<int>(cta_columns(p) * p.column_tiles);
-  const int64_t items = cta_items(p);
-  int64_t next = 0;  // (the first item this consumer has not waited on)
-  for (int k = consumer; k < tiles; k += 2) {  // (a CTA's tiles and items fit in int)
-    const Column c = cta_column(p, k / p.column_tiles);
-    const int pp = c.pp0 + k % p.column_tiles, rb = c.rb, n = c.n;
-    if (pp >= p.plane_pairs) continue;  // (the last segment's tiles past D': their items passed with the rest)
-    const int tile = (n * p.plane_pairs + pp) * p.row_blocks + rb;  // (tiles_of's numbering: p.partial's rows)
-    const int64_t first = int64_t{k / p.column_tiles} * p.column_items + kTilePlanes * (pp - c.pp0);
+  const int columns = static_cast<int>(cta_columns(p));  // (a CTA's columns, tiles and items fit in int)
+  int next = 0;  // (the first item this consumer has not waited on)
+  // tile k = T local + t (t < T), stepped without divisions: the first item, and so the stages, from uniform
+  // values before the tile's first wait; the tile's place (cta_column's divisions) after its wgmma are issued
+  // (branch-free steps of t by at most 2 < T + 2 past a column's end: the compiler keeps t, local, the first
+  // item and the stages in uniform registers in TF32's kernels, as main's from k alone; bf16's still not)
+  const auto step = [&](int& local, int& t) {
+    for (int twice = 0; twice < 2; ++twice) {
+      const int wraps = t >= p.column_tiles;
+      t -= wraps * p.column_tiles;
+      local += wraps;
+    }
+  };
+  int local = 0, t = consumer;
+  step(local, t);
+  while (local < columns) {
+    const int first = local * p.column_items + kTilePlanes * t;
     for (; p.column_tiles > 1 && next < first; ++next) pass_stage(full, empty, next);
     next = first + kStagesPerTile;
     float acc[2][kTilePlanes][2][8];  // (row pair jj / 2, output plane zo, row jj % 2, the m64 n16 fragment)
@@ -728,17 +746,26 @@ __global__ void __launch_bounds__(kThreads, 1)
     } else {
       consume_tile_bf16_row_fragments<L, kNcdhw>(smem, b_base, full, empty, first, warp, lane, acc);
     }
+    const Column c = cta_column(p, local);
+    const int pp = c.pp0 + t, rb = c.rb, n = c.n;
+    const int tile = (n * p.plane_pairs + pp) * p.row_blocks + rb;  // (tiles_of's numbering: p.partial's rows)
+    if (pp < p.plane_pairs) {  // (a last segment's tiles past D' are convolved, from zero planes, not written)
 #pragma unroll
-    for (int pair = 0; pair < 2; ++pair) {
-      if constexpr (kEpilogue != Epilogue::kY) {
-        pool_epilogue<typename L::T, kEpilogue == Epilogue::kMeanAndPicks>(acc[pair], bias, p, tile, n, pp,
-                                                                           2 * rb + pair, pair, warp, lane);
-      } else {
-        conv_epilogue(acc[pair], bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * pair, warp, lane);
+      for (int pair = 0; pair < 2; ++pair) {
+        if constexpr (kEpilogue != Epilogue::kY) {
+          pool_epilogue<typename L::T, kEpilogue == Epilogue::kMeanAndPicks>(acc[pair], bias, p, tile, n, pp,
+                                                                             2 * rb + pair, pair, warp, lane);
+        } else {
+          conv_epilogue(acc[pair], bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * pair, warp, lane);
+        }
       }
     }
+    t += 2;
+    step(local, t);
   }
-  for (; p.column_tiles > 1 && next < items; ++next) pass_stage(full, empty, next);
+  for (const int items = columns * p.column_items; p.column_tiles > 1 && next < items; ++next) {
+    pass_stage(full, empty, next);
+  }
 #else
   __trap();
 #endif
