@@ -748,8 +748,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const Column c = cta_column(p, local);
     const int pp = c.pp0 + t, rb = c.rb, n = c.n;
-    const int tile = (n * p.plane_pairs + pp) * p.row_blocks + rb;  // (tiles_of's numbering: p.partial's rows)
-    if (pp < p.plane_pairs) {  // (a last segment's tiles past D' are convolved, from zero planes, not written)
+    if (pp < p.plane_pairs) {  // (a last segment's tiles past D' are convolved, not written)
+      const int tile = (n * p.plane_pairs + pp) * p.row_blocks + rb;  // (tiles_of's numbering: p.partial's rows)
 #pragma unroll
       for (int pair = 0; pair < 2; ++pair) {
         if constexpr (kEpilogue != Epilogue::kY) {
