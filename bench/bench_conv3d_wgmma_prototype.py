@@ -18,7 +18,7 @@ the same kernel on the same values: their results must be the same bits (printed
 call); bf16's from x float32 NCDHW (A's input, the fused op's call: the producer warp group converts each box)
 too.
 
-    cd bench && python3 bench_conv3d_wgmma_prototype.py [--batch N] [--rounds 5] [--nonfinite]
+    cd bench && python3 bench_conv3d_wgmma_prototype.py [--batch N] [--rounds 5] [--nonfinite] [--few-sms]
 """
 import statistics
 import sys
@@ -34,7 +34,9 @@ LAYOUTS = {"tf32 swizzled": 0, "tf32 planes": 1, "bf16 pairs": 2, "tf32 swizzled
 
 def main():
     args, device, shape = convolution_arguments(
-        __doc__.splitlines()[0], "A", {"--nonfinite": "NaN, inf and -inf planted in x"})
+        __doc__.splitlines()[0], "A", {"--nonfinite": "NaN, inf and -inf planted in x",
+                                       "--few-sms": "the prototype over 4 SMs: columns of several tiles at a small "
+                                                    "batch (a sanitizer's run)"})
     if device.type != "cuda":
         sys.exit("bench_conv3d_wgmma_prototype: a wgmma kernel: --device cuda")
     prototype = build_extension("conv3d_wgmma_prototype", "conv3d_wgmma_prototype.cu")
@@ -46,6 +48,7 @@ def main():
         for where, value in zip(planted, (float("nan"), float("inf"), float("-inf"))):
             x.view(-1)[where] = value
     conv = torch.nn.Conv3d(shape[1], 16, 3).to(device)
+    sms = 4 if args.few_sms else 0  # (0: the device's)
     fused_op = torch.ops.fused_ops.conv3d_max_pool3d_mean.default
     n, _, d, h, w = shape
     flop = 2 * n * 16 * (d - 2) * (h - 2) * (w - 2) * shape[1] * 27
@@ -63,17 +66,19 @@ def main():
         rows[f"fused op {tag}: convolution and tail"] = (
             lambda b=ws, c=bs: fused_op(x, b, c, [0] * 3, [2] * 3, 2.0, True), (tag, "mean"))
         for layout, number in LAYOUTS.items():
-            if not layout.startswith(tag) or prototype.conv3d_wgmma(xs, ws, bs, number) is None:
+            if not layout.startswith(tag) or prototype.conv3d_wgmma(xs, ws, bs, number, sms) is None:
                 continue
             rows[f"{layout} y (x channels-last)"] = (
-                lambda a=xs_last, b=ws, c=bs, k=number: prototype.conv3d_wgmma(a, b, c, k), (tag, "y"))
+                lambda a=xs_last, b=ws, c=bs, k=number: prototype.conv3d_wgmma(a, b, c, k, sms), (tag, "y"))
             rows[f"{layout} + pool (x channels-last)"] = (
-                lambda a=xs_last, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k), (tag, "mean"))
+                lambda a=xs_last, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k, False, sms),
+                (tag, "mean"))
             rows[f"{layout} + pool (x contiguous)"] = (
-                lambda a=xs, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k), (tag, "mean"))
+                lambda a=xs, b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(a, b, c, 2.0, k, False, sms),
+                (tag, "mean"))
             # (A's input as it comes, float32 NCDHW, converted by the producer warp group: the fused op's call)
             rows[f"{layout} + pool (x NCDHW f32)"] = (
-                lambda b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(x, b, c, 2.0, k, True), (tag, "mean"))
+                lambda b=ws, c=bs, k=number: prototype.conv3d_wgmma_pool(x, b, c, 2.0, k, True, sms), (tag, "mean"))
     errors, means = {}, {}
     for name, (call, what) in rows.items():
         got = call()

@@ -72,10 +72,12 @@ def main():
     # output's edge, two channel blocks, fewer than 16 outputs, a negative divisor; forward alone, then
     # forward saving the picks and the weight-gradient kernel; each without and with A's channel bias and sum;
     # a float32 weight and bias rounded to bf16 as read (operand_dtype: autocast's); SPEC's rows (8 to 16
-    # channels, 64 wide): the wgmma kernel (a build with CUTLASS), D' and H' odd
+    # channels, 64 wide): the wgmma kernel (a build with CUTLASS), D' and H' odd; then its columns of two tiles
+    # sharing x planes (bfloat16, forward alone; 80 (n, row block)s on 132 SMs: both plane pairs a column)
     for x, w, padding, divisor in ((rand(2, 3, 7, 11, 20), rand(5, 3, 3, 3, 3), (1, 0, 1), -1.5),
                                    (rand(1, 11, 6, 9, 72), rand(16, 11, 3, 3, 3), 0, 2.0),
-                                   (rand(2, 8, 7, 9, 64), rand(16, 8, 3, 3, 3), 0, -0.7)):
+                                   (rand(2, 8, 7, 9, 64), rand(16, 8, 3, 3, 3), 0, -0.7),
+                                   (rand(5, 8, 6, 64, 64), rand(16, 8, 3, 3, 3), 0, 2.0)):
         b, channel_bias = rand(w.shape[0]), rand(w.shape[0])
         for weight, bias, operand in ((w, b, None), (w.bfloat16(), b.bfloat16(), None), (w, b, torch.bfloat16)):
             for tail in ({}, dict(channel_bias=channel_bias, sum_channels=True)):

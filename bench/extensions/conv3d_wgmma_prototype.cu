@@ -92,8 +92,15 @@ at::Tensor weights_for(const at::Tensor& weight) {
 
 // The kernel's launch on x (kNcdhw: as it is, NCDHW; else read channels-last: a copy unless x is
 // channels_last_3d) with p's pool fields set where pooled; y defined where not.
+// The SMs the kernel spreads over: the device's, or `sms` where positive (fewer CTAs, so that each takes columns
+// of several tiles: a sanitizer's small case).
+int sms_for(const at::Tensor& x, int64_t sms) {
+  return sms > 0 ? static_cast<int>(sms) : device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
+}
+
 template <class L, Epilogue kEpilogue, bool kNcdhw>
-void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Conv3dTiles& p, at::Tensor& y) {
+void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, Conv3dTiles& p, at::Tensor& y,
+            int sms) {
   const at::Tensor x_ndhwc = kNcdhw ? x : x.contiguous(at::MemoryFormat::ChannelsLast3d).permute({0, 2, 3, 4, 1});
   const at::Tensor w = weights_for<L>(weight);
   TORCH_INTERNAL_ASSERT(w.numel() * w.element_size() == L::kWeightBytes);
@@ -105,8 +112,7 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bia
   const at::Tensor bias_values = bias.to(at::kFloat).contiguous();
   const auto kernel = conv3d_wgmma_kernel<L, kEpilogue, kNcdhw>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<L, kNcdhw>::kBytes));
-  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
-  const int blocks = std::min(p.tiles, sms);
+  const int blocks = std::min(p.columns, sms);
   kernel<<<blocks, kThreads, Smem<L, kNcdhw>::kBytes, c10::cuda::getCurrentCUDAStream()>>>(
       x_map, w_map, bias_values.const_data_ptr<float>(),
       kEpilogue == Epilogue::kY ? y.mutable_data_ptr<float>() : nullptr, p);
@@ -115,12 +121,12 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bia
 
 // y = conv3d(x, weight, bias) (float32) by the prototype in `layout`, or None where it does not take the call.
 std::optional<at::Tensor> conv3d_wgmma(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
-                                       int64_t layout) {
+                                       int64_t layout, int64_t sms) {
   if (!takes(x, weight, bias, layout, false)) return std::nullopt;
-  Conv3dTiles p = tiles_of(x);
+  Conv3dTiles p = tiles_of(x, sms_for(x, sms), true);
   at::Tensor y = at::empty({x.size(0), kChannelsOut, p.depth_out, p.height_out, p.width_out},
                            x.options().dtype(at::kFloat).memory_format(at::MemoryFormat::ChannelsLast3d));
-  with_layout(layout, [&](auto l) { launch<decltype(l), Epilogue::kY, false>(x, weight, bias, p, y); });
+  with_layout(layout, [&](auto l) { launch<decltype(l), Epilogue::kY, false>(x, weight, bias, p, y, sms_for(x, sms)); });
   return y;
 }
 
@@ -129,9 +135,9 @@ std::optional<at::Tensor> conv3d_wgmma(const at::Tensor& x, const at::Tensor& we
 // and H' at least 2). `ncdhw`: from x float32 NCDHW as it comes, converted by the producer (takes' ncdhw).
 std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Tensor& x, const at::Tensor& weight,
                                                                     const at::Tensor& bias, double divisor,
-                                                                    int64_t layout, bool ncdhw) {
+                                                                    int64_t layout, bool ncdhw, int64_t sms) {
   if (!takes(x, weight, bias, layout, ncdhw) || x.size(2) < 4 || x.size(3) < 4) return std::nullopt;
-  Conv3dTiles p = tiles_of(x);
+  Conv3dTiles p = tiles_of(x, sms_for(x, sms), true);
   p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
   p.pooled[0] = p.depth_out / 2;
   p.pooled[1] = p.height_out / 2;
@@ -145,9 +151,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
   at::Tensor unused;
   with_layout(layout, [&](auto l) {
     if (ncdhw) {
-      launch<decltype(l), Epilogue::kMeanAndPicks, true>(x, weight, bias, p, unused);
+      launch<decltype(l), Epilogue::kMeanAndPicks, true>(x, weight, bias, p, unused, sms_for(x, sms));
     } else {
-      launch<decltype(l), Epilogue::kMeanAndPicks, false>(x, weight, bias, p, unused);
+      launch<decltype(l), Epilogue::kMeanAndPicks, false>(x, weight, bias, p, unused, sms_for(x, sms));
     }
   });
   const double windows = static_cast<double>(p.pooled[0]) * p.pooled[1] * p.pooled[2];
@@ -160,10 +166,13 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv3d_wgmma", &fused_ops::conv3d_wgmma,
         "y = conv3d(x, weight, bias) by the wgmma prototype in a layout (0: TF32 swizzled, 1: TF32 planes, 2: bf16 "
-        "pairs, 3 and 4: TF32 swizzled and bf16 pairs with A from registers; None where it does not take the call)");
+        "pairs, 3 and 4: TF32 swizzled and bf16 pairs with A from registers; None where it does not take the call); "
+        "sms: the SMs it spreads over (0: the device's)",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("layout"), py::arg("sms") = 0);
   m.def("conv3d_wgmma_pool", &fused_ops::conv3d_wgmma_pool,
         "(mean, picks) of conv3d_max_pool3d_mean(x, weight, bias, 0, 2, divisor) by the wgmma prototype with its "
-        "pool epilogue, in a layout (as conv3d_wgmma's); ncdhw: from x float32 NCDHW, converted by the producer",
+        "pool epilogue, in a layout (as conv3d_wgmma's); ncdhw: from x float32 NCDHW, converted by the producer; "
+        "sms as conv3d_wgmma's",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("divisor"), py::arg("layout"),
-        py::arg("ncdhw") = false);
+        py::arg("ncdhw") = false, py::arg("sms") = 0);
 }

@@ -485,7 +485,9 @@ at::Tensor launch_wgmma(const at::Tensor& x, const at::Tensor& weight, const std
                         double divisor, uint8_t* picks) {
   using namespace wgmma_conv3d;
   using T = typename L::T;
-  Conv3dTiles p = tiles_of(x);
+  const int sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
+  // (columns sharing x planes where the producer limits the kernel: bfloat16's 5-step consumers, mean alone)
+  Conv3dTiles p = tiles_of(x, sms, std::is_same_v<L, Bf16PairsRegisterA> && picks == nullptr);
   at::Tensor partial = at::empty({x.size(0), int64_t{p.tiles} / x.size(0) * 8, kChannelsOut}, x.options());
   p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
   p.pooled[0] = p.depth_out / 2;
@@ -517,7 +519,7 @@ at::Tensor launch_wgmma(const at::Tensor& x, const at::Tensor& weight, const std
                                        : conv3d_wgmma_kernel<L, Epilogue::kMean, true>;
   constexpr int smem = Smem<L, true>::kBytes;
   allow_dynamic_shared_memory(kernel, smem);
-  const int blocks = std::min(p.tiles, device_attribute(cudaDevAttrMultiProcessorCount, x.get_device()));
+  const int blocks = std::min(p.columns, sms);
   kernel<<<blocks, wgmma_conv3d::kThreads, smem, stream>>>(x_map, w_map, rounded_bias, nullptr, p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return partial;

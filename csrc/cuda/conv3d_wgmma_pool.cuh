@@ -20,11 +20,15 @@
 //   apart: (r, s), (r, s + 1) one row, (0, 2), (1, 2) 64 rows; (2, 2) with a zero chunk: 5 steps a plane.
 // B = the step's weights, (16 output channels) x K, K-major in the same layout.
 //
-// A CTA (persistent over tiles): a tile is 2 output planes (z0, z0 + 1) x 4 output rows (h0 .. h0 + 3) of one
+// A CTA (persistent over columns): a tile is 2 output planes (z0, z0 + 1) x 4 output rows (h0 .. h0 + 3) of one
 // n; its 4 stages are x planes z0 .. z0 + 3, rows h0 .. h0 + 5 (TMA boxes, zeros past x's end); stage j adds
-// tap t = j - zo to output plane z0 + zo. One producer warp group (a thread issues the boxes), two consumer
-// warp groups taking alternate tiles (ping-pong: one's epilogue runs while the other's wgmma instructions do),
-// each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4 rows). With A from shared
+// tap t = j - zo to output plane z0 + zo. A column is T consecutive tiles of an (n, row block), z0 = 2 pp0, 2 pp0 +
+// 2, ...: its x planes are staged once each, in order (the ring's items), two consecutive tiles sharing two of
+// them, so x is staged 1.5 (T + 1) / T times (1.71 at SPEC's shape, T = 7) where a tile's own 4 planes staged it 3
+// times (T = 1 still: small batches spread over the SMs, and the launches that keep tiles apart; tiles_of). One
+// producer warp group (a thread issues the boxes), two consumer warp groups taking alternate tiles (ping-pong:
+// one's epilogue runs while the other's wgmma instructions do), each all 4 rows of its tile (8 m64 n16
+// accumulators of 8 floats: 2 planes x 4 rows). With A from shared
 // memory a TF32 m64 n16 k8 instruction reads 2.5 KB (A 2 KB, B 0.5) for 8192 MACs, over what shared memory
 // serves; the RS layouts (the library's) load each A fragment into registers once a stage, for every tap and
 // output plane that reads it (consume_tile_row_fragments, consume_tile_bf16_row_fragments). Pooled, a row pair
@@ -54,11 +58,14 @@ namespace fused_ops::wgmma_conv3d {
 constexpr int kChannelsIn = 8, kChannelsOut = 16, kRow = 64;  // I, O, x's row (W)
 constexpr int kTileRows = 4, kTilePlanes = 2;                   // output rows and planes a tile
 constexpr int kBoxRows = kTileRows + 2, kStagesPerTile = kTilePlanes + 2;
-// The ring's stages: a multiple of two tiles' (the consumers', alternating), so that every stage serves one
-// consumer only. An mbarrier tells a phase's parity, not its number: a consumer waiting on a stage whose
-// previous phase was the other consumer's item, not landed yet (TMA loads may land out of order), would see the
-// parity it waits for already complete and read the stage early. Six stages did that (item 4k + 2 in the stage
-// of item 4k - 4): a few tiles wrong in some runs (session 34).
+// The ring's stages: two tiles' (T = 1: consumer c's tiles' items always in stages 4c .. 4c + 3, so that each
+// waits on and releases its own items only). Columns (T > 1) share items: both consumers wait on every item's
+// full phase, in order, and release every item (passing those their tiles do not read: pass_stage). An mbarrier
+// tells a phase's parity, not its number: a consumer waiting on a stage whose previous phase (an item it had not
+// waited on) had not completed would see the parity it waits for already complete and read the stage early
+// (session 34: six stages, each consumer waiting on its own tiles' items only, got a few tiles wrong in some
+// runs). T = 1 passes nothing: passing where tiles are apart makes a consumer's epilogue hold the other's next
+// stages (H200, SPEC's A, TF32 with picks, one ncu launch each: 321 -> 485 us).
 constexpr int kStages = 2 * kStagesPerTile;
 constexpr int kThreads = 384;  // the producer warp group, two consumers
 constexpr int kPad = 1024;     // past each box: a tap's rows read up to 3 rows beyond it (kept zero)
@@ -262,6 +269,10 @@ struct Conv3dTiles {
   int depth_out, height_out, width_out;  // D', H', W' (W' = 62)
   int plane_pairs, row_blocks;           // ceil(D' / 2), ceil(H' / 4)
   int tiles;                             // N plane_pairs row_blocks
+  // a column: column_tiles consecutive plane pairs (a segment) of an (n, row block); its tiles' x planes, 2
+  // column_tiles + 2 items (planes past x: zeros), staged once each; a CTA's are blockIdx.x, + gridDim.x, ...
+  int segments, column_tiles, column_items;  // ceil(plane_pairs / column_tiles), its tiles, 2 column_tiles + 2
+  int columns;                               // N row_blocks segments
   float reciprocal;                      // pooled: 1 / divisor, as PyTorch's CUDA division multiplies
   int pooled[3];                         // pooled: the windows (PD, PH, PW) = floor((D', H', W') / 2)
   uint8_t* picks;                        // kMeanAndPicks: (N, 16, PD, PH, PW)
@@ -402,6 +413,39 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[2][kTilePlanes][
   for (int e = 0; e < 2 * kTilePlanes * 2 * 8; ++e) cute::warpgroup_fence_operand((&acc[0][0][0][0])[e]);
 }
 
+// This CTA's columns' x planes (the ring's items, in order) and tiles.
+__device__ __forceinline__ int64_t cta_columns(const Conv3dTiles& p) {
+  return p.columns > static_cast<int>(blockIdx.x) ? (p.columns - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+}
+__device__ __forceinline__ int64_t cta_items(const Conv3dTiles& p) { return cta_columns(p) * p.column_items; }
+
+// The CTA's column `local` (its columns counted from 0): sample n, row block rb, its first plane pair.
+struct Column {
+  int n, rb, pp0;
+};
+__device__ __forceinline__ Column cta_column(const Conv3dTiles& p, int local) {
+  const int column = static_cast<int>(blockIdx.x) + local * static_cast<int>(gridDim.x), rest = column / p.row_blocks;
+  return {rest / p.segments, column % p.row_blocks, rest % p.segments * p.column_tiles};
+}
+
+// The producer's walk over its CTA's items in order (the ring's boxes): x plane z = 2 pp0 + plane, rows h0 .. h0 + 5
+// of sample n, for item `plane` of the CTA's column `local`: cta_column's divisions once a column, not on the TMA
+// thread's path an item (its warp converts the next box only after it).
+struct ItemWalk {
+  int local = 0, plane = 0;
+  Column c;
+  __device__ explicit ItemWalk(const Conv3dTiles& p) : c(cta_column(p, 0)) {}
+  __device__ int n() const { return c.n; }
+  __device__ int z() const { return kTilePlanes * c.pp0 + plane; }
+  __device__ int h0() const { return kTileRows * c.rb; }
+  __device__ void advance(const Conv3dTiles& p) {
+    if (++plane == p.column_items) {
+      plane = 0;
+      c = cta_column(p, ++local);
+    }
+  }
+};
+
 // The producer of kNcdhw: thread 0 loads x's boxes (8 channels, rows h0 .. h0 + 5, 64 columns of plane z) into
 // the staging slots by TMA, kStagingSlots items ahead; the warp group's 128 threads convert each into its stage
 // (3 positions a thread: 8 loads each a stride apart, conflict-free, then one or two 16-byte stores each), fence
@@ -411,15 +455,14 @@ __device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& 
                                    float* staging, uint64_t* full, uint64_t* empty, uint64_t* staging_full,
                                    uint64_t* staging_empty) {
   using S = Smem<L, true>;
-  const int64_t tiles = p.tiles > static_cast<int>(blockIdx.x) ? (p.tiles - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  const int64_t items = tiles * kStagesPerTile;
-  auto load = [&](int64_t item) {  // (thread 0)
-    const int tile = static_cast<int>(blockIdx.x + item / kStagesPerTile * gridDim.x), j = item % kStagesPerTile;
-    const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
+  const int64_t items = cta_items(p);
+  ItemWalk walk(p);
+  auto load = [&](int64_t item) {  // (thread 0, items in order)
     const int slot = static_cast<int>(item % kStagingSlots);
     barrier_arrive_expect(&staging_full[slot], kStagingBytes);
-    tensor_load_5d(staging + slot * (kStagingBytes / 4), x_map, 0, kTileRows * rb, kTilePlanes * pp + j, 0,
-                   tile / p.row_blocks / p.plane_pairs, &staging_full[slot]);
+    tensor_load_5d(staging + slot * (kStagingBytes / 4), x_map, 0, walk.h0(), walk.z(), 0, walk.n(),
+                   &staging_full[slot]);
+    walk.advance(p);
   };
   if (threadIdx.x == 0) {
     for (int64_t item = 0; item < std::min<int64_t>(kStagingSlots, items); ++item) load(item);
@@ -450,6 +493,13 @@ __device__ void produce_from_ncdhw(const CUtensorMap& x_map, const Conv3dTiles& 
   }
 }
 
+// A consumer's wait on item `item`'s stage and its release, for an item its tiles do not read (kStages says why).
+__device__ __forceinline__ void pass_stage(uint64_t* full, uint64_t* empty, int64_t item) {
+  const int stage = static_cast<int>(item % kStages);
+  barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
+  barrier_arrive(&empty[stage]);
+}
+
 // Output row jj's wgmma at `step` for stage j from A (a descriptor in shared memory, or a fragment in registers),
 // for each output plane zo whose tap t = j - zo lies in 0 .. 2.
 template <class L, class A>
@@ -462,15 +512,16 @@ __device__ __forceinline__ void mma_planes(const A& a, uint64_t b_base, int step
   }
 }
 
-// A consumer's tile k (items 4k .. 4k + 3 of the ring) with A from shared memory: a stage's wgmma as one
+// A consumer's tile (items first .. first + 3 of the ring) with A from shared memory: a stage's wgmma as one
 // batch, the previous stage released once that batch's predecessor is done (wait<1>).
 template <class L, bool kNcdhw>
 __device__ __forceinline__ void consume_tile_shared_a(const unsigned char* smem, uint64_t b_base, uint64_t* full,
-                                                      uint64_t* empty, int k, float (&acc)[2][kTilePlanes][2][8]) {
+                                                      uint64_t* empty, int64_t first,
+                                                      float (&acc)[2][kTilePlanes][2][8]) {
   int previous = -1;
 #pragma unroll
   for (int j = 0; j < kStagesPerTile; ++j) {
-    const int64_t item = int64_t{k} * kStagesPerTile + j;
+    const int64_t item = first + j;
     const int stage = static_cast<int>(item % kStages);
     barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
     const uint64_t a_base = L::a_base(smem + stage * Smem<L, kNcdhw>::kStageStride);
@@ -493,19 +544,19 @@ __device__ __forceinline__ void consume_tile_shared_a(const unsigned char* smem,
   barrier_arrive(&empty[previous]);
 }
 
-// A consumer's tile k with A from registers (wgmma's RS form): each stage's taps in kBatches batches, batch n's
+// A consumer's tile (items first .. first + 3) with A from registers (wgmma's RS form): each stage's taps in kBatches batches, batch n's
 // fragments loaded by load(box, a, batch) into buffer n % 2 of a, then queued by issue(a, j, batch) as one
 // wgmma batch. A buffer is reloaded only after wait<1> says batch n - 2, the last to read it, is done; a stage
 // is released once its last batch's fragments are in registers (wgmma reads only B, the weights, from shared
 // memory).
 template <class L, bool kNcdhw, int kBatches, class Load, class Issue>
 __device__ __forceinline__ void consume_tile_in_batches(const unsigned char* smem, uint64_t* full, uint64_t* empty,
-                                                        int k, float (&acc)[2][kTilePlanes][2][8], Load&& load,
-                                                        Issue&& issue) {
+                                                        int64_t first, float (&acc)[2][kTilePlanes][2][8],
+                                                        Load&& load, Issue&& issue) {
   uint32_t a[2][kBoxRows][4];
 #pragma unroll
   for (int j = 0; j < kStagesPerTile; ++j) {
-    const int64_t item = int64_t{k} * kStagesPerTile + j;
+    const int64_t item = first + j;
     const int stage = static_cast<int>(item % kStages);
     barrier_wait(&full[stage], static_cast<uint32_t>(item / kStages) & 1);
     const uint32_t box = shared_address(smem + stage * Smem<L, kNcdhw>::kStageStride);
@@ -533,7 +584,7 @@ __device__ __forceinline__ void consume_tile_in_batches(const unsigned char* sme
 // then up to 24 wgmma in (r, row, plane) order (up to 8 accumulators apart before one is reused).
 template <class L, bool kNcdhw>
 __device__ __forceinline__ void consume_tile_row_fragments(const unsigned char* smem, uint64_t b_base, uint64_t* full,
-                                                           uint64_t* empty, int k, int warp, int lane,
+                                                           uint64_t* empty, int64_t first, int warp, int lane,
                                                            float (&acc)[2][kTilePlanes][2][8]) {
   static_assert(L::kSteps == 9, "one tap a step");
   uint32_t lanes[3];
@@ -549,7 +600,7 @@ __device__ __forceinline__ void consume_tile_row_fragments(const unsigned char* 
       for (int jj = 0; jj < kTileRows; ++jj) mma_planes<L>(a[jj + r], b_base, 3 * r + shift, j, jj, acc);
     }
   };
-  consume_tile_in_batches<L, kNcdhw, 3>(smem, full, empty, k, acc, load, issue);
+  consume_tile_in_batches<L, kNcdhw, 3>(smem, full, empty, first, acc, load, issue);
 }
 
 // consume_tile_in_batches for Bf16PairsRegisterA (two taps a step), each fragment loaded once a stage: its taps in
@@ -559,8 +610,9 @@ __device__ __forceinline__ void consume_tile_row_fragments(const unsigned char* 
 // the zero-weight chunk's): 9 ldmatrix a stage instead of 20.
 template <class L, bool kNcdhw>
 __device__ __forceinline__ void consume_tile_bf16_row_fragments(const unsigned char* smem, uint64_t b_base,
-                                                                uint64_t* full, uint64_t* empty, int k, int warp,
-                                                                int lane, float (&acc)[2][kTilePlanes][2][8]) {
+                                                                uint64_t* full, uint64_t* empty, int64_t first,
+                                                                int warp, int lane,
+                                                                float (&acc)[2][kTilePlanes][2][8]) {
   static_assert(L::kSteps == 5, "Bf16Pairs' steps");
   uint32_t lanes[3];
   L::lanes(warp, lane, lanes);
@@ -591,7 +643,7 @@ __device__ __forceinline__ void consume_tile_bf16_row_fragments(const unsigned c
       }
     }
   };
-  consume_tile_in_batches<L, kNcdhw, 2>(smem, full, empty, k, acc, load, issue);
+  consume_tile_in_batches<L, kNcdhw, 2>(smem, full, empty, first, acc, load, issue);
 }
 
 // x_map: x NDHWC as (8, 64, H, D, N) innermost first, boxes (L::kBoxChannels, 64, 6, 1, 1); or (kNcdhw) x
@@ -621,7 +673,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       barrier_init(&full[s], kNcdhw ? 128 : 1);  // (the producer's threads, or its TMA thread's arrival)
-      barrier_init(&empty[s], 128);              // (one consumer's threads)
+      barrier_init(&empty[s], p.column_tiles > 1 ? 256 : 128);  // (both consumers' threads, or one's: kStages)
     }
     barrier_init(weights_landed);
     for (int s = 0; kNcdhw && s < kStagingSlots; ++s) {
@@ -642,22 +694,15 @@ __global__ void __launch_bounds__(kThreads, 1)
     if constexpr (kNcdhw) {
       produce_from_ncdhw<L>(x_map, p, smem, staging, full, empty, staging_full, staging_empty);
     } else if (threadIdx.x == 0) {
-      int stage = 0;
-      uint32_t phase = 0;
-      for (int tile = blockIdx.x; tile < p.tiles; tile += gridDim.x) {
-        const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
-        const int n = tile / p.row_blocks / p.plane_pairs;
-        for (int j = 0; j < kStagesPerTile; ++j) {
-          barrier_wait(&empty[stage], phase ^ 1);
-          barrier_arrive_expect(&full[stage], L::kBoxes * L::kBoxBytes);
-          for (int box = 0; box < L::kBoxes; ++box) {
-            tensor_load_5d(smem + stage * S::kStageStride + box * L::kBoxStride, x_map, box * L::kBoxChannels, 0,
-                           kTileRows * rb, kTilePlanes * pp + j, n, &full[stage]);
-          }
-          if (++stage == kStages) {
-            stage = 0;
-            phase ^= 1;
-          }
+      const int64_t items = cta_items(p);
+      ItemWalk walk(p);
+      for (int64_t item = 0; item < items; ++item, walk.advance(p)) {
+        const int stage = static_cast<int>(item % kStages);
+        barrier_wait(&empty[stage], (static_cast<uint32_t>(item / kStages) & 1) ^ 1);
+        barrier_arrive_expect(&full[stage], L::kBoxes * L::kBoxBytes);
+        for (int box = 0; box < L::kBoxes; ++box) {
+          tensor_load_5d(smem + stage * S::kStageStride + box * L::kBoxStride, x_map, box * L::kBoxChannels, 0,
+                         walk.h0(), walk.z(), walk.n(), &full[stage]);
         }
       }
     }
@@ -665,38 +710,63 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   cutlass::arch::warpgroup_reg_alloc<224>();
-  // ping-pong: consumer c takes the CTA's tiles k = c, c + 2, ... (tile blockIdx.x + k gridDim.x, items 4k ..
-  // 4k + 3 of the ring, in its stages 4c .. 4c + 3), all 4 rows, so that one's epilogue runs while the other's
-  // wgmma instructions do
+  // ping-pong: consumer c takes the CTA's tiles k = c, c + 2, ... (tile k % T of column k / T, T = column_tiles:
+  // the ring's items first = column_items (k / T) + 2 (k % T) .. first + 3), all 4 rows, so that one's epilogue
+  // runs while the other's wgmma instructions do; columns (T > 1): it passes the items between (pass_stage)
   // (the warp group's index by a shuffle from lane 0: the compiler then knows it, the tile, the stage and the
   // descriptors warp-uniform, and keeps them in uniform registers, as wgmma reads its descriptors)
   const int consumer = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0) - 1;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   barrier_wait(weights_landed, 0);
   const uint64_t b_base = L::b_base(weights);
-  for (int k = consumer, tile = blockIdx.x + consumer * gridDim.x; tile < p.tiles; k += 2, tile += 2 * gridDim.x) {
+  const int columns = static_cast<int>(cta_columns(p));  // (a CTA's columns, tiles and items fit in int)
+  int next = 0;  // (the first item this consumer has not waited on)
+  // tile k = T local + t (t < T), stepped without divisions: the first item, and so the stages, from uniform
+  // values before the tile's first wait; the tile's place (cta_column's divisions) after its wgmma are issued
+  // (branch-free steps of t by at most 2 < T + 2 past a column's end: the compiler keeps t, local, the first
+  // item and the stages in uniform registers in TF32's kernels, as main's from k alone; bf16's still not)
+  const auto step = [&](int& local, int& t) {
+    for (int twice = 0; twice < 2; ++twice) {
+      const int wraps = t >= p.column_tiles;
+      t -= wraps * p.column_tiles;
+      local += wraps;
+    }
+  };
+  int local = 0, t = consumer;
+  step(local, t);
+  while (local < columns) {
+    const int first = local * p.column_items + kTilePlanes * t;
+    for (; p.column_tiles > 1 && next < first; ++next) pass_stage(full, empty, next);
+    next = first + kStagesPerTile;
     float acc[2][kTilePlanes][2][8];  // (row pair jj / 2, output plane zo, row jj % 2, the m64 n16 fragment)
 #pragma unroll
     for (int e = 0; e < 2 * kTilePlanes * 2 * 8; ++e) (&acc[0][0][0][0])[e] = 0.f;
     if constexpr (!L::kRegisterA) {
-      consume_tile_shared_a<L, kNcdhw>(smem, b_base, full, empty, k, acc);
+      consume_tile_shared_a<L, kNcdhw>(smem, b_base, full, empty, first, acc);
     } else if constexpr (L::kSteps == 9) {
-      consume_tile_row_fragments<L, kNcdhw>(smem, b_base, full, empty, k, warp, lane, acc);
+      consume_tile_row_fragments<L, kNcdhw>(smem, b_base, full, empty, first, warp, lane, acc);
     } else {
-      consume_tile_bf16_row_fragments<L, kNcdhw>(smem, b_base, full, empty, k, warp, lane, acc);
+      consume_tile_bf16_row_fragments<L, kNcdhw>(smem, b_base, full, empty, first, warp, lane, acc);
     }
-
-    const int rb = tile % p.row_blocks, pp = tile / p.row_blocks % p.plane_pairs;
-    const int n = tile / p.row_blocks / p.plane_pairs;
+    const Column c = cta_column(p, local);
+    const int pp = c.pp0 + t, rb = c.rb, n = c.n;
+    if (pp < p.plane_pairs) {  // (a last segment's tiles past D' are convolved, not written)
+      const int tile = (n * p.plane_pairs + pp) * p.row_blocks + rb;  // (tiles_of's numbering: p.partial's rows)
 #pragma unroll
-    for (int pair = 0; pair < 2; ++pair) {
-      if constexpr (kEpilogue != Epilogue::kY) {
-        pool_epilogue<typename L::T, kEpilogue == Epilogue::kMeanAndPicks>(acc[pair], bias, p, tile, n, pp,
-                                                                           2 * rb + pair, pair, warp, lane);
-      } else {
-        conv_epilogue(acc[pair], bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * pair, warp, lane);
+      for (int pair = 0; pair < 2; ++pair) {
+        if constexpr (kEpilogue != Epilogue::kY) {
+          pool_epilogue<typename L::T, kEpilogue == Epilogue::kMeanAndPicks>(acc[pair], bias, p, tile, n, pp,
+                                                                             2 * rb + pair, pair, warp, lane);
+        } else {
+          conv_epilogue(acc[pair], bias, y, p, n, kTilePlanes * pp, kTileRows * rb + 2 * pair, warp, lane);
+        }
       }
     }
+    t += 2;
+    step(local, t);
+  }
+  for (const int items = columns * p.column_items; p.column_tiles > 1 && next < items; ++next) {
+    pass_stage(full, empty, next);
   }
 #else
   __trap();
@@ -708,8 +778,14 @@ inline int64_t tile_count(const at::Tensor& x) {
   return x.size(0) * ((x.size(2) - 2 + kTilePlanes - 1) / kTilePlanes) * ((x.size(3) - 2 + kTileRows - 1) / kTileRows);
 }
 
-// The tiles of x's convolution.
-inline Conv3dTiles tiles_of(const at::Tensor& x) {
+// The tiles of x's convolution and their columns for a GPU of `sms` SMs. share_planes: T (column_tiles) of the
+// plane pairs whose busiest CTA stages the fewest plane pairs, ceil(columns / sms) (T + 1) (a column stages T + 1;
+// ties to the longer columns, which stage less in all): whole (n, row block)s at SPEC's shape, shorter segments
+// where a small batch would leave SMs idle or a few CTAs with a column more than the rest. Otherwise T = 1: the
+// launch's choice (where the consumers, not the producer's deliveries, limit the kernel, columns gain nothing and
+// the consumers' shared stages cost a little; H200, SPEC's A, one ncu launch each: TF32 300 -> 306 us, with
+// picks 321 -> 341, bf16 245 -> 204, bf16 with picks 274 -> 277: NOTES, sessions 38 and 39).
+inline Conv3dTiles tiles_of(const at::Tensor& x, int sms, bool share_planes) {
   const int64_t tiles = tile_count(x);
   TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "conv3d_wgmma: too many tiles");
   Conv3dTiles p{};
@@ -719,6 +795,19 @@ inline Conv3dTiles tiles_of(const at::Tensor& x) {
   p.plane_pairs = (p.depth_out + kTilePlanes - 1) / kTilePlanes;
   p.row_blocks = (p.height_out + kTileRows - 1) / kTileRows;
   p.tiles = static_cast<int>(tiles);
+  const int64_t rows = x.size(0) * p.row_blocks;
+  int64_t best = std::numeric_limits<int64_t>::max();
+  for (int t = share_planes ? std::max(p.plane_pairs, 1) : 1; t >= 1; --t) {
+    const int64_t segments = (p.plane_pairs + t - 1) / t, columns = rows * segments;
+    const int64_t staged = (columns + sms - 1) / sms * (t + 1);
+    if (staged < best) {
+      best = staged;
+      p.column_tiles = t;
+      p.segments = static_cast<int>(segments);
+      p.columns = static_cast<int>(columns);  // (at most tiles)
+    }
+  }
+  p.column_items = kTilePlanes * p.column_tiles + 2;
   return p;
 }
 
