@@ -486,8 +486,7 @@ at::Tensor launch_wgmma(const at::Tensor& x, const at::Tensor& weight, const std
   using namespace wgmma_conv3d;
   using T = typename L::T;
   const int sms = device_attribute(cudaDevAttrMultiProcessorCount, x.get_device());
-  // (columns sharing x planes where the producer limits the kernel: bfloat16's 5-step consumers, mean alone)
-  Conv3dTiles p = tiles_of(x, sms, std::is_same_v<L, Bf16PairsRegisterA> && picks == nullptr);
+  Conv3dTiles p = tiles_of(x, sms);
   at::Tensor partial = at::empty({x.size(0), int64_t{p.tiles} / x.size(0) * 8, kChannelsOut}, x.options());
   p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
   p.pooled[0] = p.depth_out / 2;

@@ -25,7 +25,7 @@
 // tap t = j - zo to output plane z0 + zo. A column is T consecutive tiles of an (n, row block), z0 = 2 pp0, 2 pp0 +
 // 2, ...: its x planes are staged once each, in order (the ring's items), two consecutive tiles sharing two of
 // them, so x is staged 1.5 (T + 1) / T times (1.71 at SPEC's shape, T = 7) where a tile's own 4 planes staged it 3
-// times (T = 1 still: small batches spread over the SMs, and the launches that keep tiles apart; tiles_of). One
+// times (T = 1 still where small batches spread over the SMs: tiles_of). One
 // producer warp group (a thread issues the boxes), two consumer warp groups taking alternate tiles (ping-pong:
 // one's epilogue runs while the other's wgmma instructions do), each all 4 rows of its tile (8 m64 n16
 // accumulators of 8 floats: 2 planes x 4 rows). With A from shared
@@ -778,14 +778,14 @@ inline int64_t tile_count(const at::Tensor& x) {
   return x.size(0) * ((x.size(2) - 2 + kTilePlanes - 1) / kTilePlanes) * ((x.size(3) - 2 + kTileRows - 1) / kTileRows);
 }
 
-// The tiles of x's convolution and their columns for a GPU of `sms` SMs. share_planes: T (column_tiles) of the
-// plane pairs whose busiest CTA stages the fewest plane pairs, ceil(columns / sms) (T + 1) (a column stages T + 1;
-// ties to the longer columns, which stage less in all): whole (n, row block)s at SPEC's shape, shorter segments
-// where a small batch would leave SMs idle or a few CTAs with a column more than the rest. Otherwise T = 1: the
-// launch's choice (where the consumers, not the producer's deliveries, limit the kernel, columns gain nothing and
-// the consumers' shared stages cost a little; H200, SPEC's A, one ncu launch each: TF32 300 -> 306 us, with
-// picks 321 -> 341, bf16 245 -> 204, bf16 with picks 274 -> 277: NOTES, sessions 38 and 39).
-inline Conv3dTiles tiles_of(const at::Tensor& x, int sms, bool share_planes) {
+// The tiles of x's convolution and their columns for a GPU of `sms` SMs: T (column_tiles) of the plane pairs
+// whose busiest CTA stages the fewest plane pairs, ceil(columns / sms) (T + 1) (a column stages T + 1; ties to
+// the longer columns, which stage less in all): whole (n, row block)s at SPEC's shape, shorter segments where a
+// small batch would leave SMs idle or a few CTAs with a column more than the rest. Columns for every launch, not
+// single tiles (T = 1) where the consumers limit the kernel: single tiles, each CTA's every 132nd, left a few
+// CTAs 1.6x slower in most launches after an L2 flush, their SMs' box deliveries slowed (the launch 307 or 451
+// us, TF32 at SPEC's shape, H200); columns none (321-329 us; bf16 256-259 against 259 or 350: NOTES, session 39).
+inline Conv3dTiles tiles_of(const at::Tensor& x, int sms) {
   const int64_t tiles = tile_count(x);
   TORCH_CHECK(tiles <= std::numeric_limits<int32_t>::max(), "conv3d_wgmma: too many tiles");
   Conv3dTiles p{};
@@ -797,7 +797,7 @@ inline Conv3dTiles tiles_of(const at::Tensor& x, int sms, bool share_planes) {
   p.tiles = static_cast<int>(tiles);
   const int64_t rows = x.size(0) * p.row_blocks;
   int64_t best = std::numeric_limits<int64_t>::max();
-  for (int t = share_planes ? std::max(p.plane_pairs, 1) : 1; t >= 1; --t) {
+  for (int t = std::max(p.plane_pairs, 1); t >= 1; --t) {
     const int64_t segments = (p.plane_pairs + t - 1) / t, columns = rows * segments;
     const int64_t staged = (columns + sms - 1) / sms * (t + 1);
     if (staged < best) {
