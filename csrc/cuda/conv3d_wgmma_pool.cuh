@@ -25,13 +25,13 @@
 // tap t = j - zo to output plane z0 + zo. A column is T consecutive tiles of an (n, row block), z0 = 2 pp0, 2 pp0 +
 // 2, ...: its x planes are staged once each, in order (the ring's items), two consecutive tiles sharing two of
 // them, so x is staged 1.5 (T + 1) / T times (1.71 at SPEC's shape, T = 7) where a tile's own 4 planes staged it 3
-// times (T = 1 still where small batches spread over the SMs: tiles_of). One
-// producer warp group (a thread issues the boxes), two consumer warp groups taking alternate tiles (ping-pong:
-// one's epilogue runs while the other's wgmma instructions do), each all 4 rows of its tile (8 m64 n16
-// accumulators of 8 floats: 2 planes x 4 rows). With A from shared
-// memory a TF32 m64 n16 k8 instruction reads 2.5 KB (A 2 KB, B 0.5) for 8192 MACs, over what shared memory
-// serves; the RS layouts (the library's) load each A fragment into registers once a stage, for every tap and
-// output plane that reads it (consume_tile_row_fragments, consume_tile_bf16_row_fragments). Pooled, a row pair
+// times (T = 1 still where small batches spread over the SMs: tiles_of). One producer warp group (a thread
+// issues the boxes), two consumer warp groups taking alternate tiles (ping-pong: one's epilogue runs while the
+// other's wgmma instructions do), each all 4 rows of its tile (8 m64 n16 accumulators of 8 floats: 2 planes x 4
+// rows). With A from shared memory a TF32 m64 n16 k8 instruction reads 2.5 KB (A 2 KB, B 0.5) for 8192 MACs,
+// over what shared memory serves; the RS layouts (the library's) load each A fragment into registers once a
+// stage, for every tap and output plane that reads it (consume_tile_row_fragments,
+// consume_tile_bf16_row_fragments). Pooled, a row pair
 // is one row of pool windows over both planes: a lane holds 4 of a window's elements (column w), lane ^ 4 the
 // other 4 (column w ^ 1); their picks merge by a shuffle.
 //
