@@ -73,7 +73,7 @@ def main():
     # forward saving the picks and the weight-gradient kernel; each without and with A's channel bias and sum;
     # a float32 weight and bias rounded to bf16 as read (operand_dtype: autocast's); SPEC's rows (8 to 16
     # channels, 64 wide): the wgmma kernel (a build with CUTLASS), D' and H' odd; then its columns of two tiles
-    # sharing x planes (bfloat16, forward alone; 80 (n, row block)s on 132 SMs: both plane pairs a column)
+    # sharing x planes (80 (n, row block)s on 132 SMs: both plane pairs a column)
     for x, w, padding, divisor in ((rand(2, 3, 7, 11, 20), rand(5, 3, 3, 3, 3), (1, 0, 1), -1.5),
                                    (rand(1, 11, 6, 9, 72), rand(16, 11, 3, 3, 3), 0, 2.0),
                                    (rand(2, 8, 7, 9, 64), rand(16, 8, 3, 3, 3), 0, -0.7),

@@ -40,8 +40,8 @@ CASES = [
     ((2, 8, 8, 16, 16), (16, 8, 3, 3, 3), 0, (1, 2, 2), True, 2.0),  # pool 1 x 2 x 2: PyTorch's ops
     ((2, 8, 6, 7, 64), (16, 8, 3, 3, 3), 0, 2, True, 2.0),           # SPEC's rows (64): the wgmma kernel, H' odd
     ((1, 8, 5, 10, 64), (16, 8, 3, 3, 3), 0, 2, False, -0.7),        # the wgmma kernel: D' odd, no bias
-    # the wgmma kernel's columns of tiles sharing x planes (tiles_of, 132 SMs; bfloat16 without the picks): 3
-    # tiles a column, one a CTA or two; then segments of 2 plane pairs, the last one's second tile past D' (skipped)
+    # the wgmma kernel's columns of tiles sharing x planes (tiles_of, 132 SMs): 3 tiles a column, one a CTA or
+    # two; then segments of 2 plane pairs, the last one's second tile past D' (skipped)
     ((9, 8, 8, 64, 64), (16, 8, 3, 3, 3), 0, 2, True, 2.0),
     ((2, 8, 16, 64, 64), (16, 8, 3, 3, 3), 0, 2, False, -0.7),
 ]
@@ -208,7 +208,7 @@ def test_integer_valued_exact(x_shape, w_shape, padding, pool, bias, divisor, we
     assert y_windows.abs().max() < 16  # (|conv| < 32 in eighths: exact in bfloat16 too)
     within(out, expected, mean_sums(y_windows, p))
     assert torch.equal(indices.long().cpu(), picks)
-    # without the picks (another tiling on the wgmma kernel): the same exact sums (eighths, far below 2^24)
+    # without the picks (the wgmma kernel's other epilogue): the same exact sums (eighths, far below 2^24)
     assert torch.equal(OP(x, w, b, _triple(padding), _triple(pool), divisor, False, torch.float32)[0], out)
 
 

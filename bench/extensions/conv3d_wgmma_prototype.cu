@@ -123,10 +123,11 @@ void launch(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bia
 std::optional<at::Tensor> conv3d_wgmma(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                                        int64_t layout, int64_t sms) {
   if (!takes(x, weight, bias, layout, false)) return std::nullopt;
-  Conv3dTiles p = tiles_of(x, sms_for(x, sms));
+  const int spread = sms_for(x, sms);
+  Conv3dTiles p = tiles_of(x, spread);
   at::Tensor y = at::empty({x.size(0), kChannelsOut, p.depth_out, p.height_out, p.width_out},
                            x.options().dtype(at::kFloat).memory_format(at::MemoryFormat::ChannelsLast3d));
-  with_layout(layout, [&](auto l) { launch<decltype(l), Epilogue::kY, false>(x, weight, bias, p, y, sms_for(x, sms)); });
+  with_layout(layout, [&](auto l) { launch<decltype(l), Epilogue::kY, false>(x, weight, bias, p, y, spread); });
   return y;
 }
 
@@ -137,7 +138,8 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
                                                                     const at::Tensor& bias, double divisor,
                                                                     int64_t layout, bool ncdhw, int64_t sms) {
   if (!takes(x, weight, bias, layout, ncdhw) || x.size(2) < 4 || x.size(3) < 4) return std::nullopt;
-  Conv3dTiles p = tiles_of(x, sms_for(x, sms));
+  const int spread = sms_for(x, sms);
+  Conv3dTiles p = tiles_of(x, spread);
   p.reciprocal = ReciprocalMultiply<float>(divisor).reciprocal;
   p.pooled[0] = p.depth_out / 2;
   p.pooled[1] = p.height_out / 2;
@@ -151,9 +153,9 @@ std::optional<std::tuple<at::Tensor, at::Tensor>> conv3d_wgmma_pool(const at::Te
   at::Tensor unused;
   with_layout(layout, [&](auto l) {
     if (ncdhw) {
-      launch<decltype(l), Epilogue::kMeanAndPicks, true>(x, weight, bias, p, unused, sms_for(x, sms));
+      launch<decltype(l), Epilogue::kMeanAndPicks, true>(x, weight, bias, p, unused, spread);
     } else {
-      launch<decltype(l), Epilogue::kMeanAndPicks, false>(x, weight, bias, p, unused, sms_for(x, sms));
+      launch<decltype(l), Epilogue::kMeanAndPicks, false>(x, weight, bias, p, unused, spread);
     }
   });
   const double windows = static_cast<double>(p.pooled[0]) * p.pooled[1] * p.pooled[2];

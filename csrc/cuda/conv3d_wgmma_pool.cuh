@@ -31,9 +31,8 @@
 // rows). With A from shared memory a TF32 m64 n16 k8 instruction reads 2.5 KB (A 2 KB, B 0.5) for 8192 MACs,
 // over what shared memory serves; the RS layouts (the library's) load each A fragment into registers once a
 // stage, for every tap and output plane that reads it (consume_tile_row_fragments,
-// consume_tile_bf16_row_fragments). Pooled, a row pair
-// is one row of pool windows over both planes: a lane holds 4 of a window's elements (column w), lane ^ 4 the
-// other 4 (column w ^ 1); their picks merge by a shuffle.
+// consume_tile_bf16_row_fragments). Pooled, a row pair is one row of pool windows over both planes: a lane holds
+// 4 of a window's elements (column w), lane ^ 4 the other 4 (column w ^ 1); their picks merge by a shuffle.
 //
 // kNcdhw: x float32 NCDHW as A's module passes it (no channels-last copy): TMA boxes of x as it lies (8 channel
 // planes of 6 rows x 64) into four staging slots, which the producer warp group's 128 threads convert into the
@@ -544,9 +543,9 @@ __device__ __forceinline__ void consume_tile_shared_a(const unsigned char* smem,
   barrier_arrive(&empty[previous]);
 }
 
-// A consumer's tile (items first .. first + 3) with A from registers (wgmma's RS form): each stage's taps in kBatches batches, batch n's
-// fragments loaded by load(box, a, batch) into buffer n % 2 of a, then queued by issue(a, j, batch) as one
-// wgmma batch. A buffer is reloaded only after wait<1> says batch n - 2, the last to read it, is done; a stage
+// A consumer's tile (items first .. first + 3) with A from registers (wgmma's RS form): each stage's taps in
+// kBatches batches, batch n's fragments loaded by load(box, a, batch) into buffer n % 2 of a, then queued by
+// issue(a, j, batch) as one wgmma batch. A buffer is reloaded only after wait<1> says batch n - 2, the last to read it, is done; a stage
 // is released once its last batch's fragments are in registers (wgmma reads only B, the weights, from shared
 // memory).
 template <class L, bool kNcdhw, int kBatches, class Load, class Issue>
@@ -724,7 +723,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // tile k = T local + t (t < T), stepped without divisions: the first item, and so the stages, from uniform
   // values before the tile's first wait; the tile's place (cta_column's divisions) after its wgmma are issued
   // (branch-free steps of t by at most 2 < T + 2 past a column's end: the compiler keeps t, local, the first
-  // item and the stages in uniform registers in TF32's kernels, as main's from k alone; bf16's still not)
+  // item and the stages in uniform registers in TF32's kernels, as single tiles' from k alone; bf16's still not)
   const auto step = [&](int& local, int& t) {
     for (int twice = 0; twice < 2; ++twice) {
       const int wraps = t >= p.column_tiles;
