@@ -669,14 +669,15 @@ def weight_grad_kernel_ran(call) -> bool:
 
 
 @requires_cuda
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", CASES, ids=IDS)
 def test_weight_grad_kernel(x_shape, w_shape, padding, pool, bias, divisor, weight_dtype, tf32):
     """The backward's weight and bias gradients from the forward's picks, where the weight-gradient
-    kernel runs (exactly where the forward's does) and elsewhere, against float64 on the same picks
-    (the CPU op's: routing and PyTorch's convolution backward): within TF32's rounding of x and of g
-    (and, for a 16-bit weight, 16-bit rounding of g and of the result) times the float64 sums of the
-    terms' magnitudes (the same op on |grad_mean| and |x|); bit-identical on a second call."""
+    kernel runs (exactly where the forward's does: TF32, or m16n8k16 for a 16-bit weight) and elsewhere,
+    against float64 on the same picks (the CPU op's: routing and PyTorch's convolution backward): within
+    TF32's rounding of x and of g (and, for a 16-bit weight, 16-bit rounding of g and of the result;
+    float16's g also within half its smallest subnormal, 2^-25, where it underflows) times the float64
+    sums of the terms' magnitudes (the same op on |grad_mean| and |x|); bit-identical on a second call."""
     x, w, b = make_convolution_case(x_shape, w_shape, True, torch.float32, "cuda")
     w, b = w.to(weight_dtype), b.to(weight_dtype)
     _, indices = OP(x, w, b, _triple(padding), _triple(pool), divisor, True)
@@ -696,10 +697,16 @@ def test_weight_grad_kernel(x_shape, w_shape, padding, pool, bias, divisor, weig
     _, mag_w, mag_b, _ = BACKWARD(grad_mean.double().abs().cpu(), indices.cpu(), x64.abs(), w.double().cpu(),
                                *magnitude_args)
     terms = x.shape[0] * indices[0, 0].numel()
-    rounding = 2.0 ** -10 if weight_dtype == torch.float32 else 2.0 ** -7  # (g to TF32 or to bf16, x to TF32)
-    result = 0.0 if weight_dtype == torch.float32 else 2.0 ** -8  # (the 16-bit result's rounding)
-    within(grad_w, ref_w, (rounding + (terms + 4) * 2.0 ** -24) * mag_w + result * ref_w.abs())
-    within(grad_b, ref_b, (rounding + (x.shape[0] + 4) * 2.0 ** -24) * mag_b + result * ref_b.abs())
+    # (g to TF32, bf16 or f16, x to TF32; the 16-bit result's rounding)
+    rounding = {torch.float32: 2.0 ** -10, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[weight_dtype]
+    result = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[weight_dtype]
+    underflow_w = underflow_b = 0.0
+    if weight_dtype == torch.float16:  # (the same sums with g = 2^-25 everywhere: grad_mean = 2^-25 P |divisor|)
+        tiny_mean = torch.full_like(grad_mean, 2.0 ** -25 * indices[0, 0].numel() * abs(divisor)).double().cpu()
+        _, underflow_w, underflow_b, _ = BACKWARD(tiny_mean, indices.cpu(), x64.abs(), w.double().cpu(),
+                                                  *magnitude_args)
+    within(grad_w, ref_w, (rounding + (terms + 4) * 2.0 ** -24) * mag_w + result * ref_w.abs() + underflow_w)
+    within(grad_b, ref_b, (rounding + (x.shape[0] + 4) * 2.0 ** -24) * mag_b + result * ref_b.abs() + underflow_b)
     again = backward()
     assert torch.equal(again[1], grad_w) and torch.equal(again[2], grad_b)
 

@@ -24,6 +24,14 @@
 // 1): with channels kOperandStride = 1 mod 32 words apart, planes 16 and rows
 // 8 mod 32, its 32 lanes hit distinct banks. x is rounded to the weight's type
 // (a 16-bit value is exact in TF32), g to TF32.
+// With a 16-bit operand type (bf16, f16) the same GEMM runs as m16n8k16: k = two
+// windows' 8 pixels, half the instructions and B loads. Its operand buffer holds
+// pairs of adjacent columns a word, rounded to the type: pairs from even columns
+// and from odd ones (a window's pair starts at an odd column where the box's lead
+// plus the tap's column shift is odd), rows kPairRowWords (1 mod 4), planes
+// kPairPlaneWords (2 mod 4) and channels kPairChannelWords (4 mod 8) apart: lane
+// (channel g, pixel pair t) of a k step reads a word t mod 4 and its channel's
+// words lie 8 multiples of 4 apart mod 32, so its 32 lanes hit 32 distinct banks.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAException.h>
@@ -49,7 +57,15 @@ using namespace conv3d_pool;
 constexpr int kOperandStride = kChannelWords + 1;
 constexpr int kOperandWords = kBlockChannels * kOperandStride;
 constexpr int kGradWords = kChannels * kBlockChannels * kTaps;  // a warp's sums per channel block: (o, c, tap)
-static_assert(kWarps * kGradWords <= 2 * kOperandWords, "the warps' sums fit the operand buffers");
+constexpr int kPairRowWords = kBoxCols / 2 + 1, kPairPlaneWords = kBoxRows * kPairRowWords;
+constexpr int kPairParityWords = kBoxPlanes * kPairPlaneWords, kPairChannelWords = 2 * kPairParityWords + 4;
+constexpr int kPairOperandWords = kBlockChannels * kPairChannelWords;
+static_assert(kPairRowWords % 4 == 1 && kPairPlaneWords % 4 == 2 && kPairChannelWords % 8 == 4, "bank layout");
+// (the operand buffers' words a Mma: a value each, or a pair of values each twice over)
+template <class Mma>
+constexpr int kBufferWords = Mma::kStepK == 16 ? kPairOperandWords : kOperandWords;
+static_assert(kWarps * kGradWords <= 2 * kOperandWords && kOperandWords <= kPairOperandWords,
+              "the warps' sums fit the operand buffers");
 static_assert(kOperandStride % 32 == 1 && kPlaneWords % 32 == 16 && kBoxCols % 32 == 8, "bank layout");
 // The box's copy into an operand buffer: units of 4 channels by 8 16-byte chunks
 constexpr int kChunkBlocks = kChannelWords / 4 / 8;
@@ -64,9 +80,31 @@ struct Params {
   int O, stages;
 };
 
-template <typename T>
+// The staged box of channels block `stage` into a 16-bit operand buffer (kPairRowWords's layout): each lane a
+// chunk of 4 columns (a 16-byte load, the next column's value a second load) into two even and two odd pairs.
+template <class Mma>
+__device__ __forceinline__ void copy_pairs(const float* stage, uint32_t* buffer, int warp, int lane) {
+  constexpr int kRowChunks = kBoxCols / 4;
+  for (int unit = warp; unit < kCopyUnits; unit += kWarps) {
+    const int c = unit / kChunkBlocks * 4 + lane / 8, chunk = unit % kChunkBlocks * 8 + lane % 8;
+    const float* const values = stage + c * kChannelWords + 4 * chunk;
+    const float4 v = *reinterpret_cast<const float4*>(values);
+    const int column_chunk = chunk % kRowChunks, row = chunk / kRowChunks;  // (row: the box's plane and row)
+    const float next = column_chunk + 1 < kRowChunks ? values[4] : 0.f;   // (column 72: none, never read)
+    uint32_t* const even = buffer + c * kPairChannelWords + row / kBoxRows * kPairPlaneWords +
+                           row % kBoxRows * kPairRowWords + 2 * column_chunk;
+    even[0] = Mma::pack(v.x, v.y);
+    even[1] = Mma::pack(v.z, v.w);
+    even[kPairParityWords] = Mma::pack(v.y, v.z);
+    even[kPairParityWords + 1] = Mma::pack(v.w, next);
+  }
+}
+
+template <class Mma>
 __global__ void __launch_bounds__(kThreads, 1)
     conv3d_max_pool3d_mean_weight_grad_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
+  using T = typename Mma::Input;
+  constexpr bool kPairs = Mma::kStepK == 16;
   extern __shared__ __align__(128) float smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxStages;
@@ -90,6 +128,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int rp = warp / 4, quarter = warp % 4;
   const int lane_offset =
       g * kOperandStride + (t / 2) * kPlaneWords + (2 * rp + t % 2) * kBoxCols + grid.lead + 16 * quarter;
+  // (kPairs: this lane's pair words, window 0 of the warp's, and a column shift's: the pair from column lead +
+  // shift + 16 quarter + 2 j is word (lead + shift) / 2 + 8 quarter + j of the even pairs or the odd ones)
+  const int pair_offset = g * kPairChannelWords + (t / 2) * kPairPlaneWords + (2 * rp + t % 2) * kPairRowWords +
+                          8 * quarter;
+  int shift_words[3];
+#pragma unroll
+  for (int dx = 0; dx < 3; ++dx) shift_words[dx] = (grid.lead + dx) % 2 * kPairParityWords + (grid.lead + dx) / 2;
 
   float acc[kTaps][4];
 #pragma unroll
@@ -118,32 +163,56 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     barrier_wait(&full[ring.stage], ring.phase);
-    uint32_t* buffer = operands + (item % 2) * kOperandWords;
+    uint32_t* buffer = operands + (item % 2) * kBufferWords<Mma>;
     const float* stage = stages + ring.stage * kBoxWords;
-    // (a warp's lanes take 8 chunks of 4 channels: its scalar stores hit 32 distinct banks)
-    for (int unit = warp; unit < kCopyUnits; unit += kWarps) {
-      const int c = unit / kChunkBlocks * 4 + lane / 8, chunk = unit % kChunkBlocks * 8 + lane % 8;
-      const float4 v = reinterpret_cast<const float4*>(stage + c * kChannelWords)[chunk];
-      uint32_t* out = buffer + c * kOperandStride + 4 * chunk;
-      out[0] = Tf32Mma::pack(rounded_to<T>(v.x), 0.f);
-      out[1] = Tf32Mma::pack(rounded_to<T>(v.y), 0.f);
-      out[2] = Tf32Mma::pack(rounded_to<T>(v.z), 0.f);
-      out[3] = Tf32Mma::pack(rounded_to<T>(v.w), 0.f);
+    if constexpr (kPairs) {
+      copy_pairs<Mma>(stage, buffer, warp, lane);
+    } else {
+      // (a warp's lanes take 8 chunks of 4 channels: its scalar stores hit 32 distinct banks)
+      for (int unit = warp; unit < kCopyUnits; unit += kWarps) {
+        const int c = unit / kChunkBlocks * 4 + lane / 8, chunk = unit % kChunkBlocks * 8 + lane % 8;
+        const float4 v = reinterpret_cast<const float4*>(stage + c * kChannelWords)[chunk];
+        uint32_t* out = buffer + c * kOperandStride + 4 * chunk;
+        out[0] = Tf32Mma::pack(rounded_to<T>(v.x), 0.f);
+        out[1] = Tf32Mma::pack(rounded_to<T>(v.y), 0.f);
+        out[2] = Tf32Mma::pack(rounded_to<T>(v.z), 0.f);
+        out[3] = Tf32Mma::pack(rounded_to<T>(v.w), 0.f);
+      }
     }
     barrier_arrive(&empty[ring.stage]);
     __syncthreads();  // (the buffer is whole; every warp is done with the one it computed on before)
     ring.refill(item, load_item);
-    const uint32_t a_values[2] = {Tf32Mma::pack(grad[0], 0.f), Tf32Mma::pack(grad[1], 0.f)};
 
-    const uint32_t* b_words = buffer + lane_offset;
+    if constexpr (kPairs) {
+      // k = 2t, 2t + 1: elements 2t, 2t + 1 of window 2jj (scan order), k + 8: of window 2jj + 1; g[n, o] in
+      // the half of the pair its pick names (g is already in T: mean_gradient_kernel)
+      const uint32_t low[2] = {Mma::pack(grad[0], 0.f), Mma::pack(grad[1], 0.f)};
+      const uint32_t high[2] = {Mma::pack(0.f, grad[0]), Mma::pack(0.f, grad[1])};
+      const auto a_of = [&](int h, int window) {
+        return pick[h][window] == 2 * t ? low[h] : pick[h][window] == 2 * t + 1 ? high[h] : 0u;
+      };
+      const uint32_t* const pairs = buffer + pair_offset;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      // k = t: element 2t of the window (scan order), k = t + 4: element 2t + 1
-      const uint32_t a[4] = {pick[0][j] == 2 * t ? a_values[0] : 0u, pick[1][j] == 2 * t ? a_values[1] : 0u,
-                             pick[0][j] == 2 * t + 1 ? a_values[0] : 0u, pick[1][j] == 2 * t + 1 ? a_values[1] : 0u};
+      for (int jj = 0; jj < 4; ++jj) {
+        const uint32_t a[4] = {a_of(0, 2 * jj), a_of(1, 2 * jj), a_of(0, 2 * jj + 1), a_of(1, 2 * jj + 1)};
 #pragma unroll
-      for (int s = 0; s < kTaps; ++s) {
-        Tf32Mma::mma(acc[s], a, b_words[2 * j + tap_offset(s)], b_words[2 * j + tap_offset(s) + 1]);
+        for (int s = 0; s < kTaps; ++s) {
+          const uint32_t* const b = pairs + shift_words[s % 3] + s / 9 * kPairPlaneWords + s / 3 % 3 * kPairRowWords;
+          Mma::mma(acc[s], a, b[2 * jj], b[2 * jj + 1]);
+        }
+      }
+    } else {
+      const uint32_t a_values[2] = {Tf32Mma::pack(grad[0], 0.f), Tf32Mma::pack(grad[1], 0.f)};
+      const uint32_t* b_words = buffer + lane_offset;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        // k = t: element 2t of the window (scan order), k = t + 4: element 2t + 1
+        const uint32_t a[4] = {pick[0][j] == 2 * t ? a_values[0] : 0u, pick[1][j] == 2 * t ? a_values[1] : 0u,
+                               pick[0][j] == 2 * t + 1 ? a_values[0] : 0u, pick[1][j] == 2 * t + 1 ? a_values[1] : 0u};
+#pragma unroll
+        for (int s = 0; s < kTaps; ++s) {
+          Tf32Mma::mma(acc[s], a, b_words[2 * j + tap_offset(s)], b_words[2 * j + tap_offset(s) + 1]);
+        }
       }
     }
 
@@ -278,10 +347,11 @@ at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices,
                                  const Conv3dPoolGeometry& geometry) {
   at::Tensor grad_weight;
   if (!kernel_takes(x, weight, geometry)) return grad_weight;
-  with_weight_operation(operand, [&](auto mma) {  // (its TF32 kernel on x rounded to the operand type)
-    using T = typename decltype(mma)::Input;
-    const auto kernel = conv3d_max_pool3d_mean_weight_grad_kernel<T>;
-    const SharedLayout layout = shared_layout(2 * kOperandWords, x);
+  with_weight_operation(operand, [&](auto mma) {  // (TF32, or the 16-bit type's m16n8k16)
+    using Mma = decltype(mma);
+    using T = typename Mma::Input;
+    const auto kernel = conv3d_max_pool3d_mean_weight_grad_kernel<Mma>;
+    const SharedLayout layout = shared_layout(2 * kBufferWords<Mma>, x);
     if (layout.stages < 1 || !runs_bulk_copy(kernel)) return;
     Params p{};
     p.grid = task_grid(x, weight, geometry);
