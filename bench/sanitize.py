@@ -73,11 +73,13 @@ def main():
     # forward saving the picks and the weight-gradient kernel; each without and with A's channel bias and sum;
     # a float32 weight and bias rounded to bf16 as read (operand_dtype: autocast's); SPEC's rows (8 to 16
     # channels, 64 wide): the wgmma kernel (a build with CUTLASS), D' and H' odd; then its columns of two tiles
-    # sharing x planes (80 (n, row block)s on 132 SMs: both plane pairs a column)
+    # sharing x planes (80 (n, row block)s on 132 SMs: both plane pairs a column); two channel blocks of 360 tasks
+    # (the weight gradient's blocks each several tasks a channel block: its copies one item ahead, its sums between)
     for x, w, padding, divisor in ((rand(2, 3, 7, 11, 20), rand(5, 3, 3, 3, 3), (1, 0, 1), -1.5),
                                    (rand(1, 11, 6, 9, 72), rand(16, 11, 3, 3, 3), 0, 2.0),
                                    (rand(2, 8, 7, 9, 64), rand(16, 8, 3, 3, 3), 0, -0.7),
-                                   (rand(5, 8, 6, 64, 64), rand(16, 8, 3, 3, 3), 0, 2.0)):
+                                   (rand(5, 8, 6, 64, 64), rand(16, 8, 3, 3, 3), 0, 2.0),
+                                   (rand(4, 11, 12, 72, 20), rand(16, 11, 3, 3, 3), 0, -0.7)):
         b, channel_bias = rand(w.shape[0]), rand(w.shape[0])
         for weight, bias, operand in ((w, b, None), (w.bfloat16(), b.bfloat16(), None), (w, b, torch.bfloat16)):
             for tail in ({}, dict(channel_bias=channel_bias, sum_channels=True)):

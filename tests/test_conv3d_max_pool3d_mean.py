@@ -668,9 +668,15 @@ def weight_grad_kernel_ran(call) -> bool:
     return any("conv3d_max_pool3d_mean_weight_grad_kernel" in name for name in cuda_kernel_names(call))
 
 
+# (the weight-gradient kernel's blocks each take several tasks of two channel blocks: 360 tasks on up to 180 SMs,
+# a channel block's sums between its items)
+WEIGHT_GRAD_CASES = CASES + [((4, 11, 12, 72, 20), (16, 11, 3, 3, 3), 0, 2, True, -0.7)]
+WEIGHT_GRAD_IDS = IDS + ["two-channel-blocks-many-tasks"]
+
+
 @requires_cuda
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", CASES, ids=IDS)
+@pytest.mark.parametrize("x_shape,w_shape,padding,pool,bias,divisor", WEIGHT_GRAD_CASES, ids=WEIGHT_GRAD_IDS)
 def test_weight_grad_kernel(x_shape, w_shape, padding, pool, bias, divisor, weight_dtype, tf32):
     """The backward's weight and bias gradients from the forward's picks, where the weight-gradient
     kernel runs (exactly where the forward's does: TF32, or m16n8k16 for a 16-bit weight) and elsewhere,

@@ -180,11 +180,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // this block's tasks: every gridDim.x-th from blockIdx.x (the blocks work on
   // neighbouring tasks at any time: the boxes' overlaps are read from L2), channel block by block (items)
-  const int64_t my_tasks = blockIdx.x < grid.tasks ? (grid.tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  const int64_t items = my_tasks * grid.channel_blocks;
-  auto task_of = [&](int64_t item) { return blockIdx.x + item / grid.channel_blocks * gridDim.x; };
-  auto load_item = [&](int64_t item, int s) {
-    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), static_cast<int>(item % grid.channel_blocks));
+  const int my_tasks = static_cast<int>(blockIdx.x) < grid.tasks ? (grid.tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int items = my_tasks * grid.channel_blocks;
+  auto task_of = [&](int item) { return static_cast<int>(blockIdx.x + item / grid.channel_blocks * gridDim.x); };
+  auto load_item = [&](int item, int s) {
+    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), item % grid.channel_blocks);
   };
   StageRing ring{full, empty, p.stages, items};
   ring.start(kThreads, load_item);  // (its block barrier also publishes the fragments)
@@ -207,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
 
-  for (int64_t item = 0; item < items; ++item) {
+  for (int item = 0; item < items; ++item) {
     barrier_wait(&full[ring.stage], ring.phase);
     uint32_t* buffer = operands + (item % 2) * Op::kOperandWords;
     copy_operands<Mma>(stages + ring.stage * kBoxWords, buffer);

@@ -45,26 +45,24 @@ __host__ __device__ constexpr int tap_offset(int tap) {
 struct TaskGrid {
   int PD, PH, PW, pad_d, pad_h, pad_w, lead;
   int row_groups, col_tiles, channel_blocks;
-  int64_t tasks;
+  int tasks;  // (at most INT_MAX: kernel_takes)
 };
 
 struct TaskCoords {
   int n, pd, row_group, col_tile;
 };
 
-__device__ __forceinline__ TaskCoords task_coords(int64_t task, const TaskGrid& grid) {
-  const int64_t per_plane = int64_t{grid.row_groups} * grid.col_tiles;
-  const int64_t plane = task / per_plane;
-  const int rest = static_cast<int>(task - plane * per_plane);
-  return {static_cast<int>(plane / grid.PD), static_cast<int>(plane % grid.PD), rest / grid.col_tiles,
-          rest % grid.col_tiles};
+__device__ __forceinline__ TaskCoords task_coords(int task, const TaskGrid& grid) {
+  const int per_plane = grid.row_groups * grid.col_tiles;
+  const int plane = task / per_plane, rest = task - plane * per_plane;
+  return {plane / grid.PD, plane % grid.PD, rest / grid.col_tiles, rest % grid.col_tiles};
 }
 
 // Stages the input box of `task` and channel block `block` at `stage` by the
 // copy engine (x's map: ncdhw_tensor_map; zeros outside the image and past C).
 // Called by one thread: it announces the bytes on `bar` and issues the copy.
 __device__ __forceinline__ void load_box(float* stage, uint64_t* bar, const CUtensorMap& map, const TaskGrid& grid,
-                                         int64_t task, int block) {
+                                         int task, int block) {
   const TaskCoords tc = task_coords(task, grid);
   barrier_arrive_expect(bar, kBoxWords * sizeof(float));
   tensor_load_5d(stage, map, tc.col_tile * kTileColumns - grid.pad_w - grid.lead, tc.row_group * 4 - grid.pad_h,
@@ -84,7 +82,7 @@ inline TaskGrid task_grid(const at::Tensor& x, const at::Tensor& weight, const C
   grid.row_groups = (grid.PH + 1) / 2;
   grid.col_tiles = (grid.PW + kTileColumns / 2 - 1) / (kTileColumns / 2);
   grid.channel_blocks = static_cast<int>((weight.size(1) + kBlockChannels - 1) / kBlockChannels);
-  grid.tasks = x.size(0) * grid.PD * grid.row_groups * grid.col_tiles;
+  grid.tasks = static_cast<int>(x.size(0) * grid.PD * grid.row_groups * grid.col_tiles);
   return grid;
 }
 
@@ -105,6 +103,11 @@ inline bool kernel_takes(const at::Tensor& x, const at::Tensor& weight, const Co
     if (x.size(2 + d) + 2 * g.padding[d] + kBoxCols > INT_MAX) return false;
   }
   if (x.size(0) > INT_MAX || x.numel() / x.size(0) >= (int64_t{1} << 38)) return false;
+  // (the tasks, task_grid's: 32-bit task indices)
+  if (x.size(0) * g.pooled[0] * ((g.pooled[1] + 1) / 2) * ((g.pooled[2] + kTileColumns / 2 - 1) / (kTileColumns / 2)) >
+      INT_MAX) {
+    return false;
+  }
   return device_attribute(cudaDevAttrComputeCapabilityMajor, x.get_device()) >= 9;
 }
 

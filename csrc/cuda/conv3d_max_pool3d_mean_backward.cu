@@ -100,10 +100,36 @@ __device__ __forceinline__ void copy_pairs(const float* stage, uint32_t* buffer,
   }
 }
 
+// The staged box `stage` into an operand buffer: x rounded to T, as TF32 words or as 16-bit pairs (copy_pairs).
+template <class Mma>
+__device__ __forceinline__ void copy_operands(const float* stage, uint32_t* buffer, int warp, int lane) {
+  using T = typename Mma::Input;
+  if constexpr (Mma::kStepK == 16) {
+    copy_pairs<Mma>(stage, buffer, warp, lane);
+  } else {
+    // (a warp's lanes take 8 chunks of 4 channels: its scalar stores hit 32 distinct banks)
+    for (int unit = warp; unit < kCopyUnits; unit += kWarps) {
+      const int c = unit / kChunkBlocks * 4 + lane / 8, chunk = unit % kChunkBlocks * 8 + lane % 8;
+      const float4 v = reinterpret_cast<const float4*>(stage + c * kChannelWords)[chunk];
+      uint32_t* out = buffer + c * kOperandStride + 4 * chunk;
+      out[0] = Tf32Mma::pack(rounded_to<T>(v.x), 0.f);
+      out[1] = Tf32Mma::pack(rounded_to<T>(v.y), 0.f);
+      out[2] = Tf32Mma::pack(rounded_to<T>(v.z), 0.f);
+      out[3] = Tf32Mma::pack(rounded_to<T>(v.w), 0.f);
+    }
+  }
+}
+
+// A lane's A-operand values of an item: g[n, o] for o = g, g + 8, and the picks of the warp's 8 windows (-1:
+// none, outside the output).
+struct WindowPicks {
+  float grad[2];
+  int pick[2][8];
+};
+
 template <class Mma>
 __global__ void __launch_bounds__(kThreads, 1)
     conv3d_max_pool3d_mean_weight_grad_kernel(const Params p, const __grid_constant__ CUtensorMap map) {
-  using T = typename Mma::Input;
   constexpr bool kPairs = Mma::kStepK == 16;
   extern __shared__ __align__(128) float smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
@@ -114,11 +140,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
   // this block's tasks: every gridDim.x-th from blockIdx.x, all of them for channel block 0, then block 1
-  const int64_t my_tasks = blockIdx.x < grid.tasks ? (grid.tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  const int64_t items = my_tasks * grid.channel_blocks;
-  auto task_of = [&](int64_t item) { return blockIdx.x + item % my_tasks * gridDim.x; };
-  auto load_item = [&](int64_t item, int s) {
-    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), static_cast<int>(item / my_tasks));
+  const int my_tasks = static_cast<int>(blockIdx.x) < grid.tasks ? (grid.tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int items = my_tasks * grid.channel_blocks;
+  auto task_of = [&](int item) { return static_cast<int>(blockIdx.x + item % my_tasks * gridDim.x); };
+  auto load_item = [&](int item, int s) {
+    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), item / my_tasks);
   };
   StageRing ring{full, empty, p.stages, items};
   ring.start(kThreads, load_item);
@@ -136,60 +162,48 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int dx = 0; dx < 3; ++dx) shift_words[dx] = (grid.lead + dx) % 2 * kPairParityWords + (grid.lead + dx) / 2;
 
+  auto window_picks = [&](int item) {
+    const TaskCoords tc = task_coords(task_of(item), grid);
+    const int ph = 2 * tc.row_group + rp;
+    WindowPicks w;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int o = g + 8 * h;
+      w.grad[h] = p.g[int64_t{tc.n} * kChannels + o];
+      const uint8_t* picks = p.picks + ((int64_t{tc.n} * p.O + o) * grid.PD + tc.pd) * grid.PH * grid.PW +
+                             int64_t{ph} * grid.PW;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int pw = tc.col_tile * (kTileColumns / 2) + 8 * quarter + j;
+        w.pick[h][j] = o < p.O && ph < grid.PH && pw < grid.PW ? picks[pw] : -1;
+      }
+    }
+    return w;
+  };
+  // item's box (the ring's current stage) into its operand buffer, the stage released (refilled after a block
+  // barrier: ring.refill)
+  auto copy_item = [&](int item) {
+    barrier_wait(&full[ring.stage], ring.phase);
+    copy_operands<Mma>(stages + ring.stage * kBoxWords, operands + item % 2 * kBufferWords<Mma>, warp, lane);
+    barrier_arrive(&empty[ring.stage]);
+  };
+
   float acc[kTaps][4];
 #pragma unroll
   for (int s = 0; s < kTaps; ++s)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[s][e] = 0.f;
 
-  for (int64_t item = 0; item < items; ++item) {
-    // the A fragments' values, loaded first (their latency under the copy below): g[n, o] for
-    // o = g, g + 8, and the picks of the warp's 8 windows (-1: none, outside the output)
-    const TaskCoords tc = task_coords(task_of(item), grid);
-    const int ph = 2 * tc.row_group + rp;
-    float grad[2];
-    int pick[2][8];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int o = g + 8 * h;
-      grad[h] = p.g[int64_t{tc.n} * kChannels + o];
-      const uint8_t* picks = p.picks + ((int64_t{tc.n} * p.O + o) * grid.PD + tc.pd) * grid.PH * grid.PW +
-                             int64_t{ph} * grid.PW;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int pw = tc.col_tile * (kTileColumns / 2) + 8 * quarter + j;
-        pick[h][j] = o < p.O && ph < grid.PH && pw < grid.PW ? picks[pw] : -1;
-      }
-    }
-
-    barrier_wait(&full[ring.stage], ring.phase);
-    uint32_t* buffer = operands + (item % 2) * kBufferWords<Mma>;
-    const float* stage = stages + ring.stage * kBoxWords;
-    if constexpr (kPairs) {
-      copy_pairs<Mma>(stage, buffer, warp, lane);
-    } else {
-      // (a warp's lanes take 8 chunks of 4 channels: its scalar stores hit 32 distinct banks)
-      for (int unit = warp; unit < kCopyUnits; unit += kWarps) {
-        const int c = unit / kChunkBlocks * 4 + lane / 8, chunk = unit % kChunkBlocks * 8 + lane % 8;
-        const float4 v = reinterpret_cast<const float4*>(stage + c * kChannelWords)[chunk];
-        uint32_t* out = buffer + c * kOperandStride + 4 * chunk;
-        out[0] = Tf32Mma::pack(rounded_to<T>(v.x), 0.f);
-        out[1] = Tf32Mma::pack(rounded_to<T>(v.y), 0.f);
-        out[2] = Tf32Mma::pack(rounded_to<T>(v.z), 0.f);
-        out[3] = Tf32Mma::pack(rounded_to<T>(v.w), 0.f);
-      }
-    }
-    barrier_arrive(&empty[ring.stage]);
-    __syncthreads();  // (the buffer is whole; every warp is done with the one it computed on before)
-    ring.refill(item, load_item);
-
+  // item's products from its operand buffer into acc
+  auto accumulate = [&](int item, const WindowPicks& w) {
+    const uint32_t* const buffer = operands + item % 2 * kBufferWords<Mma>;
     if constexpr (kPairs) {
       // k = 2t, 2t + 1: elements 2t, 2t + 1 of window 2jj (scan order), k + 8: of window 2jj + 1; g[n, o] in
       // the half of the pair its pick names (g is already in T: mean_gradient_kernel)
-      const uint32_t low[2] = {Mma::pack(grad[0], 0.f), Mma::pack(grad[1], 0.f)};
-      const uint32_t high[2] = {Mma::pack(0.f, grad[0]), Mma::pack(0.f, grad[1])};
+      const uint32_t low[2] = {Mma::pack(w.grad[0], 0.f), Mma::pack(w.grad[1], 0.f)};
+      const uint32_t high[2] = {Mma::pack(0.f, w.grad[0]), Mma::pack(0.f, w.grad[1])};
       const auto a_of = [&](int h, int window) {
-        return pick[h][window] == 2 * t ? low[h] : pick[h][window] == 2 * t + 1 ? high[h] : 0u;
+        return w.pick[h][window] == 2 * t ? low[h] : w.pick[h][window] == 2 * t + 1 ? high[h] : 0u;
       };
       const uint32_t* const pairs = buffer + pair_offset;
 #pragma unroll
@@ -202,24 +216,49 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     } else {
-      const uint32_t a_values[2] = {Tf32Mma::pack(grad[0], 0.f), Tf32Mma::pack(grad[1], 0.f)};
+      const uint32_t a_values[2] = {Tf32Mma::pack(w.grad[0], 0.f), Tf32Mma::pack(w.grad[1], 0.f)};
       const uint32_t* b_words = buffer + lane_offset;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         // k = t: element 2t of the window (scan order), k = t + 4: element 2t + 1
-        const uint32_t a[4] = {pick[0][j] == 2 * t ? a_values[0] : 0u, pick[1][j] == 2 * t ? a_values[1] : 0u,
-                               pick[0][j] == 2 * t + 1 ? a_values[0] : 0u, pick[1][j] == 2 * t + 1 ? a_values[1] : 0u};
+        const uint32_t a[4] = {w.pick[0][j] == 2 * t ? a_values[0] : 0u, w.pick[1][j] == 2 * t ? a_values[1] : 0u,
+                               w.pick[0][j] == 2 * t + 1 ? a_values[0] : 0u,
+                               w.pick[1][j] == 2 * t + 1 ? a_values[1] : 0u};
 #pragma unroll
         for (int s = 0; s < kTaps; ++s) {
           Tf32Mma::mma(acc[s], a, b_words[2 * j + tap_offset(s)], b_words[2 * j + tap_offset(s) + 1]);
         }
       }
     }
+  };
 
-    if (item % my_tasks != my_tasks - 1) continue;  // (the same item for every warp of the block)
-    // the channel block's sums: each warp's, acc[tap][e] = (o = g + 8 (e / 2), c = 2t + e % 2), into the
-    // operand buffers (kWarps, kGradWords) once every warp is done reading them; then added in warp order
+  // Each item's box is copied into its operand buffer one item ahead of its products, within the previous item's
+  // block-barrier interval: warps 0-3 copy first, warps 4-7 compute first, so that the two warps of each SM
+  // sub-partition (w, w + 4) overlap the copy's shared-memory traffic with the other's tensor instructions. A
+  // channel block's last item is followed by its sums, which take both buffers: the next item is copied after.
+  const bool copy_first = warp < kWarps / 2;
+  WindowPicks current{};
+  if (items > 0) {
+    current = window_picks(0);
+    copy_item(0);
     __syncthreads();
+    ring.refill(0, load_item);
+  }
+  for (int item = 0; item < items; ++item) {
+    const bool block_end = item % my_tasks == my_tasks - 1;  // (the same item for every warp of the block)
+    WindowPicks next{};
+    if (item + 1 < items) next = window_picks(item + 1);  // (its loads' latency under this item's work)
+    if (copy_first && !block_end) copy_item(item + 1);
+    accumulate(item, current);
+    if (!copy_first && !block_end) copy_item(item + 1);
+    __syncthreads();  // (item + 1's buffer is whole; every warp is done with item's)
+    current = next;
+    if (!block_end) {
+      ring.refill(item + 1, load_item);
+      continue;
+    }
+    // the channel block's sums: each warp's, acc[tap][e] = (o = g + 8 (e / 2), c = 2t + e % 2), into the
+    // operand buffers (kWarps, kGradWords); then added in warp order
     float* const sums = reinterpret_cast<float*>(operands);
 #pragma unroll
     for (int s = 0; s < kTaps; ++s) {
@@ -230,14 +269,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     __syncthreads();
-    float* const out = p.partial + (item / my_tasks * gridDim.x + blockIdx.x) * kGradWords;
+    float* const out = p.partial + (int64_t{item / my_tasks} * gridDim.x + blockIdx.x) * kGradWords;
     for (int w = threadIdx.x; w < kGradWords; w += kThreads) {
       float sum = sums[w];
 #pragma unroll
       for (int v = 1; v < kWarps; ++v) sum += sums[v * kGradWords + w];
       out[w] = sum;
     }
-    __syncthreads();  // (the buffers hold the next items' operands again)
+    if (item + 1 < items) {
+      __syncthreads();  // (the buffers hold operands again)
+      copy_item(item + 1);
+      __syncthreads();
+      ring.refill(item + 1, load_item);
+    }
   }
 }
 
