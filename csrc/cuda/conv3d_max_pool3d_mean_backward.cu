@@ -67,10 +67,12 @@ constexpr int kBufferWords = Mma::kStepK == 16 ? kPairOperandWords : kOperandWor
 static_assert(kWarps * kGradWords <= 2 * kOperandWords && kOperandWords <= kPairOperandWords,
               "the warps' sums fit the operand buffers");
 static_assert(kOperandStride % 32 == 1 && kPlaneWords % 32 == 16 && kBoxCols % 32 == 8, "bank layout");
-// The box's copy into an operand buffer: units of 4 channels by 8 16-byte chunks
-constexpr int kChunkBlocks = kChannelWords / 4 / 8;
-constexpr int kCopyUnits = kBlockChannels / 4 * kChunkBlocks;
-static_assert(kChannelWords % 32 == 0, "whole units");
+// The box's copy into an operand buffer: each warp's lanes take 8 consecutive 16-byte chunks of 4 channels (a
+// channel's chunks: its rows' 4-column chunks in order), warp w the channel quad w % 2 and every (kWarps / 2)-th
+// block of 8 chunks from w / 2: fixed channels a lane, chunks in steps of kChunkStep (no divisions of its own)
+constexpr int kChannelChunks = kChannelWords / 4;
+constexpr int kChunkStep = kWarps / 2 * 8;
+static_assert(kBlockChannels == 8 && kWarps % 2 == 0 && kChannelChunks % 8 == 0, "two channel quads, whole blocks");
 
 struct Params {
   TaskGrid grid;
@@ -84,15 +86,15 @@ struct Params {
 // chunk of 4 columns (a 16-byte load, the next column's value a second load) into two even and two odd pairs.
 template <class Mma>
 __device__ __forceinline__ void copy_pairs(const float* stage, uint32_t* buffer, int warp, int lane) {
-  constexpr int kRowChunks = kBoxCols / 4;
-  for (int unit = warp; unit < kCopyUnits; unit += kWarps) {
-    const int c = unit / kChunkBlocks * 4 + lane / 8, chunk = unit % kChunkBlocks * 8 + lane % 8;
+  constexpr unsigned kRowChunks = kBoxCols / 4;
+  static_assert(kPairPlaneWords == kBoxRows * kPairRowWords, "a channel's pair rows in the box's row order");
+  const int c = warp % 2 * 4 + lane / 8;
+  for (unsigned chunk = warp / 2 * 8 + lane % 8; chunk < kChannelChunks; chunk += kChunkStep) {
     const float* const values = stage + c * kChannelWords + 4 * chunk;
     const float4 v = *reinterpret_cast<const float4*>(values);
-    const int column_chunk = chunk % kRowChunks, row = chunk / kRowChunks;  // (row: the box's plane and row)
-    const float next = column_chunk + 1 < kRowChunks ? values[4] : 0.f;   // (column 72: none, never read)
-    uint32_t* const even = buffer + c * kPairChannelWords + row / kBoxRows * kPairPlaneWords +
-                           row % kBoxRows * kPairRowWords + 2 * column_chunk;
+    const unsigned row = chunk / kRowChunks, column_chunk = chunk - row * kRowChunks;  // (row: the box's plane, row)
+    const float next = column_chunk + 1 < kRowChunks ? values[4] : 0.f;               // (column 72: none, never read)
+    uint32_t* const even = buffer + c * kPairChannelWords + row * kPairRowWords + 2 * column_chunk;
     even[0] = Mma::pack(v.x, v.y);
     even[1] = Mma::pack(v.z, v.w);
     even[kPairParityWords] = Mma::pack(v.y, v.z);
@@ -108,8 +110,8 @@ __device__ __forceinline__ void copy_operands(const float* stage, uint32_t* buff
     copy_pairs<Mma>(stage, buffer, warp, lane);
   } else {
     // (a warp's lanes take 8 chunks of 4 channels: its scalar stores hit 32 distinct banks)
-    for (int unit = warp; unit < kCopyUnits; unit += kWarps) {
-      const int c = unit / kChunkBlocks * 4 + lane / 8, chunk = unit % kChunkBlocks * 8 + lane % 8;
+    const int c = warp % 2 * 4 + lane / 8;
+    for (int chunk = warp / 2 * 8 + lane % 8; chunk < kChannelChunks; chunk += kChunkStep) {
       const float4 v = reinterpret_cast<const float4*>(stage + c * kChannelWords)[chunk];
       uint32_t* out = buffer + c * kOperandStride + 4 * chunk;
       out[0] = Tf32Mma::pack(rounded_to<T>(v.x), 0.f);
