@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (docs/contributing.md), its stages in order, within LIMIT seconds (default 585):
 #   build     the extension in place with CUTLASS (carry third_party/cutlass; refused without it unless NO_CUTLASS=1)
-#             (setup.py build_ext --inplace; skipped where fused_ops/_C*.so is there: a
+#             (setup.py build_ext --inplace; skipped where fused_ops/_C*.so of the same sources is there: a
 #             machine kept warm between chained calls keeps it), its .so also into $OUT as C.so.xz.* pieces with
 #             C.so.sources (a hash of setup.py and csrc/, and "cutlass"): copied into .gpu_so/ and carried, a later
 #             machine unpacks them instead of building while the sources hash the same
@@ -29,16 +29,19 @@ for stage in "$@"; do
     # convolutions take cuDNN's paths, whose timings and sanitizer runs are not the library's: session 26 lost
     # its GPU timings of B and D so)
     with=$([ -z "$NO_CUTLASS" ] && echo cutlass || echo no-cutlass)
+    # (build/gpu_call.sources: the sources of the fused_ops/_C*.so a warm machine kept; another tree's is rebuilt)
     sources="$(cat setup.py $(find csrc -type f | LC_ALL=C sort) | sha1sum | cut -c1-16) $with"
-    if ls fused_ops/_C*.so >/dev/null 2>&1; then echo "already built"
-    elif [ "$(cat .gpu_so/C.so.sources 2>/dev/null)" = "$sources" ]; then
-      cat .gpu_so/C.so.xz.* | xz -d > fused_ops/_C.so && echo "unpacked .gpu_so's build of these sources ($with)"
+    stamp=build/gpu_call.sources
+    if ls fused_ops/_C*.so >/dev/null 2>&1 && [ "$(cat $stamp 2>/dev/null)" = "$sources" ]; then echo "already built"
+    elif rm -f fused_ops/_C*.so && mkdir -p build && [ "$(cat .gpu_so/C.so.sources 2>/dev/null)" = "$sources" ]; then
+      cat .gpu_so/C.so.xz.* | xz -d > fused_ops/_C.so && echo "$sources" > $stamp &&
+        echo "unpacked .gpu_so's build of these sources ($with)"
     elif [ "$with" = cutlass ] && [ ! -d third_party/cutlass/include/cutlass ]; then
       echo "build: third_party/cutlass is missing: carry it (make cutlass here first), or NO_CUTLASS=1"; exit 1
     else
       MAX_JOBS=$(nproc) TORCH_CUDA_ARCH_LIST=9.0 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
         || { tail -30 "$OUT/build.log"; exit 1; }
-      echo "lines with 'warning': $(grep -ci warning "$OUT/build.log")"
+      echo "$sources" > $stamp; echo "lines with 'warning': $(grep -ci warning "$OUT/build.log")"
       xz -T0 -c fused_ops/_C*.so | split -b 15M - "$OUT/C.so.xz."; echo "$sources" > "$OUT/C.so.sources"
     fi ;;
   sanitize)
