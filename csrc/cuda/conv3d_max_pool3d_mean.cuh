@@ -69,6 +69,13 @@ __device__ __forceinline__ void load_box(float* stage, uint64_t* bar, const CUte
                  tc.pd * 2 - grid.pad_d, block * kBlockChannels, tc.n, bar);
 }
 
+// The tasks of a call: N x PD x row groups x column tiles (64-bit: kernel_takes bounds it).
+inline int64_t task_count(const at::Tensor& x, const Conv3dPoolGeometry& g) {
+  const int64_t row_groups = (g.pooled[1] + 1) / 2;
+  const int64_t col_tiles = (g.pooled[2] + kTileColumns / 2 - 1) / (kTileColumns / 2);
+  return x.size(0) * g.pooled[0] * row_groups * col_tiles;
+}
+
 // The task grid of a call whose geometry the kernels take (kernel_takes).
 inline TaskGrid task_grid(const at::Tensor& x, const at::Tensor& weight, const Conv3dPoolGeometry& g) {
   TaskGrid grid{};
@@ -82,7 +89,7 @@ inline TaskGrid task_grid(const at::Tensor& x, const at::Tensor& weight, const C
   grid.row_groups = (grid.PH + 1) / 2;
   grid.col_tiles = (grid.PW + kTileColumns / 2 - 1) / (kTileColumns / 2);
   grid.channel_blocks = static_cast<int>((weight.size(1) + kBlockChannels - 1) / kBlockChannels);
-  grid.tasks = static_cast<int>(x.size(0) * grid.PD * grid.row_groups * grid.col_tiles);
+  grid.tasks = static_cast<int>(task_count(x, g));
   return grid;
 }
 
@@ -103,11 +110,9 @@ inline bool kernel_takes(const at::Tensor& x, const at::Tensor& weight, const Co
     if (x.size(2 + d) + 2 * g.padding[d] + kBoxCols > INT_MAX) return false;
   }
   if (x.size(0) > INT_MAX || x.numel() / x.size(0) >= (int64_t{1} << 38)) return false;
-  // (the tasks, task_grid's: 32-bit task indices)
-  if (x.size(0) * g.pooled[0] * ((g.pooled[1] + 1) / 2) * ((g.pooled[2] + kTileColumns / 2 - 1) / (kTileColumns / 2)) >
-      INT_MAX) {
-    return false;
-  }
+  // (32-bit task indices: the forward's partial sums index task x kWarps x kChannels, the items task x
+  // kMaxChannelBlocks)
+  if (task_count(x, g) > INT_MAX / (kWarps * kChannels)) return false;
   return device_attribute(cudaDevAttrComputeCapabilityMajor, x.get_device()) >= 9;
 }
 

@@ -23,7 +23,7 @@
 // lanes t read elements (dd, hh) = (t / 2, t % 2) (b0: column 0, b1: column
 // 1): with channels kOperandStride = 1 mod 32 words apart, planes 16 and rows
 // 8 mod 32, its 32 lanes hit distinct banks. x is rounded to the weight's type
-// (a 16-bit value is exact in TF32), g to TF32.
+// (a 16-bit value is exact in TF32), g to TF32 (already in T for m16n8k16).
 // With a 16-bit operand type (bf16, f16) the same GEMM runs as m16n8k16: k = two
 // windows' 8 pixels, half the instructions and B loads. Its operand buffer holds
 // pairs of adjacent columns a word, rounded to the type: pairs from even columns
@@ -82,7 +82,7 @@ struct Params {
   int O, stages;
 };
 
-// The staged box of channels block `stage` into a 16-bit operand buffer (kPairRowWords's layout): each lane a
+// The staged box at `stage` (one channel block) into a 16-bit operand buffer (kPairRowWords's layout): each lane a
 // chunk of 4 columns (a 16-byte load, the next column's value a second load) into two even and two odd pairs.
 template <class Mma>
 __device__ __forceinline__ void copy_pairs(const float* stage, uint32_t* buffer, int warp, int lane) {
@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (copy_first && !block_end) copy_item(item + 1);
     accumulate(item, current);
     if (!copy_first && !block_end) copy_item(item + 1);
-    __syncthreads();  // (item + 1's buffer is whole; every warp is done with item's)
+    __syncthreads();  // (item + 1's buffer is whole unless block_end; every warp is done with item's)
     current = next;
     if (!block_end) {
       ring.refill(item + 1, load_item);
