@@ -69,11 +69,14 @@ __device__ __forceinline__ void load_box(float* stage, uint64_t* bar, const CUte
                  tc.pd * 2 - grid.pad_d, block * kBlockChannels, tc.n, bar);
 }
 
+// A task's row groups of a plane (2 rows of windows each) and column tiles of a row (kTileColumns / 2 windows),
+// from the pooled output's PH and PW.
+constexpr int64_t row_groups_of(int64_t PH) { return (PH + 1) / 2; }
+constexpr int64_t col_tiles_of(int64_t PW) { return (PW + kTileColumns / 2 - 1) / (kTileColumns / 2); }
+
 // The tasks of a call: N x PD x row groups x column tiles (64-bit: kernel_takes bounds it).
 inline int64_t task_count(const at::Tensor& x, const Conv3dPoolGeometry& g) {
-  const int64_t row_groups = (g.pooled[1] + 1) / 2;
-  const int64_t col_tiles = (g.pooled[2] + kTileColumns / 2 - 1) / (kTileColumns / 2);
-  return x.size(0) * g.pooled[0] * row_groups * col_tiles;
+  return x.size(0) * g.pooled[0] * row_groups_of(g.pooled[1]) * col_tiles_of(g.pooled[2]);
 }
 
 // The task grid of a call whose geometry the kernels take (kernel_takes).
@@ -86,8 +89,8 @@ inline TaskGrid task_grid(const at::Tensor& x, const at::Tensor& weight, const C
   grid.pad_h = static_cast<int>(g.padding[1]);
   grid.pad_w = static_cast<int>(g.padding[2]);
   grid.lead = (4 - grid.pad_w % 4) % 4;
-  grid.row_groups = (grid.PH + 1) / 2;
-  grid.col_tiles = (grid.PW + kTileColumns / 2 - 1) / (kTileColumns / 2);
+  grid.row_groups = static_cast<int>(row_groups_of(grid.PH));
+  grid.col_tiles = static_cast<int>(col_tiles_of(grid.PW));
   grid.channel_blocks = static_cast<int>((weight.size(1) + kBlockChannels - 1) / kBlockChannels);
   grid.tasks = static_cast<int>(task_count(x, g));
   return grid;

@@ -74,6 +74,13 @@ constexpr int kChannelChunks = kChannelWords / 4;
 constexpr int kChunkStep = kWarps / 2 * 8;
 static_assert(kBlockChannels == 8 && kWarps % 2 == 0 && kChannelChunks % 8 == 0, "two channel quads, whole blocks");
 
+// f(c, chunk) for each chunk of a box this lane copies (the mapping above), chunk an Index
+template <typename Index, typename F>
+__device__ __forceinline__ void for_each_copied_chunk(int warp, int lane, F&& f) {
+  const int c = warp % 2 * 4 + lane / 8;
+  for (Index chunk = warp / 2 * 8 + lane % 8; chunk < kChannelChunks; chunk += kChunkStep) f(c, chunk);
+}
+
 struct Params {
   TaskGrid grid;
   const uint8_t* picks;  // (N, O, PD, PH, PW), the forward's
@@ -88,8 +95,8 @@ template <class Mma>
 __device__ __forceinline__ void copy_pairs(const float* stage, uint32_t* buffer, int warp, int lane) {
   constexpr unsigned kRowChunks = kBoxCols / 4;
   static_assert(kPairPlaneWords == kBoxRows * kPairRowWords, "a channel's pair rows in the box's row order");
-  const int c = warp % 2 * 4 + lane / 8;
-  for (unsigned chunk = warp / 2 * 8 + lane % 8; chunk < kChannelChunks; chunk += kChunkStep) {
+  // (unsigned chunks: the divisions by constants below without a sign's fix-up)
+  for_each_copied_chunk<unsigned>(warp, lane, [&](int c, unsigned chunk) {
     const float* const values = stage + c * kChannelWords + 4 * chunk;
     const float4 v = *reinterpret_cast<const float4*>(values);
     const unsigned row = chunk / kRowChunks, column_chunk = chunk - row * kRowChunks;  // (row: the box's plane, row)
@@ -99,7 +106,7 @@ __device__ __forceinline__ void copy_pairs(const float* stage, uint32_t* buffer,
     even[1] = Mma::pack(v.z, v.w);
     even[kPairParityWords] = Mma::pack(v.y, v.z);
     even[kPairParityWords + 1] = Mma::pack(v.w, next);
-  }
+  });
 }
 
 // The staged box `stage` into an operand buffer: x rounded to T, as TF32 words or as 16-bit pairs (copy_pairs).
@@ -110,15 +117,14 @@ __device__ __forceinline__ void copy_operands(const float* stage, uint32_t* buff
     copy_pairs<Mma>(stage, buffer, warp, lane);
   } else {
     // (a warp's lanes take 8 chunks of 4 channels: its scalar stores hit 32 distinct banks)
-    const int c = warp % 2 * 4 + lane / 8;
-    for (int chunk = warp / 2 * 8 + lane % 8; chunk < kChannelChunks; chunk += kChunkStep) {
+    for_each_copied_chunk<int>(warp, lane, [&](int c, int chunk) {
       const float4 v = reinterpret_cast<const float4*>(stage + c * kChannelWords)[chunk];
       uint32_t* out = buffer + c * kOperandStride + 4 * chunk;
       out[0] = Tf32Mma::pack(rounded_to<T>(v.x), 0.f);
       out[1] = Tf32Mma::pack(rounded_to<T>(v.y), 0.f);
       out[2] = Tf32Mma::pack(rounded_to<T>(v.z), 0.f);
       out[3] = Tf32Mma::pack(rounded_to<T>(v.w), 0.f);
-    }
+    });
   }
 }
 
