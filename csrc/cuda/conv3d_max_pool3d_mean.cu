@@ -182,9 +182,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // neighbouring tasks at any time: the boxes' overlaps are read from L2), channel block by block (items)
   const int my_tasks = static_cast<int>(blockIdx.x) < grid.tasks ? (grid.tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const int items = my_tasks * grid.channel_blocks;
-  auto task_of = [&](int item) { return static_cast<int>(blockIdx.x + item / grid.channel_blocks * gridDim.x); };
+  // (item = task x channel_blocks + block, channel_blocks 1 or 2)
+  static_assert(kMaxChannelBlocks == 2, "a channel block by a shift");
+  const int block_bits = grid.channel_blocks - 1;
+  auto task_of = [&](int item) { return static_cast<int>(blockIdx.x + (item >> block_bits) * gridDim.x); };
   auto load_item = [&](int item, int s) {
-    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), item % grid.channel_blocks);
+    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), item & block_bits);
   };
   StageRing ring{full, empty, p.stages, items};
   ring.start(kThreads, load_item);  // (its block barrier also publishes the fragments)
@@ -215,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();  // (the buffer is whole; every warp is done with the one it computed on before)
     ring.refill(item, load_item);
 
-    const int block = static_cast<int>(item % grid.channel_blocks);
+    const int block = item & block_bits;
     const uint4* a_fragments = reinterpret_cast<const uint4*>(fragments + block * Op::kFragmentWords) + lane;
     const uint32_t* b_words = buffer + lane_offset;
 #pragma unroll

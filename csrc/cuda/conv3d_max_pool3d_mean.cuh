@@ -7,7 +7,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/detail/IntegerDivider.cuh>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 
@@ -22,7 +24,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kTaps = 27;           // the 3 x 3 x 3 kernel
 constexpr int kChannels = 16;       // output channels (an m16 tile), at most
 constexpr int kBlockChannels = 8;   // input channels per block
-constexpr int kMaxChannelBlocks = 2;
+constexpr int kMaxChannelBlocks = 2;  // (the kernels' items: a channel block by a shift or a comparison)
 constexpr int kTileColumns = 64;    // output columns per task (32 windows)
 constexpr int kBoxCols = 72;        // the task's 66 input columns, up to 3 in front (16-byte box starts), rounded up
 constexpr int kBoxRows = 6;         // 4 output rows + 2
@@ -46,6 +48,8 @@ struct TaskGrid {
   int PD, PH, PW, pad_d, pad_h, pad_w, lead;
   int row_groups, col_tiles, channel_blocks;
   int tasks;  // (at most INT_MAX: kernel_takes)
+  // task_coords' divisors (row_groups x col_tiles, PD, col_tiles) as multiplications
+  at::cuda::detail::IntDivider<unsigned> plane_tasks, planes, tiles;
 };
 
 struct TaskCoords {
@@ -53,9 +57,9 @@ struct TaskCoords {
 };
 
 __device__ __forceinline__ TaskCoords task_coords(int task, const TaskGrid& grid) {
-  const int per_plane = grid.row_groups * grid.col_tiles;
-  const int plane = task / per_plane, rest = task - plane * per_plane;
-  return {plane / grid.PD, plane % grid.PD, rest / grid.col_tiles, rest % grid.col_tiles};
+  const auto plane = grid.plane_tasks.divmod(static_cast<unsigned>(task));
+  const auto n = grid.planes.divmod(plane.div), row = grid.tiles.divmod(plane.mod);
+  return {static_cast<int>(n.div), static_cast<int>(n.mod), static_cast<int>(row.div), static_cast<int>(row.mod)};
 }
 
 // Stages the input box of `task` and channel block `block` at `stage` by the
@@ -93,6 +97,13 @@ inline TaskGrid task_grid(const at::Tensor& x, const at::Tensor& weight, const C
   grid.col_tiles = static_cast<int>(col_tiles_of(grid.PW));
   grid.channel_blocks = static_cast<int>((weight.size(1) + kBlockChannels - 1) / kBlockChannels);
   grid.tasks = static_cast<int>(task_count(x, g));
+  // (at least 1: an empty output has no tasks to divide)
+  const auto divider = [](int d) {
+    return at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(std::max(d, 1)));
+  };
+  grid.plane_tasks = divider(grid.row_groups * grid.col_tiles);
+  grid.planes = divider(grid.PD);
+  grid.tiles = divider(grid.col_tiles);
   return grid;
 }
 

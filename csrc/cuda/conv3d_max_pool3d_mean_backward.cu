@@ -150,9 +150,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   // this block's tasks: every gridDim.x-th from blockIdx.x, all of them for channel block 0, then block 1
   const int my_tasks = static_cast<int>(blockIdx.x) < grid.tasks ? (grid.tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
   const int items = my_tasks * grid.channel_blocks;
-  auto task_of = [&](int item) { return static_cast<int>(blockIdx.x + item % my_tasks * gridDim.x); };
+  // (item = block x my_tasks + the block's task index, block 0 or 1)
+  static_assert(kMaxChannelBlocks == 2, "a channel block by a comparison");
+  auto block_of = [&](int item) { return item < my_tasks ? 0 : 1; };
+  auto task_of = [&](int item) {
+    return static_cast<int>(blockIdx.x + (item - block_of(item) * my_tasks) * gridDim.x);
+  };
   auto load_item = [&](int item, int s) {
-    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), item / my_tasks);
+    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), block_of(item));
   };
   StageRing ring{full, empty, p.stages, items};
   ring.start(kThreads, load_item);
@@ -253,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     ring.refill(0, load_item);
   }
   for (int item = 0; item < items; ++item) {
-    const bool block_end = item % my_tasks == my_tasks - 1;  // (the same item for every warp of the block)
+    const bool block_end = item == my_tasks - 1 || item == 2 * my_tasks - 1;  // (the same for every warp)
     WindowPicks next{};
     if (item + 1 < items) next = window_picks(item + 1);  // (its loads' latency under this item's work)
     if (copy_first && !block_end) copy_item(item + 1);
@@ -277,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     __syncthreads();
-    float* const out = p.partial + (int64_t{item / my_tasks} * gridDim.x + blockIdx.x) * kGradWords;
+    float* const out = p.partial + (int64_t{block_of(item)} * gridDim.x + blockIdx.x) * kGradWords;
     for (int w = threadIdx.x; w < kGradWords; w += kThreads) {
       float sum = sums[w];
 #pragma unroll
