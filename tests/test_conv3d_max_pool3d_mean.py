@@ -798,3 +798,41 @@ def test_weight_grad_kernel_scratch_under_x(tf32):
     BACKWARD(*args)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - before < x.numel() * x.element_size()
+
+
+@requires_cuda
+def test_kernels_bound_their_tasks(tf32):
+    """The mma.sync kernels index partial sums by task x kWarps x kChannels in int: they take at most
+    INT_MAX / 128 tasks (conv3d_max_pool3d_mean.cuh's kernel_takes). x (2^24, 1, 4, 4, 4), one task a
+    sample, is past the bound (PyTorch's ops), x[:-1] at it (the kernels, their largest indices): both exact
+    on integer-valued x that is zero but for a few samples at both ends and the middle (so every other
+    sample's mean is max(b) / 2 with the first element picked, and adds nothing to the weight gradient)."""
+    n = 2 ** 24
+    if torch.cuda.mem_get_info()[0] < 24 * 2 ** 30:
+        pytest.skip("needs 24 GiB of free GPU memory (x alone is 4 GiB)")
+    some = torch.tensor([0, 1, n // 2 + 3, n - 3, n - 2, n - 1])  # (samples with data; n - 3 stays zero)
+    x_some, w, b = make_convolution_case((len(some), 1, 4, 4, 4), (2, 1, 3, 3, 3), True, torch.float32, "cuda",
+                                         integers=True)
+    x_some[3] = 0
+    x = torch.zeros(n, 1, 4, 4, 4, device="cuda")
+    x[some.cuda()] = x_some
+    args = ([0, 0, 0], [2, 2, 2], 2.0)
+    grad_mean = torch.zeros(n, 2, device="cuda")
+    grad_mean[some.cuda()] = (torch.randint(-8, 9, (len(some), 2), device="cuda") / 4).float()
+    mask = [False, True, True, False]
+    expected, picks, _, _, _, _ = reference_of(x_some, w, b, *args)
+    for rows, runs in ((n, False), (n - 1, True)):  # (x[:-1]: contiguous, one task fewer)
+        xs, kept = x[:rows], some < rows
+        assert kernel_ran(lambda: OP(xs, w, b, *args, True)) == runs
+        out, indices = OP(xs, w, b, *args, True)
+        assert torch.equal(out[some[kept].cuda()].double().cpu(), expected[kept])
+        assert torch.equal(indices[some[kept].cuda()].long().cpu(), picks[kept])
+        zero = torch.ones(rows, dtype=torch.bool, device="cuda")
+        zero[some[kept].cuda()] = False
+        assert torch.equal(out[zero], (b / 2).expand(int(zero.sum()), 2)) and not indices[zero].any()
+        backward = lambda: BACKWARD(grad_mean[:rows], indices, xs, w, *args, mask)  # noqa: E731
+        assert weight_grad_kernel_ran(backward) == runs
+        _, grad_w, grad_b, _ = backward()
+        _, ref_w, ref_b, _ = BACKWARD(grad_mean[some[kept].cuda()].double().cpu(), indices[some[kept].cuda()].cpu(),
+                                      x_some[kept].double().cpu(), w.double().cpu(), *args, mask)
+        assert torch.equal(grad_w.double().cpu(), ref_w) and torch.equal(grad_b.double().cpu(), ref_b)
