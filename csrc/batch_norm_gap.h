@@ -244,7 +244,7 @@ inline BatchNormGapForward batch_norm_gap_setup(const at::Tensor& x,
                                                 const std::optional<at::Tensor>& weight,
                                                 const std::optional<at::Tensor>& bias,
                                                 const std::optional<at::Tensor>& running_mean,
-                                                const std::optional<at::Tensor>& running_var,
+                                                const std::optional<at::Tensor>& running_var, double eps,
                                                 std::optional<at::ScalarType> dtype) {
   constexpr const char* what = "batch_norm_gap";
   check_pool3d_input(what, x);
@@ -259,6 +259,9 @@ inline BatchNormGapForward batch_norm_gap_setup(const at::Tensor& x,
   const bool batch_stats = !is_given(running_mean);
   TORCH_CHECK_VALUE(!batch_stats || B * x.size(2) * x.size(3) * x.size(4) != 1, what, ": ",
                     batch_stats_error(x.sizes()));
+  // (F.batch_norm's rule: a batch's variance may be 0, a running one is the caller's)
+  TORCH_CHECK_VALUE(batch_stats ? eps > 0 : eps >= 0, what, ": eps must be ",
+                    batch_stats ? "positive with the batch's statistics" : "non-negative", ", got ", eps);
   const auto acc = x.options().dtype(at::toOpMathType(x.scalar_type()));
   return {at::empty({B, C, 1, 1, 1}, out_options), at::empty({B, C}, acc), at::empty({C}, acc),
           at::empty({C}, acc), at::empty({C}, acc), batch_stats, param_dtype};

@@ -67,6 +67,8 @@ inline Conv3dPoolGeometry conv3d_max_pool3d_mean_geometry(const at::Tensor& x, c
     g.conv[d] = x.size(2 + d) + 2 * p[d] - weight.size(2 + d) + 1;
     TORCH_CHECK_VALUE(g.conv[d] >= 1, what, ": the padded input (", x.sizes().slice(2), ", padding ", padding,
                       ") is smaller than the kernel (", weight.sizes().slice(2), ")");
+  }
+  for (int d = 0; d < 3; ++d) {  // (after every dimension's output size: the message names all three)
     g.pooled[d] = g.conv[d] / k[d];
     TORCH_CHECK_VALUE(g.pooled[d] >= 1, what, ": the pool ", pool, " is larger than the convolution's output (",
                       g.conv[0], " x ", g.conv[1], " x ", g.conv[2], ")");
@@ -171,6 +173,7 @@ inline Conv3dPoolGeometry check_conv3d_max_pool3d_mean_backward(const at::Tensor
   TORCH_CHECK_VALUE(grad_mean.device() == x.device() && indices.device() == x.device(), what,
                     ": grad_mean, indices and x must be on one device, got ", grad_mean.device(), ", ",
                     indices.device(), " and ", x.device());
+  check_saved_picks(what, "indices", indices, g.pool[0] * g.pool[1] * g.pool[2]);
   return g;
 }
 

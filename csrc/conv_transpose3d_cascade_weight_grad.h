@@ -155,6 +155,7 @@ inline CascadeWeightGrad cascade_weight_grad_setup(const at::Tensor& grad_out, c
                         picks.size(1) == g.cells[0] && picks.size(2) == g.cells[1] && picks.size(3) == g.cells[2],
                     what, ": x, grad_out and picks must agree on the batch and the cells, got ", x.sizes(), ", ",
                     grad_out.sizes(), ", ", picks.sizes());
+  check_saved_picks(what, "picks", picks, g.classes * g.kernel2[0] * g.kernel2[1] * g.kernel2[2]);
   return g;
 }
 

@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/safe_numerics.h>
 
 #include <array>
 #include <cstdint>
@@ -63,6 +64,16 @@ inline DepthStackArgs depth_stack_setup(const at::Tensor& x, int64_t taps, int64
   for (int d = 0; d < 3; ++d) {
     TORCH_CHECK_VALUE(s.size[d] >= 0, what, ": size must be non-negative, got ", size);
   }
+  // (the last positions out reads, start[0] + stride (M - 1) + taps - 1 and start[d] + size[d] - 1, in int64)
+  int64_t last = 0;
+  bool overflows = s.size[0] > 0 && (c10::mul_overflows(stride, s.size[0] - 1, &last) ||
+                                     c10::add_overflows(last, s.start[0], &last) ||
+                                     c10::add_overflows(last, taps - 1, &last));
+  for (int d = 1; d < 3; ++d) {
+    overflows = overflows || (s.size[d] > 0 && c10::add_overflows(s.start[d], s.size[d] - 1, &last));
+  }
+  TORCH_CHECK_VALUE(!overflows, what, ": start ", start, ", size ", size, ", stride ", stride, " and taps ", taps,
+                    " reach positions past int64");
   at::Tensor out = at::empty({s.batch, s.size[0], s.size[1], s.size[2], taps, s.channels},
                              x.options().dtype(out_dtype));
   return {s, out};

@@ -286,6 +286,16 @@ class PickPositions {
   std::vector<int64_t> table_;
 };
 
+// Saved picks (uint8, a forward's) each an element of its window, below `elements`: checked where they lie on
+// the CPU, as a backward there would index past the window with another (PyTorch's CPU max-pool backward
+// checks its indices too). On a GPU they are taken as given: a check would wait for the device.
+inline void check_saved_picks(const char* what, const char* name, const at::Tensor& picks, int64_t elements) {
+  if (!picks.device().is_cpu() || picks.numel() == 0) return;
+  const int64_t largest = picks.max().item<uint8_t>();
+  TORCH_CHECK_VALUE(largest < elements, what, ": ", name, " must each name an element of its window of ", elements,
+                    ", as the forward's do, got ", largest);
+}
+
 // A max-pool backward's source of picks: `indices`, the forward's saved picks,
 // or `x` to recompute them from; exactly one given, on grad's device. Returns
 // it and sets `saved`.

@@ -160,6 +160,7 @@ inline MaxPool3dCascadeBackward max_pool3d_cascade_sum_backward_setup(
                       what, ": indices of shape ", indices->sizes(),
                       " do not match the cascade's output for input_size ", input_size,
                       " (expected (", B, ", C, ", s.d.out, ", ", s.h.out, ", ", s.w.out, "))");
+    check_saved_picks(what, "indices", *indices, g.pick_volume());
   } else {
     TORCH_CHECK_TYPE(x->scalar_type() == grad_out.scalar_type(), what,
                      ": x must have grad_out's dtype ", grad_out.scalar_type(), ", got ",

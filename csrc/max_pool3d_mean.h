@@ -103,6 +103,7 @@ inline MaxPool3dMeanBackward max_pool3d_mean_backward_setup(
                       " do not match max-pooling an input of shape (", B, ", ", C, ", ",
                       input_size, ") (expected (", B, ", ", C, ", ", g.d.out, ", ", g.h.out,
                       ", ", g.w.out, "))");
+    check_saved_picks(what, "indices", *indices, g.kernel_volume());
   } else {
     TORCH_CHECK_TYPE(x->scalar_type() == grad_mean.scalar_type(), what,
                      ": x must have grad_mean's dtype ", grad_mean.scalar_type(), ", got ",

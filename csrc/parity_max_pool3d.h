@@ -116,6 +116,7 @@ inline ParityMeanBackward parity_mean_backward_setup(const at::Tensor& grad_mean
                     ": parity_classes must be in [1, ", kMaxSavedKernelVolume, "], got ", classes);
   const ParityLayout l{picks.size(0), {picks.size(1), picks.size(2), picks.size(3)}, picks.size(4), classes};
   check_parity_backward(what, grad_mean, {l.batch, l.channels}, picks);
+  check_saved_picks(what, "picks", picks, classes);
   at::Tensor grad_y = at::empty({l.batch, l.stage1[0], l.stage1[1], l.stage1[2], l.channels, classes},
                                 grad_mean.options());
   return {l, picks.contiguous(), grad_y};
@@ -146,6 +147,7 @@ inline ParityCascadeBackward parity_cascade_backward_setup(const at::Tensor& gra
   TORCH_CHECK_VALUE(picks.sizes() == c10::IntArrayRef(picks_shape), what, ": expected picks of shape ",
                     c10::IntArrayRef(picks_shape), " for stage1_size ", stage1_size, " and kernel2 ", kernel2,
                     ", got ", picks.sizes());
+  check_saved_picks(what, "picks", picks, classes * s.volume());
   at::Tensor grad_y = at::empty({l.batch, l.stage1[0], l.stage1[1], l.stage1[2], l.channels, classes},
                                 grad_out.options());
   return {l, s, picks.contiguous(), grad_y};

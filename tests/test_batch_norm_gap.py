@@ -437,6 +437,26 @@ def test_bad_input(shape, dtype, params, error, match, device):
         batch_norm_gap(x, scale, **params)
 
 
+@pytest.mark.parametrize("eps", [0.0, -1e-5, float("nan")])
+def test_eps_as_batch_norm_takes_it(eps, device):
+    """F.batch_norm's rule: with the batch's statistics eps must be positive, with running ones non-negative (a
+    running variance is the caller's); both raise a ValueError naming eps (0 returned NaN or inf before)."""
+    x = make_input((2, 3, 4, 4, 4), torch.float32, device)
+    weight, bias, rm, rv, nbt = make_params(3, torch.float32, device)
+    with pytest.raises(ValueError, match="eps must be positive with the batch's statistics"):
+        OP(x, 2.0, None, None, None, None, eps)
+    with pytest.raises(ValueError, match="eps must be positive with the batch's statistics"):
+        batch_norm_gap(x, 2.0, weight, bias, rm, rv, nbt, training=True, eps=eps)
+    if eps == 0.0:
+        out = batch_norm_gap(x, 2.0, weight, bias, rm, rv, training=False, eps=eps)
+        expected = F.adaptive_avg_pool3d(F.batch_norm(x.double() * 2, rm.double(), rv.double(), weight.double(),
+                                                      bias.double(), False, 0.1, 1e-300), 1)
+        torch.testing.assert_close(out.double(), expected, rtol=RTOL[torch.float32], atol=RTOL[torch.float32])
+    else:
+        with pytest.raises(ValueError, match="eps must be non-negative"):
+            OP(x, 2.0, None, None, rm, rv, eps)
+
+
 def test_bad_backward_and_update_input(device):
     x = make_input((2, 3, 4, 4, 4), torch.float32, device)
     _, plane_dev, mean, rstd, var = OP(x, 2.0, None, None, None, None, 1e-5)

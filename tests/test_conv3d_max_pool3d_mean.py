@@ -472,6 +472,15 @@ def test_backward_needs_the_saved_indices(device):
             BACKWARD(*bad, x, w, [0, 0, 0], [2, 2, 2], 2.0, [True, True, True, True])
 
 
+def test_backward_refuses_picks_past_their_window():
+    """On the CPU a saved pick past its 2 x 2 x 2 window (8 elements) is refused, not followed."""
+    x, w, b = make_convolution_case((2, 3, 6, 7, 8), (4, 3, 3, 3, 3), True, torch.float32, "cpu")
+    _, indices = OP(x, w, b, [0, 0, 0], [2, 2, 2], 2.0, True)
+    indices.view(-1)[3] = 8
+    with pytest.raises(ValueError, match="must each name an element of its window of 8, as the forward's do, got 8"):
+        BACKWARD(torch.ones(2, 4), indices, x, w, [0, 0, 0], [2, 2, 2], 2.0, [True, True, True, False])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_weights(dtype, device):
     """A 16-bit weight and bias with a float32 or 16-bit x: the convolution of x rounded to the
@@ -564,7 +573,9 @@ def test_autocast_keeps_an_explicit_operand_dtype(autocast_dtype, device):
     (lambda x, w, b: ((x, w[:, :2], b), {}), "3 channels, the weight expects 2"),
     (lambda x, w, b: ((x, w, b[:2]), {}), "bias must have shape"),
     (lambda x, w, b: ((x, w, b), dict(divisor=0.0)), "divisor must be non-zero"),
-    (lambda x, w, b: ((x, w, b), dict(pool=(5, 2, 2))), "pool .* is larger than the convolution's output"),
+    # (every dimension's output size in the message, the first's failing: x 6 x 7 x 8, kernel 3)
+    (lambda x, w, b: ((x, w, b), dict(pool=(5, 2, 2))), r"pool \[5, 2, 2\] is larger than the convolution's "
+     r"output \(4 x 5 x 6\)"),
     (lambda x, w, b: ((x, w, b), dict(pool=(2, 0, 2))), "pool must be positive"),
     (lambda x, w, b: ((x, w, b), dict(padding=(0, -1, 0))), "padding must be non-negative"),
     (lambda x, w, b: ((x[..., :2], w, b), {}), "smaller than the kernel"),

@@ -288,6 +288,16 @@ def test_bad_input_raises_clearly(device):
             conv_transpose3d_cascade_weight_grad(grad_out.cpu(), picks, x, **args)
 
 
+def test_picks_past_their_window_refused():
+    """On the CPU a pick past the stride's 8 classes x kernel2's 27 elements (216) is refused."""
+    x, grad_out, picks, out_size = case(*GEOMETRIES[0][:8], device="cpu")
+    args = dict(kernel_size=5, stride=2, padding=2, kernel_size2=3, output_size=out_size)
+    picks.view(-1)[0] = 216
+    with pytest.raises(ValueError, match="must each name an element of its window of 216"
+                       ", as the forward's do, got 216"):
+        conv_transpose3d_cascade_weight_grad(grad_out, picks, x, **args)
+
+
 # --------------------------------------------------------------------------
 # B's rewrite in a training step on data: the weight's gradient from the picks
 # --------------------------------------------------------------------------

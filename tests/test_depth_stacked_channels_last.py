@@ -177,6 +177,21 @@ def test_bad_argument_lengths(device):
         OP(x, 2, 1, [0, 0, 0], [2, 2], None)
 
 
+@pytest.mark.parametrize("taps,stride,start,size", [
+    (1, 2 ** 62, [0, 0, 0], [5, 1, 1]),        # start + stride (M - 1): 2^64
+    (2, 1, [2 ** 63 - 1, 0, 0], [1, 1, 1]),    # + taps - 1
+    (1, 1, [0, 0, 2 ** 63 - 1], [1, 1, 2]),    # start + size - 1 along W
+])
+def test_positions_past_int64_refused(taps, stride, start, size, device):
+    """Positions past int64 are refused, not wrapped around into x (stride 2^62 over 5 depths read x's depth
+    0 at m = 4)."""
+    x = torch.ones((1, 1, 4, 1, 1), dtype=torch.float64, device=device)
+    with pytest.raises(BAD, match="reach positions past int64"):
+        OP(x, taps, stride, start, size, None)
+    far = OP(x, 1, 2 ** 40, [0, 0, 0], [5, 1, 1], None)  # (large, but within int64: zeros past x)
+    assert torch.equal(far.flatten().cpu(), torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64))
+
+
 def test_refuses_an_input_requiring_grad(device):
     """Not differentiable: the wrapper refuses an x that requires grad under grad mode, and runs
     the copy under no_grad or on a detached x."""

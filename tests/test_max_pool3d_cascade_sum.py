@@ -361,6 +361,20 @@ def test_bad_backward_input(device):
         OP(x, [3, 3, 3], [1, 1, 1], [1, 1, 1], [3, 3, 3], [1, 1, 1], [1, 1, 1], True)
 
 
+def test_picks_past_their_window_refused():
+    """On the CPU a saved pick past the cascade's 8 x 27 = 216 pick numbers (kernels 2 and 3) is refused, not
+    followed past the windows."""
+    x = make_input((2, 3, 12, 12, 12), torch.float32, "cpu")
+    args = op_args(dict(kernel_size=2), dict(kernel_size=3))
+    out, indices = OP(x, *args, True)
+    for bad in (216, 255):
+        picks = indices.clone()
+        picks.view(-1)[1] = bad
+        with pytest.raises(ValueError, match=f"must each name an element of its window of 216"
+                           f", as the forward's do, got {bad}"):
+            BACKWARD(torch.ones(out.shape), picks, None, [12, 12, 12], *args)
+
+
 @requires_cuda
 def test_mixed_devices():
     x = make_input((2, 3, 12, 12, 12), torch.float32, "cuda", requires_grad=True)

@@ -314,6 +314,22 @@ def test_bad_backward_input(device):
         OP(x, [7, 7, 7], [1, 1, 1], [3, 3, 3], False, 2.0, True)
 
 
+def test_picks_past_their_window_refused():
+    """On the CPU a saved pick past its window (8 elements: a 2 x 2 x 2 kernel) is refused, not followed past
+    the window's end (the picks must be the forward's); the last element's is taken."""
+    x = make_input((2, 3, 4, 4, 4), torch.float32, "cpu")
+    indices = OP(x, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0, True)[1]
+    pool = ([2, 2, 2], [2, 2, 2], [0, 0, 0], False, 2.0)
+    for bad in (8, 255):
+        picks = indices.clone()
+        picks.view(-1)[5] = bad
+        with pytest.raises(ValueError, match=f"must each name an element of its window of 8"
+                           f", as the forward's do, got {bad}"):
+            BACKWARD(torch.ones(2, 3), picks, None, [4, 4, 4], *pool)
+    grad_x = BACKWARD(torch.ones(2, 3), torch.full_like(indices, 7), None, [4, 4, 4], *pool)
+    assert torch.equal(grad_x[..., 1::2, 1::2, 1::2], torch.full((2, 3, 2, 2, 2), 1 / 8 / 2.0))
+
+
 @requires_cuda
 def test_mixed_devices():
     x = make_input((2, 3, 4, 4, 4), torch.float32, "cuda", requires_grad=True)

@@ -400,6 +400,21 @@ def test_backward_ops(device):
     torch.testing.assert_close(grad_y.cpu(), torch.autograd.grad(eager_cascade(v, (2, 3, 2), (2, 3, 2)), v, grad)[0])
 
 
+def test_backward_ops_refuse_picks_past_their_window():
+    """On the CPU a saved pick past its window is refused: the mean's past the 12 parity classes, the cascade's
+    past 12 classes x kernel2's 12 elements (144)."""
+    y = distinct_input((2, 5, 4, 7, 3, 12), torch.float64, "cpu", seed=4)
+    _, picks = MEAN(y, True)
+    picks[1, 2, 3, 6, 0] = 12
+    with pytest.raises(ValueError, match="must each name an element of its window of 12, as the forward's do, got 12"):
+        MEAN_BACKWARD(torch.rand(2, 3, dtype=torch.float64), picks, 12)
+    _, picks = CASCADE(y, [2, 3, 2], True)
+    picks.view(-1)[-1] = 144
+    with pytest.raises(ValueError, match="must each name an element of its window of 144"
+                       ", as the forward's do, got 144"):
+        CASCADE_BACKWARD(torch.rand(2, 1, 2, 1, 3, dtype=torch.float64), picks, [5, 4, 7], [2, 3, 2], 12)
+
+
 def test_opcheck(device):
     shape, kernel2 = (2, 3, 2, 5, 3, 8), [2, 1, 3]
     y = distinct_input(shape, torch.float32, device, requires_grad=True)

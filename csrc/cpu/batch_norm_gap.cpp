@@ -261,7 +261,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_nor
     const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
     const std::optional<at::Tensor>& running_var, double eps, std::optional<at::ScalarType> dtype) {
-  const auto f = batch_norm_gap_setup(x, weight, bias, running_mean, running_var, dtype);
+  const auto f = batch_norm_gap_setup(x, weight, bias, running_mean, running_var, eps, dtype);
   FUSED_OPS_DISPATCH_FLOATING_TYPES(x.scalar_type(), "batch_norm_gap_cpu", [&] {
     const Multiply<scalar_t> multiply(scale);
     std::vector<double> plane_mean(x.size(0) * x.size(1)), plane_m2(plane_mean.size());

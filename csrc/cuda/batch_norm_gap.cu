@@ -635,7 +635,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_nor
     const at::Tensor& x, double scale, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
     const std::optional<at::Tensor>& running_var, double eps, std::optional<at::ScalarType> dtype) {
-  const auto f = batch_norm_gap_setup(x, weight, bias, running_mean, running_var, dtype);
+  const auto f = batch_norm_gap_setup(x, weight, bias, running_mean, running_var, eps, dtype);
   const int64_t B = x.size(0), C = x.size(1);
   check_sizes("batch_norm_gap", C, x.size(2) * x.size(3) * x.size(4));
   const c10::cuda::CUDAGuard guard(x.device());
