@@ -2,6 +2,7 @@
 autotuner's choice, parameters changed between calls, and CUDA graph capture."""
 import copy
 import os
+import re
 import subprocess
 import sys
 
@@ -211,6 +212,44 @@ def test_cpu_rule_leads_with_channels_last_in_float32(letter):
         torch.testing.assert_close(out, original(x), rtol=1e-4, atol=1e-5)
         fused.double()(x.double())
         assert autotune.last_formulation() == "fused"
+
+
+@pytest.mark.parametrize("letter", ["A", "B"])
+def test_cpu_16_bit_module_takes_no_rearranged_or_channels_last_formulation(letter):
+    """A bf16 module on a CPU (no autocast) takes the formulations that convolve as the original does, as
+    under autocast: the rewrites' and channels-last bf16 convolutions round otherwise, and the max-pools then
+    pick other elements (A's bf16 weight gradient was 60x the original's error from float64 by the rewrite)."""
+    from fused_ops.architectures import ARCHITECTURES
+    arch = next(a for a in ARCHITECTURES if a.letter == letter)
+    original, fused = pair(arch.name, arch.args, "cpu", dtype=torch.bfloat16, train=True)
+    x = torch.rand(arch.input_shape("tiny")).bfloat16()
+    original(x).sum().backward()
+    for forced in ("rewrite", "fused_channels_last"):
+        fused.zero_grad()
+        with autotune.force(forced):
+            fused(x).sum().backward()
+            assert autotune.last_formulation() in ("fused", "fused_conv", "original"), forced
+        for (name, a), b in zip(fused.named_parameters(), original.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=2e-2, atol=1e-2, msg=f"{forced}: {name}")
+
+
+@pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_inputs_of_another_dtype_or_device_as_the_original(name, args, shape, train):
+    """An input of another dtype than the parameters' (outside autocast), on another device (meta), or not a
+    tensor: the original's error, or its result where it takes the input (B's and C's a meta one). D's eval
+    map took a dtype mix, A's and D's fused ops a meta input, before."""
+    original, fused = (m.train(train) for m in build_pair(name, args))
+    x = torch.rand(shape)
+    for bad in (x.double(), x.bfloat16(), x.to("meta"), x.numpy()):
+        try:
+            expected = original(bad)
+        except (RuntimeError, TypeError) as error:
+            with pytest.raises(type(error), match=re.escape(str(error))):
+                fused(bad)
+        else:
+            out = fused(bad)
+            assert (out.shape, out.dtype, out.device) == (expected.shape, expected.dtype, expected.device)
 
 
 def test_autotuner_off():

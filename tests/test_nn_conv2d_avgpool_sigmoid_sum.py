@@ -4,6 +4,7 @@ import torch
 
 from conftest import (assert_close_to_reference, build_pair, check_drop_in, check_from_module,
                       check_matches_original, check_same_init, check_state_dict_both_ways, requires_cuda)
+from fused_ops import autotune
 from fused_ops import nn as fnn
 
 ARGS = [
@@ -56,6 +57,22 @@ def test_compile_fullgraph(device):
     fused.to(device)
     x = torch.rand(2, 3, 19, 23, device=device)
     check_matches_original(original, torch.compile(fused, fullgraph=True), x, torch.float32)
+
+
+def test_float64_rewrite_of_one_channel_on_a_cpu():
+    """The rewrite (the pool folded into the kernel, over space-to-depth input) in float64 on a CPU with one
+    input and one output channel and a (1, 4) pool: its backward raised "slow_conv2d: grad_weight must be
+    contiguous" (a channels-last kernel there); now the original's gradients."""
+    original, fused = build_pair(NAME, (1, 1, 2, (1, 4)))
+    original.double()
+    fused.double()
+    x = torch.rand(2, 1, 32, 64, dtype=torch.float64)
+    original(x).sum().backward()
+    with autotune.force("rewrite"):
+        fused(x).sum().backward()
+        assert autotune.last_formulation() == "rewrite"
+    for a, b in zip(fused.parameters(), original.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_bad_input(device):

@@ -1,5 +1,7 @@
 """fused_ops.nn.ConvTranspose3dScaleBatchNormGAP against the original (fused_ops.reference),
 running statistics included."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -193,6 +195,25 @@ def test_one_value_per_channel(device):
     original.eval()
     fused.eval()
     assert_close_to_reference(fused(x), original(x), torch.float32, normwise=True, magnitude=output_terms(original, x))
+
+
+@pytest.mark.parametrize("eps", [0.0, -1e-3])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_eps_not_positive_as_the_original(eps, train, device):
+    """An eps of 0 or less: the original's result or its error, whichever this torch's F.batch_norm gives (a
+    ValueError in training since torch 2.10; 0 is taken in eval since 2.11), not the fused tail's NaN."""
+    original, fused = build_pair(NAME, (3, 4, 3, 2.0, eps))
+    original.to(device).train(train)
+    fused.to(device).train(train)
+    x = torch.rand(2, 3, 4, 5, 5, device=device)
+    try:
+        expected = original(x)
+    except ValueError as error:
+        with pytest.raises(ValueError, match=re.escape(str(error))):
+            fused(x)
+    else:
+        torch.testing.assert_close(fused(x), expected, equal_nan=True)
+    check_same_state(original, fused, torch.float32)
 
 
 @requires_cuda

@@ -131,11 +131,18 @@ def conv2d_avg_pool(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) -> Tensor | 
 
 def _space_to_depth_kernel(weight: Tensor, fold: _PoolFold, taps: list[int], dtype: torch.dtype) -> Tensor:
     """(O, Sw Sh I, Th, Tw) channels last, in `dtype`: the pool-folded kernel (box_fold2d)
-    zero-padded to taps x stride and split into the space-to-depth input's channels (Sw, Sh, I)."""
+    zero-padded to taps x stride and split into the space-to-depth input's channels (Sw, Sh, I).
+    Contiguous in float64 on a CPU, whose convolution (slow_conv2d, not oneDNN) takes no layout from it
+    and whose backward refused a channels-last weight of one output channel ("grad_weight must be
+    contiguous")."""
     o, i = weight.shape[:2]
     stride = fold.stride
     kernel_folded = box_fold2d(weight, fold.box, fold.divisor, dtype=dtype)
     kernel_folded = F.pad(kernel_folded, (0, taps[1] * stride[1] - fold.folded[1], 0, taps[0] * stride[0] - fold.folded[0]))
     # (O, I, Th, Sh, Tw, Sw) -> (O, (Sw, Sh, I), Th, Tw)
     return kernel_folded.reshape(o, i, taps[0], stride[0], taps[1], stride[1]).permute(0, 5, 3, 1, 2, 4).reshape(
-        o, i * stride[0] * stride[1], *taps).contiguous(memory_format=torch.channels_last)
+        o, i * stride[0] * stride[1], *taps).contiguous(memory_format=_kernel_layout(weight, dtype))
+
+
+def _kernel_layout(weight: Tensor, dtype: torch.dtype) -> torch.memory_format:
+    return torch.contiguous_format if dtype == torch.float64 and not weight.is_cuda else torch.channels_last
