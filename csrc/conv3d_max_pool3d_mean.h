@@ -46,6 +46,8 @@ struct Conv3dPoolGeometry {
   std::array<int64_t, 3> padding, pool;
   std::array<int64_t, 3> conv;    // the convolution's output size (D, H, W)
   std::array<int64_t, 3> pooled;  // windows per dimension (D', H', W')
+
+  int64_t pool_volume() const { return pool[0] * pool[1] * pool[2]; }  // (a window's elements: its picks' range)
 };
 
 // The checks of a call's arguments (errors named after the op `what`), and its geometry.
@@ -73,7 +75,7 @@ inline Conv3dPoolGeometry conv3d_max_pool3d_mean_geometry(const at::Tensor& x, c
     TORCH_CHECK_VALUE(g.pooled[d] >= 1, what, ": the pool ", pool, " is larger than the convolution's output (",
                       g.conv[0], " x ", g.conv[1], " x ", g.conv[2], ")");
   }
-  TORCH_CHECK_VALUE(k[0] * k[1] * k[2] <= kMaxSavedKernelVolume, what, ": the pool's volume must be at most ",
+  TORCH_CHECK_VALUE(g.pool_volume() <= kMaxSavedKernelVolume, what, ": the pool's volume must be at most ",
                     kMaxSavedKernelVolume, " (one byte per pick), got ", pool);
   return g;
 }
@@ -173,7 +175,7 @@ inline Conv3dPoolGeometry check_conv3d_max_pool3d_mean_backward(const at::Tensor
   TORCH_CHECK_VALUE(grad_mean.device() == x.device() && indices.device() == x.device(), what,
                     ": grad_mean, indices and x must be on one device, got ", grad_mean.device(), ", ",
                     indices.device(), " and ", x.device());
-  check_saved_picks(what, "indices", indices, g.pool[0] * g.pool[1] * g.pool[2]);
+  check_saved_picks(what, "indices", indices, g.pool_volume());
   return g;
 }
 

@@ -45,6 +45,8 @@ struct CascadeWeightGrad {
   C10_HOST_DEVICE int64_t taps() const { return kernel[0] * kernel[1] * kernel[2]; }
   C10_HOST_DEVICE int64_t num_cells() const { return cells[0] * cells[1] * cells[2]; }
   C10_HOST_DEVICE int64_t in_volume() const { return in[0] * in[1] * in[2]; }
+  // The picks' numbers, [0, pick_volume()): a class and an element of kernel2's window.
+  C10_HOST_DEVICE int64_t pick_volume() const { return classes * kernel2[0] * kernel2[1] * kernel2[2]; }
 
   // y's position (per dim) that a pick names in stage-2 cell `cell` (its scan index).
   C10_HOST_DEVICE void picked(uint8_t pick, int64_t cell, int64_t (&y)[3]) const {
@@ -148,14 +150,14 @@ inline CascadeWeightGrad cascade_weight_grad_setup(const at::Tensor& grad_out, c
                       output_size);
     g.classes *= g.stride[d];
   }
-  TORCH_CHECK_VALUE(g.classes * g.kernel2[0] * g.kernel2[1] * g.kernel2[2] <= kMaxSavedKernelVolume, what,
+  TORCH_CHECK_VALUE(g.pick_volume() <= kMaxSavedKernelVolume, what,
                     ": the stride's volume times kernel2's must be at most ", kMaxSavedKernelVolume,
                     " (a pick is one byte), got ", stride, ", ", kernel2);
   TORCH_CHECK_VALUE(picks.size(0) == g.batch && grad_out.size(0) == g.batch &&
                         picks.size(1) == g.cells[0] && picks.size(2) == g.cells[1] && picks.size(3) == g.cells[2],
                     what, ": x, grad_out and picks must agree on the batch and the cells, got ", x.sizes(), ", ",
                     grad_out.sizes(), ", ", picks.sizes());
-  check_saved_picks(what, "picks", picks, g.classes * g.kernel2[0] * g.kernel2[1] * g.kernel2[2]);
+  check_saved_picks(what, "picks", picks, g.pick_volume());
   return g;
 }
 
