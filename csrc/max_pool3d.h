@@ -288,13 +288,19 @@ class PickPositions {
 
 // Saved picks (uint8, a forward's) each an element of its window, below `elements`: checked where they lie on
 // the CPU, as a backward there would index past the window with another (PyTorch's CPU max-pool backward
-// checks its indices too). On a GPU they are taken as given: a check would wait for the device.
+// checks its indices too). On a GPU a pick past its window contributes nothing, without an error (refusing it
+// would wait for the device): the kernels drop its window's gradient. Those that compare an element's own number
+// with its window's pick need no test (no element's number is past the window); those that decode a pick into a
+// position skip it (is_window_element, in the kernel or in a table of the pick bytes).
 inline void check_saved_picks(const char* what, const char* name, const at::Tensor& picks, int64_t elements) {
   if (!picks.device().is_cpu() || picks.numel() == 0) return;
   const int64_t largest = picks.max().item<uint8_t>();
   TORCH_CHECK_VALUE(largest < elements, what, ": ", name, " must each name an element of its window of ", elements,
                     ", as the forward's do, got ", largest);
 }
+
+// Whether saved pick `pick` names an element of its window of `elements` (check_saved_picks): one compare.
+C10_HOST_DEVICE inline bool is_window_element(int pick, int elements) { return pick < elements; }
 
 // A max-pool backward's source of picks: `indices`, the forward's saved picks,
 // or `x` to recompute them from; exactly one given, on grad's device. Returns

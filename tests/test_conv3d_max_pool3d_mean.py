@@ -481,6 +481,49 @@ def test_backward_refuses_picks_past_their_window():
         BACKWARD(torch.ones(2, 4), indices, x, w, [0, 0, 0], [2, 2, 2], 2.0, [True, True, True, False])
 
 
+def routed_gradients(x, w, indices, grad_mean, padding, pool, divisor):
+    """float64 on the CPU: the gradients of x and the weight through PyTorch's convolution from grad_y =
+    grad_mean[n, o] / P / divisor at each window's saved pick (its scan offset), none from a pick past its
+    window (a byte of the pool's volume or more)."""
+    x64, w64 = (t.double().cpu().requires_grad_() for t in (x, w))
+    y = F.conv3d(x64, w64, padding=padding)
+    picks = indices.long().cpu()
+    (n, o, pd, ph, pw), (kd, kh, kw) = picks.shape, pool
+    g = grad_mean.double().cpu() / picks[0, 0].numel() / divisor
+    at_pick = (picks[..., None] == torch.arange(kd * kh * kw)) * g[:, :, None, None, None, None]
+    grad_y = torch.zeros_like(y)
+    grad_y[:, :, :pd * kd, :ph * kh, :pw * kw] = (at_pick.view(n, o, pd, ph, pw, kd, kh, kw)
+                                                  .permute(0, 1, 2, 5, 3, 6, 4, 7).reshape(n, o, pd * kd, ph * kh,
+                                                                                           pw * kw))
+    return torch.autograd.grad(y, (x64, w64), grad_y)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_backward_drops_picks_past_their_window(dtype, tf32):
+    """On a GPU a saved pick past its 2 x 2 x 2 window (8, or 255: at the first, a middle and the last window)
+    adds nothing, without an error (refusing it would wait for the device): the weight's gradient (float32: the
+    weight-gradient kernel, where it takes the call) and x's (float64: max_pool3d_mean's backward, then
+    PyTorch's) are those of grad_y routed from the other windows' picks; exactly in float32 (integer-valued data,
+    dyadic grad_mean / P / divisor), to float64's rounding of the convolution's sums. (The bias's gradient on
+    Hopper, P times the sum of the windows' gradients, reads no picks: not compared.)"""
+    x, w, b = make_convolution_case((2, 11, 7, 11, 20), (16, 11, 3, 3, 3), True, dtype, "cuda", integers=True)
+    padding, pool, divisor = [1, 0, 1], [2, 2, 2], -2.0
+    _, indices = OP(x, w, b, padding, pool, divisor, True)
+    grad_mean = (torch.randint(-8, 9, (2, 16), device="cuda") / 4).to(dtype) * indices[0, 0].numel()
+    n = indices.numel()
+    indices.view(-1)[[0, n // 2, n - 1]] = torch.tensor([8, 255, 8], dtype=torch.uint8, device="cuda")
+    args = (padding, pool, divisor, [dtype == torch.float64, True, False, False])
+    grad_x, grad_w, _, _ = BACKWARD(grad_mean, indices, x, w, *args)
+    expected_x, expected_w = routed_gradients(x, w, indices, grad_mean, padding, pool, divisor)
+    if dtype == torch.float32:
+        assert weight_grad_kernel_ran(lambda: BACKWARD(grad_mean, indices, x, w, *args)) == kernel_takes(x, w, pool)
+        assert torch.equal(grad_w.double().cpu(), expected_w)
+    else:
+        torch.testing.assert_close(grad_x.cpu(), expected_x, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(grad_w.cpu(), expected_w, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_16_bit_weights(dtype, device):
     """A 16-bit weight and bias with a float32 or 16-bit x: the convolution of x rounded to the

@@ -298,6 +298,36 @@ def test_picks_past_their_window_refused():
         conv_transpose3d_cascade_weight_grad(grad_out, picks, x, **args)
 
 
+@requires_cuda
+@pytest.mark.parametrize("geometry,dtype", [(GEOMETRIES[1], torch.float64), (GEOMETRIES[4], torch.float64),
+                                            (WINDOW_GEOMETRIES[1], torch.float32),
+                                            (WINDOW_GEOMETRIES[2], torch.float32)],
+                         ids=["partials-mixed", "partials-beyond-stride", "window", "window-even-kernel"])
+def test_cuda_picks_past_their_window_add_nothing(geometry, dtype):
+    """On a GPU a pick past its window (a byte of the stride's classes x kernel2's elements, or 255) adds nothing,
+    without an error (refusing it would wait for the device): with every output channel's pick of the first, a
+    middle and the last (n, cell) replaced, the weight gradient is the valid picks' with those cells' grad_out
+    zeroed, bit for bit (integer values; float32: the window kernel on a GPU of compute capability 9)."""
+    x, grad_out, picks, out_size = case(*geometry[:8], extra=geometry[8], seed=6, integers=True, device="cuda",
+                                        dtype=dtype)
+    volume = math.prod(geometry[5]) * math.prod(geometry[7])
+    batch, out_channels = picks.shape[0], picks.shape[4]
+    cells = picks[0, ..., 0].numel()
+    bad, zeroed = picks.clone(), grad_out.clone()
+    replaced = torch.tensor([volume, 255], dtype=torch.uint8, device="cuda")[torch.arange(out_channels) % 2]
+    for n, cell in [(0, 0), (batch // 2, cells // 2), (batch - 1, cells - 1)]:
+        bad.view(batch, cells, out_channels)[n, cell] = replaced
+        zeroed.view(batch, cells)[n, cell] = 0
+
+    def weight_grad(grad, saved):
+        args = (grad, saved, x, *geometry[4:8], out_size)
+        if dtype == torch.float32:
+            return window_kernel_call("cuda", *args)
+        return conv_transpose3d_cascade_weight_grad(*args)
+
+    assert torch.equal(weight_grad(grad_out, bad), weight_grad(zeroed, picks))
+
+
 # --------------------------------------------------------------------------
 # B's rewrite in a training step on data: the weight's gradient from the picks
 # --------------------------------------------------------------------------

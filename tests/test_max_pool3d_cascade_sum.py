@@ -1,4 +1,5 @@
 """fused_ops.max_pool3d_cascade_sum against PyTorch's max_pool3d -> max_pool3d -> sum over channels."""
+import math
 import random
 
 import pytest
@@ -373,6 +374,33 @@ def test_picks_past_their_window_refused():
         with pytest.raises(ValueError, match=f"must each name an element of its window of 216"
                            f", as the forward's do, got {bad}"):
             BACKWARD(torch.ones(out.shape), picks, None, [12, 12, 12], *args)
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape,first,second", [
+    ((2, 3, 12, 12, 12), dict(kernel_size=2), dict(kernel_size=3)),  # tiled, 2 output columns: aligned runs
+    ((1, 2, 6, 6, 204), dict(kernel_size=2), dict(kernel_size=3)),   # tiled, 34 output columns: row bands
+    ((2, 5, 12, 13, 14), dict(kernel_size=(3, 2, 2), stride=(2, 1, 2), padding=(1, 0, 1)),
+     dict(kernel_size=2, stride=1)),                                   # overlapping: a thread per element
+], ids=["aligned-tiled", "tiled", "any"])
+def test_cuda_picks_past_their_window_add_nothing(shape, first, second):
+    """On a GPU a saved pick past the cascade's pick numbers (a byte of their count, or 255) adds nothing, without
+    an error (refusing it would wait for the device): with every channel's pick of the first, a middle and the
+    last output (b, p) replaced, grad_x is the forward's picks' with those outputs' grad_out zeroed, bit for bit
+    (each of the three gathers)."""
+    x = make_input(shape, torch.float32, "cuda")
+    args = op_args(first, second)
+    out, indices = OP(x, *args, True)
+    volume = math.prod(args[0]) * math.prod(args[3])
+    batch, channels, outputs = indices.shape[0], indices.shape[1], out[0, 0].numel()
+    grad = make_input(out.shape, torch.float32, "cuda", seed=1)
+    picks, zeroed = indices.clone(), grad.clone()
+    bad = torch.tensor([volume, 255], dtype=torch.uint8, device="cuda")[torch.arange(channels) % 2]
+    for b, p in [(0, 0), (batch // 2, outputs // 2), (batch - 1, outputs - 1)]:
+        picks.view(batch, channels, outputs)[b, :, p] = bad
+        zeroed.view(batch, outputs)[b, p] = 0
+    grad_x = BACKWARD(grad, picks, None, list(shape[2:]), *args)
+    assert torch.equal(grad_x, BACKWARD(zeroed, indices, None, list(shape[2:]), *args))
 
 
 @requires_cuda

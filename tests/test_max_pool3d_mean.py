@@ -330,6 +330,49 @@ def test_picks_past_their_window_refused():
     assert torch.equal(grad_x[..., 1::2, 1::2, 1::2], torch.full((2, 3, 2, 2, 2), 1 / 8 / 2.0))
 
 
+def routed_grad_x(picks, grad_mean, input_size, kernel, stride, padding, divisor):
+    """float64 grad_x on the CPU from saved picks (B, C, D', H', W'), scan offsets in their windows: each window's
+    grad_mean[b, c] / (D' H' W') / divisor added at its pick, none from a pick past its window (a byte of the
+    kernel's volume or more)."""
+    picks = picks.long().cpu()
+    (batch, channels, *pooled), (kd, kh, kw) = picks.shape, kernel
+    od, oh, ow = torch.meshgrid(*(torch.arange(n) for n in pooled), indexing="ij")
+    d = od * stride[0] - padding[0] + picks // (kh * kw)
+    h = oh * stride[1] - padding[1] + picks // kw % kh
+    w = ow * stride[2] - padding[2] + picks % kw
+    keep = picks < kd * kh * kw
+    depth, height, width = input_size
+    at = torch.where(keep, (d * height + h) * width + w, 0).flatten(2)
+    value = keep * (grad_mean.double().cpu() / picks[0, 0].numel() / divisor)[:, :, None, None, None]
+    grad_x = torch.zeros(batch, channels, depth * height * width, dtype=torch.float64)
+    return grad_x.scatter_add_(2, at, value.flatten(2)).view(batch, channels, *input_size)
+
+
+@requires_cuda
+@pytest.mark.parametrize("shape,kernel,stride,padding,ceil_mode", [
+    ((2, 3, 6, 10, 14), [2, 2, 2], [2, 2, 2], [0, 0, 0], False),  # disjoint windows, vectors of 2 along w
+    ((2, 2, 5, 6, 8), [2, 2, 2], [2, 2, 2], [1, 1, 1], True),     # disjoint, clipped by the padding
+    ((2, 3, 5, 6, 7), [3, 3, 3], [1, 1, 1], [1, 1, 1], True),     # overlapping windows (an element's count)
+], ids=["disjoint", "padded", "overlapping"])
+def test_cuda_picks_past_their_window_add_nothing(shape, kernel, stride, padding, ceil_mode):
+    """On a GPU a saved pick past its window (a byte of the kernel's volume, or 255: at the first, a middle and the
+    last window) adds nothing, without an error (refusing it would wait for the device): grad_x is every other
+    window's gradient at its pick, exactly (grad_mean a multiple of D'H'W', divisor 2); with the forward's picks,
+    every window's."""
+    x = make_input(shape, torch.float32, "cuda")
+    pool = (kernel, stride, padding, ceil_mode, 2.0)
+    indices = OP(x, *pool, True)[1]
+    grad_mean = (torch.randint(1, 5, shape[:2]) * indices[0, 0].numel()).float()
+    volume = kernel[0] * kernel[1] * kernel[2]
+    picks = indices.clone()
+    n = picks.numel()
+    picks.view(-1)[[0, n // 2, n - 1]] = torch.tensor([volume, 255, volume], dtype=torch.uint8, device="cuda")
+    for saved in (indices, picks):
+        grad_x = BACKWARD(grad_mean.cuda(), saved, None, list(shape[2:]), *pool)
+        assert torch.equal(grad_x.double().cpu(), routed_grad_x(saved, grad_mean, shape[2:], kernel, stride, padding,
+                                                                2.0))
+
+
 @requires_cuda
 def test_mixed_devices():
     x = make_input((2, 3, 4, 4, 4), torch.float32, "cuda", requires_grad=True)

@@ -415,6 +415,39 @@ def test_backward_ops_refuse_picks_past_their_window():
         CASCADE_BACKWARD(torch.rand(2, 1, 2, 1, 3, dtype=torch.float64), picks, [5, 4, 7], [2, 3, 2], 12)
 
 
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cuda_mean_backward_drops_picks_past_their_window(dtype):
+    """On a GPU a saved pick past its window of 12 parity classes (12, or 255: at the first, a middle and the last
+    window) adds nothing, without an error (refusing it would wait for the device): grad_y is every other
+    window's grad_mean / M at its pick, exactly (grad_mean a multiple of M; vectors of 2 and 4 elements)."""
+    y = distinct_input((2, 5, 4, 7, 3, 12), dtype, "cuda", seed=4)
+    _, picks = MEAN(y, True)
+    n = picks.numel()
+    picks.view(-1)[[0, n // 2, n - 1]] = torch.tensor([12, 255, 12], dtype=torch.uint8, device="cuda")
+    grad = (torch.randint(1, 5, (2, 3)) * 5 * 4 * 7).to(dtype)
+    grad_y = MEAN_BACKWARD(grad.cuda(), picks, 12)
+    expected = (picks.long().cpu()[..., None] == torch.arange(12)) * (grad / (5 * 4 * 7))[:, None, None, None, :, None]
+    assert torch.equal(grad_y.cpu(), expected)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cuda_cascade_backward_drops_picks_past_their_window(dtype):
+    """On a GPU a saved pick past its 12 classes x kernel2's 12 elements (144, or 255) adds nothing, without an
+    error: with every channel's pick of the first, a middle and the last stage-2 cell (n, cell) replaced, grad_y
+    is the forward's picks' with those cells' grad_out zeroed, bit for bit."""
+    y = distinct_input((2, 5, 4, 7, 3, 12), dtype, "cuda", seed=4)
+    _, picks = CASCADE(y, [2, 3, 2], True)
+    grad = torch.rand(2, 1, 2, 1, 3, dtype=dtype, device="cuda")
+    bad, zeroed = picks.clone(), grad.clone()
+    for n, cell in [(0, 0), (1, 0), (1, 5)]:  # (of 2 x 6 cells)
+        bad.view(2, 6, 3)[n, cell] = torch.tensor([144, 255, 144], dtype=torch.uint8, device="cuda")
+        zeroed.view(2, 6)[n, cell] = 0
+    grad_y = CASCADE_BACKWARD(grad, bad, [5, 4, 7], [2, 3, 2], 12)
+    assert torch.equal(grad_y, CASCADE_BACKWARD(zeroed, picks, [5, 4, 7], [2, 3, 2], 12))
+
+
 def test_opcheck(device):
     shape, kernel2 = (2, 3, 2, 5, 3, 8), [2, 1, 3]
     y = distinct_input(shape, torch.float32, device, requires_grad=True)

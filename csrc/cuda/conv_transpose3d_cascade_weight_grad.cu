@@ -11,6 +11,7 @@
 // where in the window their x lies, so a switch over the 8 classes runs each
 // class's taps as straight-line code (their loads issue back to back), each
 // tap's sum in a register of its own: sum[k] += grad_out[n, 0, c] x[n, i, p].
+// A pick past its window (a byte no forward writes) adds nothing: its table entry names no class.
 // A non-finite grad_out (rare) takes the taps whose x lies inside x only (the
 // window's zeros would make 0 * inf). The block's sums go to its slice's
 // partial, then reduce (below). (H100, SPEC's B: 0.53 ms, issue-bound at 2
@@ -64,10 +65,15 @@ constexpr int kPickTable = 256;  // (a pick is one byte)
 // the window kernel's static shared memory: the pick table, its warps' batches of picks and values
 constexpr int kStaticWindowBytes = kPickTable * 4 + kWindowWarps * kLanes * (1 + 4);
 
+// The table entry of a byte that is no pick: residues 8, which add_pick's classes (0-7) never match, so
+// that its window adds nothing (no compare of its own in the kernel).
+constexpr uint32_t kNoTaps = uint32_t{kWindowClasses} << 24;
+
 struct PickWindow {
   // pick byte -> its taps' window position: bits 0-23 the window position (per dim, a byte each)
   // of the x element that tap (m, m, m) reaches (m = the pick's class residue (r + pad) mod 2 per
-  // dim; tap m + 2 j reaches that position less j), bits 24-26 the residues (m_d, m_h, m_w)
+  // dim; tap m + 2 j reaches that position less j), bits 24-26 the residues (m_d, m_h, m_w);
+  // kNoTaps for a byte past the picks' range
   uint32_t table[kPickTable];
   int extent[3];  // the window's positions per dim
   int lead[3];    // its first position less kernel2 * cell: ceil((pad - kernel + 1) / 2)
@@ -227,12 +233,15 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t t = 0; t < tap_count; ++t) mine[t * kLanes] = 0;
 
   const int64_t first_n = slice * slice_batch, cells = g.num_cells();
+  const int pick_volume = static_cast<int>(g.pick_volume());  // (at most 256: the setup's check)
   const int64_t items = (min(g.batch, first_n + slice_batch) - first_n) * cells;
   for (int64_t item = warp; item < items; item += kWarps) {
     const int64_t n = first_n + item / cells, cell = item % cells;
     const acc_t value = values[n * cells + cell];
+    const uint8_t pick = picks[(n * cells + cell) * g.out_channels + o];
+    if (!is_window_element(pick, pick_volume)) continue;  // (its window's gradient dropped)
     int64_t y[3];
-    g.picked(picks[(n * cells + cell) * g.out_channels + o], cell, y);
+    g.picked(pick, cell, y);
     g.for_each_reaching_tap(n, y, [&](int64_t tap, int64_t row) {
       tap -= tap_begin;
       if (active && tap >= 0 && tap < tap_count) {
@@ -326,9 +335,12 @@ PickWindow pick_window(const CascadeWeightGrad& g) {
   }
   // pick = off * 8 + q (CascadeWeightGrad::picked): y = 2 (kernel2 c + off) + r per dim, whose
   // taps m + 2 j (m = (r + pad) mod 2) reach x at kernel2 c + off + (r + pad) div 2 - j
-  const int64_t offsets = g.kernel2[0] * g.kernel2[1] * g.kernel2[2];
-  for (int64_t b = 0; b < kPickTable; ++b) {
-    const int64_t pick = b < kWindowClasses * offsets ? b : 0;  // (bytes no pick holds: a valid entry)
+  const int pick_volume = static_cast<int>(g.pick_volume());
+  for (int pick = 0; pick < kPickTable; ++pick) {
+    if (!is_window_element(pick, pick_volume)) {
+      p.table[pick] = kNoTaps;
+      continue;
+    }
     const int64_t q = pick % kWindowClasses, off = pick / kWindowClasses;
     const int64_t r[3] = {q / 4, q / 2 % 2, q % 2};
     const int64_t o[3] = {off / (g.kernel2[1] * g.kernel2[2]), off / g.kernel2[2] % g.kernel2[1], off % g.kernel2[2]};
@@ -337,7 +349,7 @@ PickWindow pick_window(const CascadeWeightGrad& g) {
       const int64_t base = o[d] + (r[d] + g.padding[d]) / 2 - p.lead[d];
       entry |= static_cast<uint32_t>(base) << (8 * d) | static_cast<uint32_t>((r[d] + g.padding[d]) % 2) << (26 - d);
     }
-    p.table[b] = entry;
+    p.table[pick] = entry;
   }
   p.in_channels = static_cast<int>(g.in_channels);
   p.out_channels = static_cast<int>(g.out_channels);

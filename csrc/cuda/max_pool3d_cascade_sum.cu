@@ -396,6 +396,7 @@ __global__ void __launch_bounds__(kThreads, kAlignedGatherMinBlocks)
         const int w2 = div.kernel2_w.mod(stage.div), w1 = div.kernel1_w.mod(stage.mod);
         const int key = depth_info[at.d].y + height_info[at.h].y;
         const int e = row0_at + (at.row - row0) * W + ow * t.w.box + w2 * t.w.kernel1 + w1;
+        // (a pick past the pick volume leaves a stage-2 part past every row key's: never a hit)
         if (output_of(at) >= 0 && number - (w2 * volume1 + w1) == key && e >= 0 && e < n) image[e] = grad[p];
         at.advance(rows_per_pass, div);
       }

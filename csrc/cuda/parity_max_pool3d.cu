@@ -191,6 +191,7 @@ __global__ void __launch_bounds__(kThreads) parity_mean_backward_kernel(
   int64_t item = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   ItemCursor<4> at(item, stride, {M, C, vecs});  // (n, m, c, v)
   for (; item < items; item += stride, at.next()) {
+    // (the pick's place in this vector; a pick past the window's Q elements is past every vector's: none)
     const int q = static_cast<int>(picks[(at.leading() * M + at[1]) * C + at[2]]) - at[3] * VEC;
     const auto g = static_cast<scalar_t>(static_cast<acc_t>(grad_mean[at.leading() * gs0 + at[2] * gs1]) /
                                          static_cast<acc_t>(M));
@@ -222,6 +223,7 @@ __global__ void __launch_bounds__(kThreads) parity_cascade_backward_kernel(
     if (od < s.out[0] && oh < s.out[1] && ow < s.out[2]) {
       const int64_t cell = (at.leading() * s.out[0] + od) * s.out[1] * s.out[2] + oh * s.out[2] + ow;
       const int off = ((at[1] - od * k[0]) * k[1] + at[2] - oh * k[1]) * k[2] + at[3] - ow * k[2];
+      // (a pick past the window's volume * Q elements leaves q >= VEC at every off and vector: none)
       q = static_cast<int>(picks[cell * l.channels + at[4]]) - off * Q - at[5] * VEC;
       g = grad_out[cell];
     }
