@@ -136,18 +136,19 @@ inline CUtensorMap ncdhw_tensor_map(const at::Tensor& x) {
   return contiguous_tensor_map(x, {kBoxCols, kBoxRows, kBoxPlanes, kBlockChannels, 1});
 }
 
-// Stages of kBoxWords that fit beside `fixed_words` of other shared memory on
-// x's device, up to kMaxStages (0: the kernel does not fit), and the bytes in all.
+// Stages of `box_words` (a box) that fit beside `fixed_words` of other shared memory on
+// x's device, up to `max_stages` (0: the kernel does not fit), and the bytes in all.
 struct SharedLayout {
   int stages;
   size_t smem;
 };
 
-inline SharedLayout shared_layout(int64_t fixed_words, const at::Tensor& x) {
+inline SharedLayout shared_layout(int64_t fixed_words, const at::Tensor& x, int64_t box_words = kBoxWords,
+                                  int max_stages = kMaxStages) {
   const int64_t limit = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, x.get_device());
   const int64_t fixed = (kBarrierWords + fixed_words) * static_cast<int64_t>(sizeof(float));
-  const int64_t box = kBoxWords * static_cast<int64_t>(sizeof(float));
-  const int stages = static_cast<int>(std::clamp<int64_t>((limit - fixed) / box, 0, kMaxStages));
+  const int64_t box = box_words * static_cast<int64_t>(sizeof(float));
+  const int stages = static_cast<int>(std::clamp<int64_t>((limit - fixed) / box, 0, max_stages));
   return {stages, static_cast<size_t>(fixed + stages * box)};
 }
 

@@ -13,16 +13,18 @@
 // channels, columns = (tap, 8 input channels of a block: an n8 tile per tap),
 // k = the pixels of one window per k step: A[o][k] = g[n, o] where o's pick is
 // window element k, else 0 (built in registers from the picks), B[k][c] =
-// x[c] at element k + tap. Tasks, warps and staged boxes are the forward's
-// (conv3d_max_pool3d_mean.cuh); each warp accumulates its 8 windows of every
-// task of its block, 27 n8 tiles (108 accumulators a lane); once per channel
+// x[c] at element k + tap. Tasks and warps are the forward's
+// (conv3d_max_pool3d_mean.cuh), x staged by plane pairs (units, below); each
+// warp accumulates its 8 windows of every task of its block, 27 n8 tiles (108
+// accumulators a lane); once per channel
 // block the block adds its warps' sums in warp order in shared memory and writes
 // them (one block's sums in global memory, not each warp's: 1.5 MB where each
 // warp's took 12 at a batch of one, above the original's 10 MiB peak); the
 // blocks' sums are added in a fixed order after (deterministic). A k step's
 // lanes t read elements (dd, hh) = (t / 2, t % 2) (b0: column 0, b1: column
 // 1): with channels kOperandStride = 1 mod 32 words apart, planes 16 and rows
-// 8 mod 32, its 32 lanes hit distinct banks. x is rounded to the weight's type
+// 8 mod 32 (an item's planes 1 and 2 too, in two slots), its 32 lanes hit
+// distinct banks. x is rounded to the weight's type
 // (a 16-bit value is exact in TF32), g to TF32 (already in T for m16n8k16).
 // With a 16-bit operand type (bf16, f16) the same GEMM runs as m16n8k16: k = two
 // windows' 8 pixels, half the instructions and B loads. Its operand buffer holds
@@ -54,27 +56,47 @@ namespace {
 
 using namespace conv3d_pool;
 
-constexpr int kOperandStride = kChannelWords + 1;
-constexpr int kOperandWords = kBlockChannels * kOperandStride;
-constexpr int kGradWords = kChannels * kBlockChannels * kTaps;  // a warp's sums per channel block: (o, c, tap)
+// The kernel stages x by units: a unit is one plane pair (2 planes, kBoxRows rows, kBoxCols columns, a channel
+// block) of a column, a column being the tasks of one (channel block, n, row group, column tile) over pd in order.
+// Task pd reads the column's pairs pd and pd + 1, so consecutive tasks of a column share a pair: each pair is
+// staged and converted once (x's planes once, not twice as by whole 4-plane boxes). Each block takes a contiguous
+// range of the (column, pd) items, channel block slowest; its units (a column's first item in the range brings
+// two) are staged in a ring (kUnitStages) and converted into kSlots operand slots, unit u into slot u % kSlots: an
+// item reads the slots of its two units, while the next item's one or two units are converted into the others.
+constexpr int kUnitPlanes = 2;
+constexpr int kUnitChannelWords = kUnitPlanes * kPlaneWords;      // one channel of a staged unit
+constexpr int kUnitWords = kBlockChannels * kUnitChannelWords;     // a staged unit
+constexpr int kUnitStages = 4;
+constexpr int kSlots = 4;
+static_assert(kUnitStages <= kBarrierWords / 4, "the stages' full and empty barriers fit");
+// TF32 slots: a value a word, channels kOperandStride (1 mod 32) apart, planes kPlaneWords (16 mod 32), rows
+// kBoxCols (8 mod 32); slots a multiple of 32 words apart, so that an item's plane 2 (its second slot's plane 0)
+// also lies 16 mod 32 words past its plane 1, whichever slots the two are
+constexpr int kOperandStride = kUnitChannelWords + 1;
+constexpr int kOperandSlotWords = (kBlockChannels * kOperandStride + 31) / 32 * 32;
+// 16-bit slots: pairs of adjacent columns a word, the even pairs then the odd ones; rows kPairRowWords (1 mod 4),
+// planes kPairPlaneWords (2 mod 4), channels kPairChannelWords (4 mod 8) apart; slots a multiple of 4 words apart
 constexpr int kPairRowWords = kBoxCols / 2 + 1, kPairPlaneWords = kBoxRows * kPairRowWords;
-constexpr int kPairParityWords = kBoxPlanes * kPairPlaneWords, kPairChannelWords = 2 * kPairParityWords + 4;
-constexpr int kPairOperandWords = kBlockChannels * kPairChannelWords;
-static_assert(kPairRowWords % 4 == 1 && kPairPlaneWords % 4 == 2 && kPairChannelWords % 8 == 4, "bank layout");
-// (the operand buffers' words a Mma: a value each, or a pair of values each twice over)
+constexpr int kPairParityWords = kUnitPlanes * kPairPlaneWords, kPairChannelWords = 2 * kPairParityWords + 4;
+constexpr int kPairSlotWords = kBlockChannels * kPairChannelWords;
+static_assert(kPairRowWords % 4 == 1 && kPairPlaneWords % 4 == 2 && kPairChannelWords % 8 == 4 &&
+                  kPairSlotWords % 4 == 0, "bank layout");
+static_assert(kOperandStride % 32 == 1 && kPlaneWords % 32 == 16 && kBoxCols % 32 == 8 &&
+                  kOperandSlotWords % 32 == 0, "bank layout");
+constexpr int kGradWords = kChannels * kBlockChannels * kTaps;  // a warp's sums per channel block: (o, c, tap)
+// (a Mma's slot: a value a word, or pairs)
 template <class Mma>
-constexpr int kBufferWords = Mma::kStepK == 16 ? kPairOperandWords : kOperandWords;
-static_assert(kWarps * kGradWords <= 2 * kOperandWords && kOperandWords <= kPairOperandWords,
-              "the warps' sums fit the operand buffers");
-static_assert(kOperandStride % 32 == 1 && kPlaneWords % 32 == 16 && kBoxCols % 32 == 8, "bank layout");
-// The box's copy into an operand buffer: each warp's lanes take 8 consecutive 16-byte chunks of 4 channels (a
-// channel's chunks: its rows' 4-column chunks in order), warp w the channel quad w % 2 and every (kWarps / 2)-th
-// block of 8 chunks from w / 2: fixed channels a lane, chunks in steps of kChunkStep (no divisions of its own)
-constexpr int kChannelChunks = kChannelWords / 4;
+constexpr int kSlotWords = Mma::kStepK == 16 ? kPairSlotWords : kOperandSlotWords;
+static_assert(kWarps * kGradWords <= kSlots * kOperandSlotWords && kOperandSlotWords <= kPairSlotWords,
+              "the warps' sums fit the slots");
+// A unit's copy into a slot: each warp's lanes take 8 consecutive 16-byte chunks of 4 channels (a channel's
+// chunks: its rows' 4-column chunks in order), warp w the channel quad w % 2 and every (kWarps / 2)-th block of 8
+// chunks from w / 2: fixed channels a lane, chunks in steps of kChunkStep (no divisions of its own)
+constexpr int kChannelChunks = kUnitChannelWords / 4;
 constexpr int kChunkStep = kWarps / 2 * 8;
 static_assert(kBlockChannels == 8 && kWarps % 2 == 0 && kChannelChunks % 8 == 0, "two channel quads, whole blocks");
 
-// f(c, chunk) for each chunk of a box this lane copies (the mapping above), chunk an Index
+// f(c, chunk) for each chunk of a unit this lane copies (the mapping above), chunk an Index
 template <typename Index, typename F>
 __device__ __forceinline__ void for_each_copied_chunk(int warp, int lane, F&& f) {
   const int c = warp % 2 * 4 + lane / 8;
@@ -87,21 +109,38 @@ struct Params {
   const float* g;        // (N, kChannels): grad_mean / P / divisor, zero past O
   float* partial;        // (channel_blocks, gridDim.x, kGradWords)
   int O, stages;
+  int items;                                            // channel_blocks x block_columns x PD
+  int block_columns;                                    // the columns of a channel block: N x row groups x tiles
+  at::cuda::detail::IntDivider<unsigned> column_pairs;  // PD + 1: a column's units
 };
 
-// The staged box at `stage` (one channel block) into a 16-bit operand buffer (kPairRowWords's layout): each lane a
-// chunk of 4 columns (a 16-byte load, the next column's value a second load) into two even and two odd pairs.
+// A column's coordinates (row_group and col_tile as a task's; pd not set) and channel block.
+struct ColumnCoords {
+  TaskCoords task;
+  int block;
+};
+
+__device__ __forceinline__ ColumnCoords column_coords(int column, const Params& p) {
+  static_assert(kMaxChannelBlocks == 2, "a channel block by a comparison");
+  const int block = column < p.block_columns ? 0 : 1;
+  const auto image = p.grid.plane_tasks.divmod(static_cast<unsigned>(column - block * p.block_columns));
+  const auto row = p.grid.tiles.divmod(image.mod);
+  return {{static_cast<int>(image.div), 0, static_cast<int>(row.div), static_cast<int>(row.mod)}, block};
+}
+
+// The staged unit at `stage` into a 16-bit slot (kPairRowWords's layout): each lane a chunk of 4 columns (a
+// 16-byte load, the next column's value a second load) into two even and two odd pairs.
 template <class Mma>
-__device__ __forceinline__ void copy_pairs(const float* stage, uint32_t* buffer, int warp, int lane) {
+__device__ __forceinline__ void copy_pairs(const float* stage, uint32_t* slot, int warp, int lane) {
   constexpr unsigned kRowChunks = kBoxCols / 4;
-  static_assert(kPairPlaneWords == kBoxRows * kPairRowWords, "a channel's pair rows in the box's row order");
+  static_assert(kPairPlaneWords == kBoxRows * kPairRowWords, "a channel's pair rows in the unit's row order");
   // (unsigned chunks: the divisions by constants below without a sign's fix-up)
   for_each_copied_chunk<unsigned>(warp, lane, [&](int c, unsigned chunk) {
-    const float* const values = stage + c * kChannelWords + 4 * chunk;
+    const float* const values = stage + c * kUnitChannelWords + 4 * chunk;
     const float4 v = *reinterpret_cast<const float4*>(values);
-    const unsigned row = chunk / kRowChunks, column_chunk = chunk - row * kRowChunks;  // (row: the box's plane, row)
+    const unsigned row = chunk / kRowChunks, column_chunk = chunk - row * kRowChunks;  // (row: the unit's plane, row)
     const float next = column_chunk + 1 < kRowChunks ? values[4] : 0.f;               // (column 72: none, never read)
-    uint32_t* const even = buffer + c * kPairChannelWords + row * kPairRowWords + 2 * column_chunk;
+    uint32_t* const even = slot + c * kPairChannelWords + row * kPairRowWords + 2 * column_chunk;
     even[0] = Mma::pack(v.x, v.y);
     even[1] = Mma::pack(v.z, v.w);
     even[kPairParityWords] = Mma::pack(v.y, v.z);
@@ -109,17 +148,17 @@ __device__ __forceinline__ void copy_pairs(const float* stage, uint32_t* buffer,
   });
 }
 
-// The staged box `stage` into an operand buffer: x rounded to T, as TF32 words or as 16-bit pairs (copy_pairs).
+// The staged unit `stage` into a slot: x rounded to T, as TF32 words or as 16-bit pairs (copy_pairs).
 template <class Mma>
-__device__ __forceinline__ void copy_operands(const float* stage, uint32_t* buffer, int warp, int lane) {
+__device__ __forceinline__ void copy_operands(const float* stage, uint32_t* slot, int warp, int lane) {
   using T = typename Mma::Input;
   if constexpr (Mma::kStepK == 16) {
-    copy_pairs<Mma>(stage, buffer, warp, lane);
+    copy_pairs<Mma>(stage, slot, warp, lane);
   } else {
     // (a warp's lanes take 8 chunks of 4 channels: its scalar stores hit 32 distinct banks)
     for_each_copied_chunk<int>(warp, lane, [&](int c, int chunk) {
-      const float4 v = reinterpret_cast<const float4*>(stage + c * kChannelWords)[chunk];
-      uint32_t* out = buffer + c * kOperandStride + 4 * chunk;
+      const float4 v = reinterpret_cast<const float4*>(stage + c * kUnitChannelWords)[chunk];
+      uint32_t* out = slot + c * kOperandStride + 4 * chunk;
       out[0] = Tf32Mma::pack(rounded_to<T>(v.x), 0.f);
       out[1] = Tf32Mma::pack(rounded_to<T>(v.y), 0.f);
       out[2] = Tf32Mma::pack(rounded_to<T>(v.z), 0.f);
@@ -141,42 +180,60 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kPairs = Mma::kStepK == 16;
   extern __shared__ __align__(128) float smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* empty = full + kMaxStages;
+  uint64_t* empty = full + kUnitStages;
   float* stages = smem + kBarrierWords;
-  uint32_t* operands = reinterpret_cast<uint32_t*>(stages + p.stages * kBoxWords);  // two buffers
+  uint32_t* slots = reinterpret_cast<uint32_t*>(stages + p.stages * kUnitWords);
   const TaskGrid& grid = p.grid;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 
-  // this block's tasks: every gridDim.x-th from blockIdx.x, all of them for channel block 0, then block 1
-  const int my_tasks = static_cast<int>(blockIdx.x) < grid.tasks ? (grid.tasks - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-  const int items = my_tasks * grid.channel_blocks;
-  // (item = block x my_tasks + the block's task index, block 0 or 1)
-  static_assert(kMaxChannelBlocks == 2, "a channel block by a comparison");
-  auto block_of = [&](int item) { return item < my_tasks ? 0 : 1; };
-  auto task_of = [&](int item) {
-    return static_cast<int>(blockIdx.x + (item - block_of(item) * my_tasks) * gridDim.x);
+  // this block's items [start, end) (item = column x PD + pd), their columns, and its units: the first column's
+  // pairs from first_pair on, then PD + 1 a column
+  const int start = static_cast<int>(int64_t{blockIdx.x} * p.items / gridDim.x);
+  const int end = static_cast<int>(int64_t{blockIdx.x + 1} * p.items / gridDim.x);
+  const int first_column = static_cast<int>(grid.planes.div(static_cast<unsigned>(start)));
+  const int last_column = end > start ? static_cast<int>(grid.planes.div(static_cast<unsigned>(end - 1))) : -1;
+  const int units = end > start ? end - start + last_column - first_column + 1 : 0;
+  const int first_pair = start - first_column * grid.PD;
+  const int lead_units = grid.PD + 1 - first_pair;  // (the first column's)
+  // (a channel block without items here: its sums zero)
+  for (int block = 0; block < grid.channel_blocks; ++block) {
+    if (end > start && block >= column_coords(first_column, p).block && block <= column_coords(last_column, p).block)
+      continue;
+    for (int w = threadIdx.x; w < kGradWords; w += kThreads)
+      p.partial[(int64_t{block} * gridDim.x + blockIdx.x) * kGradWords + w] = 0.f;
+  }
+  auto load_unit = [&](int unit, int s) {
+    int column = first_column, pair = first_pair + unit;
+    if (unit >= lead_units) {
+      const auto later = p.column_pairs.divmod(static_cast<unsigned>(unit - lead_units));
+      column += 1 + static_cast<int>(later.div);
+      pair = static_cast<int>(later.mod);
+    }
+    const ColumnCoords cc = column_coords(column, p);
+    barrier_arrive_expect(&full[s], kUnitWords * sizeof(float));
+    tensor_load_5d(stages + s * kUnitWords, map, cc.task.col_tile * kTileColumns - grid.pad_w - grid.lead,
+                   cc.task.row_group * 4 - grid.pad_h, 2 * pair - grid.pad_d, cc.block * kBlockChannels, cc.task.n,
+                   &full[s]);
   };
-  auto load_item = [&](int item, int s) {
-    load_box(stages + s * kBoxWords, &full[s], map, grid, task_of(item), block_of(item));
-  };
-  StageRing ring{full, empty, p.stages, items};
-  ring.start(kThreads, load_item);
+  StageRing ring{full, empty, p.stages, units};
+  ring.start(kThreads, load_unit);
 
-  // this lane's B words: channel g, element (t / 2, t % 2, 0) of the warp's windows (row of windows
-  // rp, 8 windows from column 16 quarter of the task)
+  // this lane's B words past its plane's start in a slot: channel g, element (t / 2, t % 2, 0) of the warp's
+  // windows (row of windows rp, 8 windows from column 16 quarter of the task); an item's plane P (0-3) lies in
+  // the slot of its unit P / 2
   const int rp = warp / 4, quarter = warp % 4;
-  const int lane_offset =
-      g * kOperandStride + (t / 2) * kPlaneWords + (2 * rp + t % 2) * kBoxCols + grid.lead + 16 * quarter;
+  const int lane_offset = g * kOperandStride + (2 * rp + t % 2) * kBoxCols + grid.lead + 16 * quarter;
   // (kPairs: this lane's pair words, window 0 of the warp's, and a column shift's: the pair from column lead +
   // shift + 16 quarter + 2 j is word (lead + shift) / 2 + 8 quarter + j of the even pairs or the odd ones)
-  const int pair_offset = g * kPairChannelWords + (t / 2) * kPairPlaneWords + (2 * rp + t % 2) * kPairRowWords +
-                          8 * quarter;
+  const int pair_offset = g * kPairChannelWords + (2 * rp + t % 2) * kPairRowWords + 8 * quarter;
   int shift_words[3];
 #pragma unroll
   for (int dx = 0; dx < 3; ++dx) shift_words[dx] = (grid.lead + dx) % 2 * kPairParityWords + (grid.lead + dx) / 2;
 
   auto window_picks = [&](int item) {
-    const TaskCoords tc = task_coords(task_of(item), grid);
+    const auto column = grid.planes.divmod(static_cast<unsigned>(item));
+    TaskCoords tc = column_coords(static_cast<int>(column.div), p).task;
+    tc.pd = static_cast<int>(column.mod);
     const int ph = 2 * tc.row_group + rp;
     WindowPicks w;
 #pragma unroll
@@ -193,12 +250,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     return w;
   };
-  // item's box (the ring's current stage) into its operand buffer, the stage released (refilled after a block
-  // barrier: ring.refill)
-  auto copy_item = [&](int item) {
-    barrier_wait(&full[ring.stage], ring.phase);
-    copy_operands<Mma>(stages + ring.stage * kBoxWords, operands + item % 2 * kBufferWords<Mma>, warp, lane);
-    barrier_arrive(&empty[ring.stage]);
+  // unit `unit`, staged `ahead` (0 or 1) stages past the ring's current one, into its slot, its stage released
+  // (refilled after a block barrier: ring.refill)
+  auto copy_unit = [&](int unit, int ahead) {
+    int stage = ring.stage + ahead;
+    uint32_t phase = ring.phase;
+    if (stage == p.stages) {
+      stage = 0;
+      phase ^= 1;
+    }
+    barrier_wait(&full[stage], phase);
+    copy_operands<Mma>(stages + stage * kUnitWords, slots + unit % kSlots * kSlotWords<Mma>, warp, lane);
+    barrier_arrive(&empty[stage]);
   };
 
   float acc[kTaps][4];
@@ -207,9 +270,16 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[s][e] = 0.f;
 
-  // item's products from its operand buffer into acc
-  auto accumulate = [&](int item, const WindowPicks& w) {
-    const uint32_t* const buffer = operands + item % 2 * kBufferWords<Mma>;
+  // the products of the item whose first unit is `unit` into acc
+  auto accumulate = [&](int unit, const WindowPicks& w) {
+    // this lane's words of the item's planes t / 2 + dz, for each plane shift dz of the taps
+    const uint32_t* planes[3];
+#pragma unroll
+    for (int dz = 0; dz < 3; ++dz) {
+      const int plane = t / 2 + dz;
+      planes[dz] = slots + (unit + plane / 2) % kSlots * kSlotWords<Mma> +
+                   plane % 2 * (kPairs ? kPairPlaneWords : kPlaneWords) + (kPairs ? pair_offset : lane_offset);
+    }
     if constexpr (kPairs) {
       // k = 2t, 2t + 1: elements 2t, 2t + 1 of window 2jj (scan order), k + 8: of window 2jj + 1; g[n, o] in
       // the half of the pair its pick names (g is already in T: mean_gradient_kernel)
@@ -218,19 +288,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       const auto a_of = [&](int h, int window) {
         return w.pick[h][window] == 2 * t ? low[h] : w.pick[h][window] == 2 * t + 1 ? high[h] : 0u;
       };
-      const uint32_t* const pairs = buffer + pair_offset;
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const uint32_t a[4] = {a_of(0, 2 * jj), a_of(1, 2 * jj), a_of(0, 2 * jj + 1), a_of(1, 2 * jj + 1)};
 #pragma unroll
         for (int s = 0; s < kTaps; ++s) {
-          const uint32_t* const b = pairs + shift_words[s % 3] + s / 9 * kPairPlaneWords + s / 3 % 3 * kPairRowWords;
+          const uint32_t* const b = planes[s / 9] + shift_words[s % 3] + s / 3 % 3 * kPairRowWords;
           Mma::mma(acc[s], a, b[2 * jj], b[2 * jj + 1]);
         }
       }
     } else {
       const uint32_t a_values[2] = {Tf32Mma::pack(w.grad[0], 0.f), Tf32Mma::pack(w.grad[1], 0.f)};
-      const uint32_t* b_words = buffer + lane_offset;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         // k = t: element 2t of the window (scan order), k = t + 4: element 2t + 1
@@ -239,40 +307,52 @@ __global__ void __launch_bounds__(kThreads, 1)
                                w.pick[1][j] == 2 * t + 1 ? a_values[1] : 0u};
 #pragma unroll
         for (int s = 0; s < kTaps; ++s) {
-          Tf32Mma::mma(acc[s], a, b_words[2 * j + tap_offset(s)], b_words[2 * j + tap_offset(s) + 1]);
+          const uint32_t* const b = planes[s / 9] + 2 * j + s / 3 % 3 * kBoxCols + s % 3;
+          Tf32Mma::mma(acc[s], a, b[0], b[1]);
         }
       }
     }
   };
 
-  // Each item's box is copied into its operand buffer one item ahead of its products, within the previous item's
-  // block-barrier interval: warps 0-3 copy first, warps 4-7 compute first, so that the two warps of each SM
-  // sub-partition (w, w + 4) overlap the copy's shared-memory traffic with the other's tensor instructions. A
-  // channel block's last item is followed by its sums, which take both buffers: the next item is copied after.
+  // The next item's units are converted within the current item's block-barrier interval: warps 0-3 copy first,
+  // warps 4-7 compute first, so that the two warps of each SM sub-partition (w, w + 4) overlap the copy's
+  // shared-memory traffic with the other's tensor instructions. A channel block's last item is followed by its
+  // sums, which take every slot: the next item's units are converted after.
   const bool copy_first = warp < kWarps / 2;
+  const int block_items = p.block_columns * grid.PD;  // (the first item of channel block 1)
+  int unit = 0, next_unit = 2;  // the current item's first unit, the next unit to convert
+  int pd = first_pair;
   WindowPicks current{};
-  if (items > 0) {
-    current = window_picks(0);
-    copy_item(0);
+  if (end > start) {
+    current = window_picks(start);
+    copy_unit(0, 0);
+    copy_unit(1, 1);
     __syncthreads();
-    ring.refill(0, load_item);
+    ring.refill(0, load_unit);
+    ring.refill(1, load_unit);
   }
-  for (int item = 0; item < items; ++item) {
-    const bool block_end = item == my_tasks - 1 || item == 2 * my_tasks - 1;  // (the same for every warp)
+  for (int item = start; item < end; ++item) {
+    const bool block_end = item + 1 == end || item + 1 == block_items;  // (the same for every warp)
+    const bool column_end = pd + 1 == grid.PD;
+    const int copies = block_end ? 0 : column_end ? 2 : 1;  // (the next item's units to convert now)
     WindowPicks next{};
-    if (item + 1 < items) next = window_picks(item + 1);  // (its loads' latency under this item's work)
-    if (copy_first && !block_end) copy_item(item + 1);
-    accumulate(item, current);
-    if (!copy_first && !block_end) copy_item(item + 1);
-    __syncthreads();  // (item + 1's buffer is whole unless block_end; every warp is done with item's)
+    if (item + 1 < end) next = window_picks(item + 1);  // (its loads' latency under this item's work)
+    auto copy_next = [&] {
+      for (int c = 0; c < copies; ++c) copy_unit(next_unit + c, c);
+    };
+    if (copy_first) copy_next();
+    accumulate(unit, current);
+    if (!copy_first) copy_next();
+    __syncthreads();  // (the next item's units are whole unless block_end; every warp is done with item's)
+    for (int c = 0; c < copies; ++c) ring.refill(next_unit + c, load_unit);
+    unit = column_end ? next_unit : unit + 1;
+    next_unit += copies;
+    pd = column_end ? 0 : pd + 1;
     current = next;
-    if (!block_end) {
-      ring.refill(item + 1, load_item);
-      continue;
-    }
+    if (!block_end) continue;
     // the channel block's sums: each warp's, acc[tap][e] = (o = g + 8 (e / 2), c = 2t + e % 2), into the
-    // operand buffers (kWarps, kGradWords); then added in warp order
-    float* const sums = reinterpret_cast<float*>(operands);
+    // slots (kWarps, kGradWords); then added in warp order
+    float* const sums = reinterpret_cast<float*>(slots);
 #pragma unroll
     for (int s = 0; s < kTaps; ++s) {
 #pragma unroll
@@ -282,18 +362,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     __syncthreads();
-    float* const out = p.partial + (int64_t{block_of(item)} * gridDim.x + blockIdx.x) * kGradWords;
+    const int block = item < block_items ? 0 : 1;
+    float* const out = p.partial + (int64_t{block} * gridDim.x + blockIdx.x) * kGradWords;
     for (int w = threadIdx.x; w < kGradWords; w += kThreads) {
       float sum = sums[w];
 #pragma unroll
       for (int v = 1; v < kWarps; ++v) sum += sums[v * kGradWords + w];
       out[w] = sum;
     }
-    if (item + 1 < items) {
-      __syncthreads();  // (the buffers hold operands again)
-      copy_item(item + 1);
+    if (item + 1 < end) {  // (channel block 1's first item: a column's first)
+      __syncthreads();     // (the slots hold operands again)
+      copy_unit(next_unit, 0);
+      copy_unit(next_unit + 1, 1);
       __syncthreads();
-      ring.refill(item + 1, load_item);
+      ring.refill(next_unit, load_unit);
+      ring.refill(next_unit + 1, load_unit);
+      next_unit += 2;
     }
   }
 }
@@ -408,21 +492,26 @@ at::Tensor weight_grad_by_kernel(const at::Tensor& g, const at::Tensor& indices,
     using Mma = decltype(mma);
     using T = typename Mma::Input;
     const auto kernel = conv3d_max_pool3d_mean_weight_grad_kernel<Mma>;
-    const SharedLayout layout = shared_layout(2 * kBufferWords<Mma>, x);
-    if (layout.stages < 1 || !runs_bulk_copy(kernel)) return;
+    const SharedLayout layout = shared_layout(kSlots * kSlotWords<Mma>, x, kUnitWords, kUnitStages);
+    if (layout.stages < 2 || !runs_bulk_copy(kernel)) return;  // (an item may convert two units ahead)
     Params p{};
     p.grid = task_grid(x, weight, geometry);
     p.O = static_cast<int>(weight.size(0));
     p.stages = layout.stages;
+    if (p.grid.tasks == 0) return;  // (an empty batch: PyTorch's ops)
+    p.block_columns = p.grid.tasks / p.grid.PD;
+    p.items = p.grid.channel_blocks * p.grid.tasks;  // (kernel_takes bounds the tasks far below INT_MAX / 2)
+    p.column_pairs = at::cuda::detail::IntDivider<unsigned>(static_cast<unsigned>(p.grid.PD + 1));
     const at::Tensor picks = indices.contiguous();
     p.g = g.const_data_ptr<float>();
     p.picks = picks.const_data_ptr<uint8_t>();
-    const int64_t blocks = std::min<int64_t>(p.grid.tasks, resident_blocks(kernel, kThreads, layout.smem));
+    const int64_t blocks = std::min<int64_t>(p.items, resident_blocks(kernel, kThreads, layout.smem));
     at::Tensor partial = at::empty({p.grid.channel_blocks, blocks, kGradWords}, x.options());
     p.partial = partial.mutable_data_ptr<float>();
     const auto stream = c10::cuda::getCurrentCUDAStream();
     allow_dynamic_shared_memory(kernel, layout.smem);
-    kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, stream>>>(p, ncdhw_tensor_map(x));
+    const CUtensorMap units = contiguous_tensor_map(x, {kBoxCols, kBoxRows, kUnitPlanes, kBlockChannels, 1});
+    kernel<<<static_cast<unsigned>(blocks), kThreads, layout.smem, stream>>>(p, units);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     grad_weight = at::empty(weight.sizes(), weight.options());
     with_weight_storage<T>(weight, [&](auto* weight_type) {
