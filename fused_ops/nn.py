@@ -18,6 +18,7 @@ from torch.nn.modules.module import (_global_backward_hooks, _global_backward_pr
                                      _global_forward_pre_hooks)
 
 from . import _autocast, _graphed, autotune, reference, rewrites
+from ._members import REGISTRY_CLASSES, member
 from ._trace import traced
 from .ops import (avg_pool2d_sigmoid_sum, batch_norm_gap, conv_transpose3d_batch_norm_eval_mean,
                   max_pool3d_cascade_sum, max_pool3d_mean, parity_max_pool3d_mean)
@@ -142,11 +143,12 @@ def _conv(conv: nn.Module, x: Tensor, weight: Tensor | None = None) -> Tensor:
     where it has hooks."""
     if weight is None and _has_hooks(conv):
         return conv(x)
-    weight = conv.weight if weight is None else weight
+    weight = member(conv, "weight") if weight is None else weight
+    bias = member(conv, "bias")
     if isinstance(conv, nn.ConvTranspose3d):
-        return F.conv_transpose3d(x, weight, conv.bias, conv.stride, conv.padding, conv.output_padding, conv.groups,
+        return F.conv_transpose3d(x, weight, bias, conv.stride, conv.padding, conv.output_padding, conv.groups,
                                   conv.dilation)
-    return conv._conv_forward(x, weight, conv.bias)
+    return conv._conv_forward(x, weight, bias)
 
 
 def _as_original(out: Tensor, x: Tensor, ops: tuple[str, ...]) -> Tensor:
@@ -189,8 +191,8 @@ class _Formulations:
         # (nothing to compute, or an input the convolution refuses, on another device than its weight or of
         # another dtype outside autocast, which the formulations' casts would take: the original's ops give its
         # empty result, or its error)
-        conv = getattr(self, self._CONV)
-        weight, bias = conv.weight, conv.bias
+        conv = member(self, self._CONV)
+        weight, bias = member(conv, "weight"), member(conv, "bias")
         if x.numel() == 0 or x.device != weight.device or (
                 (x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype))
                 and _autocast.cast_dtype(x) is None):
@@ -215,7 +217,7 @@ class _Formulations:
         return order
 
     def _call(self, name: str, x: Tensor) -> Tensor | None:
-        if name not in autotune.OWN_CONVOLUTION and _has_hooks(getattr(self, self._CONV)):
+        if name not in autotune.OWN_CONVOLUTION and _has_hooks(member(self, self._CONV)):
             return None  # (hooks registered since the choice was made)
         return self._run(name, x)
 
@@ -366,14 +368,14 @@ class Conv2dAvgPoolSigmoidSum(_Formulations, nn.Module):
         return order if _records(x, conv.weight, conv.bias) else _lead_with("fused_conv", order)
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
-        pool = self.avg_pool
+        pool, conv = member(self, "avg_pool"), member(self, "conv")
         if name == "fused_conv":
-            out = rewrites.conv2d_avg_pool_sigmoid_sum(x, self.conv, pool)
+            out = rewrites.conv2d_avg_pool_sigmoid_sum(x, conv, pool)
             return None if out is None else _as_original(out, x, self._TAIL_OPS)
         if name == "rewrite":
-            pooled = rewrites.conv2d_avg_pool(x, self.conv, pool)
+            pooled = rewrites.conv2d_avg_pool(x, conv, pool)
             return None if pooled is None else torch.sum(torch.sigmoid(pooled), dim=[1, 2, 3])
-        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
+        y = _conv_channels_last(conv, x) if name.endswith("channels_last") else _conv(conv, x)
         if y is None:
             return None
         if name.startswith("original"):
@@ -419,8 +421,8 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         if _deploying() or self._runs_original() or not isinstance(x, Tensor):  # (the original's error)
             return self._original_forward(x)
         name = type(self).__name__
-        _check_input(name, x, self.conv.in_channels, unbatched_ok=True)
-        _check_pool_returns_values(name, self.max_pool)
+        _check_input(name, x, member(self, "conv").in_channels, unbatched_ok=True)
+        _check_pool_returns_values(name, member(self, "max_pool"))
         out = self._dispatch(x)
         if _autocast.cast_dtype(x) is None:  # (every formulation gives the original's dtype)
             return out
@@ -442,32 +444,32 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
         """The module's output (its bias and sum in the call: a CUDA graph of it holds them)."""
-        bias = self.bias
+        bias, conv = member(self, "bias"), member(self, "conv")
         if name == "fused_conv" and x.dim() == 5 and self.sum_dim == 1 and \
-                bias.shape == (self.conv.out_channels, 1, 1, 1) and self._averages_to_one():
+                bias.shape == (conv.out_channels, 1, 1, 1) and self._averages_to_one():
             # the bias and the channels' sum in the op: one forward op and one backward node a step
-            out = rewrites.conv3d_max_pool_mean(x, self.conv, self.max_pool, self.divisor,
+            out = rewrites.conv3d_max_pool_mean(x, conv, member(self, "max_pool"), self.divisor,
                                                 channel_bias=bias.view(-1))
             return None if out is None else out.view(-1, 1, 1, 1)
         pooled = self._pooled(name, x if x.dim() == 5 else x.unsqueeze(0))  # (B, C, 1, 1, 1)
         if pooled is None:
             return None
-        return torch.sum((pooled if x.dim() == 5 else pooled[0]) + self.bias, dim=self.sum_dim)
+        return torch.sum((pooled if x.dim() == 5 else pooled[0]) + bias, dim=self.sum_dim)
 
     def _averages_to_one(self) -> bool:
         """Whether the global average pool's output is one element a channel (the fused ops' average)."""
-        return self.global_avg_pool.output_size in (1, (1, 1, 1), [1, 1, 1])
+        return member(self, "global_avg_pool").output_size in (1, (1, 1, 1), [1, 1, 1])
 
     def _pooled(self, name: str, x: Tensor) -> Tensor | None:
         """The (B, C, 1, 1, 1) average of the pooled maxima of conv(x) / divisor."""
-        pool = self.max_pool
+        pool, conv = member(self, "max_pool"), member(self, "conv")
         if not name.startswith("original") and not self._averages_to_one():
             return None  # (the fused ops pool to one element)
         if name == "fused_conv":
-            mean = rewrites.conv3d_max_pool_mean(x, self.conv, pool, self.divisor)
+            mean = rewrites.conv3d_max_pool_mean(x, conv, pool, self.divisor)
             return None if mean is None else mean.view(*mean.shape, 1, 1, 1)
         if name == "rewrite":
-            rewritten = rewrites.conv3d_max_pool_windows(x, self.conv, pool, self.divisor)
+            rewritten = rewrites.conv3d_max_pool_windows(x, conv, pool, self.divisor)
             if rewritten is None:
                 return None
             windows, channel_bias = rewritten
@@ -476,7 +478,7 @@ class Conv3dDivMaxPoolGAPBiasSum(_Formulations, reference.Conv3dDivMaxPoolGAPBia
         fused = name.startswith("fused")
         if fused and not _fusable_max_pool(pool, ceil_mode_ok=True):
             return None
-        y = _conv_channels_last(self.conv, x) if name.endswith("channels_last") else _conv(self.conv, x)
+        y = _conv_channels_last(conv, x) if name.endswith("channels_last") else _conv(conv, x)
         if y is None:
             return None
         if fused:
@@ -510,9 +512,9 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
         if _deploying() or self._runs_original() or not isinstance(x, Tensor):  # (the original's error)
             return self._original_forward(x)
         name = type(self).__name__
-        _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=True)
-        _check_pool_returns_values(name, self.max_pool1)
-        _check_pool_returns_values(name, self.max_pool2)
+        _check_input(name, x, member(self, "conv_transpose").in_channels, unbatched_ok=True)
+        _check_pool_returns_values(name, member(self, "max_pool1"))
+        _check_pool_returns_values(name, member(self, "max_pool2"))
         if x.dim() == 4:
             # Unbatched, the original's sum over dim 1 adds depth planes, not channels:
             # its own ops (the fused ops sum channels).
@@ -531,9 +533,9 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
         return _conv_config(self.conv_transpose), _pool_config(self.max_pool1), _pool_config(self.max_pool2)
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
-        first, second = self.max_pool1, self.max_pool2
+        first, second, conv = member(self, "max_pool1"), member(self, "max_pool2"), member(self, "conv_transpose")
         if name == "rewrite":
-            rewritten = rewrites.conv_transpose3d_max_pool_cascade_sum(x, self.conv_transpose, first, second)
+            rewritten = rewrites.conv_transpose3d_max_pool_cascade_sum(x, conv, first, second)
             if rewritten is None:
                 return None
             out, channel_bias = rewritten
@@ -543,8 +545,7 @@ class ConvTranspose3dMaxPoolMaxPoolSum(_Formulations, reference.ConvTranspose3dM
         fused = name.startswith("fused")
         if fused and not (_fusable_max_pool(first, ceil_mode_ok=False) and _fusable_max_pool(second, ceil_mode_ok=False)):
             return None
-        y = (_conv_channels_last(self.conv_transpose, x) if name.endswith("channels_last")
-             else _conv(self.conv_transpose, x))
+        y = _conv_channels_last(conv, x) if name.endswith("channels_last") else _conv(conv, x)
         if y is None:
             return None
         if not fused:
@@ -585,13 +586,15 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         if torch.jit.is_scripting():  # (its own if: the compiler skips what follows only so)
             return self._original_forward(x)
         # (an eps of 0 or less: the original's ops, whose torch decides whether F.batch_norm takes it)
-        if _deploying() or self._runs_original() or not isinstance(x, Tensor) or not self.batch_norm.eps > 0:
+        bn = member(self, "batch_norm")
+        if _deploying() or self._runs_original() or not isinstance(x, Tensor) or not bn.eps > 0:
             return self._original_forward(x)
         name = type(self).__name__
-        _check_input(name, x, self.conv_transpose.in_channels, unbatched_ok=False)
-        if self.global_avg_pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
-            raise ValueError(f"{name}: the fused op pools to (1, 1, 1), got {self.global_avg_pool}")
-        group = sync_process_group(self.batch_norm)
+        _check_input(name, x, member(self, "conv_transpose").in_channels, unbatched_ok=False)
+        pool = member(self, "global_avg_pool")
+        if pool.output_size not in (1, (1, 1, 1), [1, 1, 1]):
+            raise ValueError(f"{name}: the fused op pools to (1, 1, 1), got {pool}")
+        group = sync_process_group(bn)
         if group is not None:
             order = autotune.untimed_order(self._synchronized_formulations(x))
             _, y = autotune.run_first(self._convolution, order, x)
@@ -619,7 +622,7 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
     def _batch_stats(self, bn: nn.Module | None = None) -> bool:
         # nn.BatchNorm3d's rule: batch statistics in training mode or without running statistics
         bn = self.batch_norm if bn is None else bn
-        return bn.training or bn.running_mean is None
+        return bn.training or member(bn, "running_mean") is None
 
     def _order(self, x: Tensor) -> tuple[str, ...]:
         order = _order(x, rewrite_first=not self._batch_stats())  # (the eval map, on any device)
@@ -636,10 +639,10 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         return super()._graph_stamp()
 
     def _run(self, name: str, x: Tensor) -> Tensor | None:
-        bn = self.batch_norm
+        bn = member(self, "batch_norm")
         batch_stats = self._batch_stats(bn)
         if name == "rewrite" and not batch_stats:
-            out = self._running_stats_mean(x, self.conv_transpose, bn)
+            out = self._running_stats_mean(x, member(self, "conv_transpose"), bn)
             return None if out is None else out.view(*out.shape, 1, 1, 1)
         y = self._convolution(name, x)
         if y is None:
@@ -672,8 +675,9 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         if not rewrites.spatial_mean_holds(x, conv) or not (traced(x) or math.isfinite(scale)):
             return None
         dtype = _autocast.tail_dtype(_autocast.conv_dtype(x), x.device.type, self._TAIL_OPS)
-        conv_weight, conv_bias = conv.weight, conv.bias
-        bn_weight, bn_bias, running_mean, running_var = bn.weight, bn.bias, bn.running_mean, bn.running_var
+        conv_weight, conv_bias = member(conv, "weight"), member(conv, "bias")
+        bn_weight, bn_bias = member(bn, "weight"), member(bn, "bias")
+        running_mean, running_var = member(bn, "running_mean"), member(bn, "running_var")
         records = _records(x, conv_weight, conv_bias, bn_weight, bn_bias)
         # (the op's dtypes: the batch norm's tensors of one dtype, x's or float32 for a 16-bit x)
         statistics = {t.dtype for t in (bn_weight, bn_bias, running_mean, running_var) if t is not None}
@@ -690,3 +694,8 @@ class ConvTranspose3dScaleBatchNormGAP(_Formulations, reference.ConvTranspose3dS
         if bn_bias is not None:
             shift = shift + bn_bias.double()
         return torch.addmm(shift, rewrites.spatial_sums(x), weight * (scale * gain)).to(dtype)
+
+
+# (the drop-ins define no attribute of a member's name: fused_ops._members reads their registries directly)
+REGISTRY_CLASSES.update({Conv2dAvgPoolSigmoidSum, Conv3dDivMaxPoolGAPBiasSum, ConvTranspose3dMaxPoolMaxPoolSum,
+                         ConvTranspose3dScaleBatchNormGAP})

@@ -341,6 +341,52 @@ def test_parameters_changed_between_calls_are_seen(name, args, shape, formulatio
             original.load_state_dict(fused.state_dict())
 
 
+class _Doubled(torch.nn.Module):
+    def forward(self, weight):
+        return 2 * weight
+
+
+def _weight_parametrized(m):
+    # (the convolution's class becomes a subclass whose weight is a property: fused_ops._members reads it by getattr)
+    torch.nn.utils.parametrize.register_parametrization(getattr(m, m._CONV), "weight", _Doubled())
+
+
+def _weight_made_a_plain_tensor(m):
+    # (the weight no longer registered: an instance attribute, as torch.nn.utils.weight_norm's old way leaves it)
+    conv = getattr(m, m._CONV)
+    weight = conv.weight.detach() - 0.25
+    del conv.weight
+    conv.weight = weight
+
+
+def _bias_removed(m):
+    getattr(m, m._CONV).bias = None
+
+
+def _weight_a_subclass_property(m):
+    # (a subclass whose property of the registered weight's name wins over the registry, as attribute lookup has it)
+    conv = getattr(m, m._CONV)
+    conv.__class__ = type(f"Halved{type(conv).__name__}", (type(conv),),
+                          {"weight": property(lambda self: self._parameters["weight"] * 0.5)})
+
+
+@pytest.mark.parametrize("name,args,shape,formulation", FORMULATION_CASES)
+def test_members_read_as_attribute_lookup_reads_them(name, args, shape, formulation, device):
+    """The drop-ins read their members' parameters from the registries where attribute lookup would reach
+    them there (fused_ops._members): a parametrized weight (a property), a weight made a plain tensor
+    attribute, a bias set to None, a subclass's property of the weight's name are each seen by the next call
+    of every formulation, as by the original that shares the members."""
+    x = formulation_input(torch.rand(shape, dtype=torch.float64, device=device), formulation)
+    for change in (_weight_parametrized, _weight_made_a_plain_tensor, _bias_removed, _weight_a_subclass_property):
+        original, fused = shared(name, args, device, dtype=torch.float64)
+        with autotune.force(formulation), torch.no_grad():
+            fused(x)
+            change(fused)
+            torch.testing.assert_close(fused(x), original(x), rtol=1e-9, atol=1e-12,
+                                       msg=lambda m: f"after {change.__name__}: {m}")
+            assert autotune.last_formulation() == formulation
+
+
 @requires_cuda
 @pytest.mark.parametrize("name,args,shape", CONFIGS, ids=IDS)
 def test_parameters_changed_between_graphed_calls_are_seen(name, args, shape):

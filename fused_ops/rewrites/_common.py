@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _autocast
+from .._members import member
 from .._trace import traced
 from ..ops import depth_stacked_channels_last
 from ..ops._common import _accumulation_dtype, _expand, _pool_triples, _records
@@ -278,7 +279,7 @@ def _is_plain_conv(conv: nn.Module, x: Tensor) -> bool:
     """An ungrouped, undilated, zero-padded convolution, and an input it takes (else the
     original formulation runs, and raises where the input is wrong)."""
     return (conv.groups == 1 and conv.padding_mode == "zeros" and not isinstance(conv.padding, str)
-            and max(conv.dilation) == 1 and x.dim() == conv.weight.dim() and x.dtype.is_floating_point
+            and max(conv.dilation) == 1 and x.dim() == member(conv, "weight").dim() and x.dtype.is_floating_point
             and x.shape[1] == conv.in_channels)
 
 

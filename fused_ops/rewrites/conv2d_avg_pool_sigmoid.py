@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _autocast
+from .._members import member
 from .._trace import traced
 from ..ops import box_fold2d, conv2d_sigmoid_sum, depth_stacked_channels_last
 from ..ops._common import _accumulation_dtype, _pooled_size, _records
@@ -66,13 +67,14 @@ def conv2d_avg_pool_sigmoid_sum(x: Tensor, conv: nn.Conv2d, pool: nn.AvgPool2d) 
     it by the op as it reads x, another x cast first); None where the fold does not hold."""
     fold = _pool_fold(x, conv, pool)
     cast = _autocast.cast_dtype(x)
-    if fold is None or (cast is None and x.dtype != conv.weight.dtype):  # (the latter: the original's error)
+    weight, bias = member(conv, "weight"), member(conv, "bias")
+    if fold is None or (cast is None and x.dtype != weight.dtype):  # (the latter: the original's error)
         return None
     if not _rearranged_taps_exact(x) or _saves_more_than_the_original(x, conv, fold):
         return None
-    dtype = kernel_dtype(x, conv.weight)
-    weight = box_fold2d(conv.weight, fold.box, fold.divisor, dtype=dtype)
-    bias = None if conv.bias is None else _pool_folded_bias(conv.bias, fold).to(dtype)
+    dtype = kernel_dtype(x, weight)
+    weight = box_fold2d(weight, fold.box, fold.divisor, dtype=dtype)
+    bias = None if bias is None else _pool_folded_bias(bias, fold).to(dtype)
     if cast is not None and x.dtype != torch.float32:
         x = x.to(cast)
     return conv2d_sigmoid_sum(x, weight, bias, fold.stride, fold.padding)
@@ -84,10 +86,11 @@ def _saves_more_than_the_original(x: Tensor, conv: nn.Conv2d, fold: _PoolFold) -
     convolution's output, which the original keeps for its pool's backward: with few output channels
     (3 -> 16, kernel 3, pool 2, 128 x 255 x 255 on an H200: the training step's peak 1260 MiB against
     the original's 1124)."""
-    if traced(x) or not _records(x, conv.weight, conv.bias):
+    weight = member(conv, "weight")
+    if traced(x) or not _records(x, weight, member(conv, "bias")):
         return False  # (nothing saved; or a compiler's sizes, whose memory it plans itself)
-    factor_dtype = _accumulation_dtype(kernel_dtype(x, conv.weight))
-    factor = math.prod(_grad_factor_shape(x.shape[0], fold.out, conv.weight.shape[0])) * factor_dtype.itemsize
+    factor_dtype = _accumulation_dtype(kernel_dtype(x, weight))
+    factor = math.prod(_grad_factor_shape(x.shape[0], fold.out, weight.shape[0])) * factor_dtype.itemsize
     return factor > conv_output_bytes(conv, x)
 
 

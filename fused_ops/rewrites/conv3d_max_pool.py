@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _autocast
+from .._members import member
 from ..ops import conv3d_max_pool3d_mean
 from ..ops._common import _pooled_size
 from ._common import (_conv_pool_axis, _is_plain_conv, _is_window_pool, _parity_conv3d, _parity_kernel,
@@ -61,7 +62,7 @@ def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor
     if not (_is_plain_conv(conv, x) and _triple(conv.stride) == (1, 1, 1) and _is_window_pool(pool)):
         return None
     cast = _autocast.cast_dtype(x)
-    weight = conv.weight  # (read once: a module attribute's lookup is host time at a batch of one)
+    weight = member(conv, "weight")
     if cast is None and x.dtype != weight.dtype:  # (the original's error)
         return None
     kernel, padding = _triple(pool.kernel_size), _triple(conv.padding)
@@ -70,7 +71,7 @@ def conv3d_max_pool_mean(x: Tensor, conv: nn.Conv3d, pool: nn.MaxPool3d, divisor
         return None
     if cast is not None and x.dtype != torch.float32:
         x = x.to(cast)
-    return conv3d_max_pool3d_mean(x, weight, conv.bias, padding, kernel, divisor, channel_bias=channel_bias,
+    return conv3d_max_pool3d_mean(x, weight, member(conv, "bias"), padding, kernel, divisor, channel_bias=channel_bias,
                                   sum_channels=channel_bias is not None)
 
 

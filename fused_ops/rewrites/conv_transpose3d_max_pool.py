@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import _autocast
+from .._members import member
 from .._trace import traced
 from ..ops import conv_transpose3d_cascade_sum_path, conv_transpose3d_cascade_weight_grad
 from ..ops._common import _records
@@ -184,8 +185,8 @@ def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, p
     if found is None or not _rearranged_taps_exact(x):
         return None
     axes, positions, out_size = found
-    weight, kernel2 = conv.weight, _triple(pool2.kernel_size)
-    fused = _cascade_sum_by_kernel(x, conv, kernel2)
+    weight, kernel2 = member(conv, "weight"), _triple(pool2.kernel_size)
+    fused = _cascade_sum_by_kernel(x, conv, weight, kernel2)
     if (torch.is_grad_enabled() and weight.requires_grad and not x.requires_grad
             and _picked_weight_grad_is_quick(x, conv)):
         if fused is not None and _autocast.cast_dtype(x) is None:
@@ -198,19 +199,19 @@ def conv_transpose3d_max_pool_cascade_sum(x: Tensor, conv: nn.ConvTranspose3d, p
         return None
     else:
         out, _ = _cascade_sum(x, weight, kernel2, axes, positions, save_picks=False, fused=fused)
-    return out, conv.bias
+    return out, member(conv, "bias")
 
 
-def _cascade_sum_by_kernel(x: Tensor, conv: nn.ConvTranspose3d, kernel2) -> tuple | None:
+def _cascade_sum_by_kernel(x: Tensor, conv: nn.ConvTranspose3d, weight: Tensor, kernel2) -> tuple | None:
     """The convolution's (stride, padding, output_padding) where B's rewrite computes conv(x) and
     both pools by conv_transpose3d_cascade_sum's kernel (on a GPU, float32 or under bfloat16
     autocast, outside a trace, where the op's path is its kernel: an sm_90 GPU, TF32 convolutions
     for float32, stride 2, kernel2 3, 32 input and at most 64 output channels;
     bench/bench_conv_transpose3d_cascade_sum.py times it against the parity-class formulation), else None."""
     dtype = _autocast.conv_dtype(x)
-    if not x.is_cuda or dtype not in (torch.float32, torch.bfloat16) or conv.weight.dtype != x.dtype or traced(x):
+    if not x.is_cuda or dtype not in (torch.float32, torch.bfloat16) or weight.dtype != x.dtype or traced(x):
         return None
     conv_args = (_triple(conv.stride), _triple(conv.padding), _triple(conv.output_padding))
-    path = _op_path(conv_transpose3d_cascade_sum_path, x.device, dtype, (tuple(x.shape), tuple(conv.weight.shape)),
+    path = _op_path(conv_transpose3d_cascade_sum_path, x.device, dtype, (tuple(x.shape), tuple(weight.shape)),
                     (*conv_args, tuple(kernel2)), _tf32_convolutions())
     return tuple([list(a) for a in conv_args]) if path.endswith(" transposed cascade sum") else None
